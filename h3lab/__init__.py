@@ -1,0 +1,26 @@
+"""h3lab: a research workbench for MiniMax-H3 (see README.md and docs/ARCHITECTURE.md).
+
+Public names: `H3Config`, `H3Transformer`, `Session`, and the modules `runtime`, `checkpoint`, `sampler`,
+`layout`, `trajectory`, `drift`, `ablation`. Heavy components load lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import H3Config
+
+__version__ = "0.1.0"
+__all__ = ["H3Config", "H3Transformer", "Session", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "H3Transformer":
+        from .model import H3Transformer
+
+        return H3Transformer
+    if name == "Session":
+        from .session import Session
+
+        return Session
+    raise AttributeError(f"module 'h3lab' has no attribute {name!r}")

@@ -1,0 +1,360 @@
+"""Runtime modes, the op table each mode dispatches to, and the provenance trace.
+
+Every arithmetic operator of `H3Transformer` is called through an `Ops` object obtained with `runtime.ops(...)`
+at the start of a forward. The op *signatures* are defined once, here, by the `off` table (`REFERENCE_OPS`): plain
+torch, written exactly as Diffusers' `MiniMaxH3Transformer3DModel` computes, so `off` on CPU is bit-equal to it.
+
+Modes (`use_mode(...)`, a context manager over a context variable, so threads and notebooks stay independent):
+
+- ``off``     the reference torch arithmetic; the oracle strict is measured against.
+- ``strict``  only the deterministic, batch-invariant kernels of `h3kernels` (the `kernels/` folder). An op with no
+              strict kernel, or a call a kernel refuses (shape, dtype, device), raises `StrictError` naming the op,
+              the hook point, shapes, dtypes and device. Never a silent fallback.
+- ``audit``   runs the production path (the torch ops) and records every op as not strict.
+- ``auto``    strict where the kernel accepts the call, else the torch op, recording each fallback and its reason.
+
+Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
+plant a perturbation, and the trace records them as backend ``override``.
+
+`last_trace()` returns the `Trace` of the most recent forward in this context: per op call the hook point, the
+requested and actual backend, kernel id, tile config, accumulator dtype, shapes and dtypes, plus device, library
+versions and checkpoint fingerprint. `Trace.to_json()` serialises it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("strict", "audit", "auto", "off")
+
+
+class StrictError(RuntimeError):
+    """Strict mode cannot serve an op call; the message names the op, the point, shapes, dtypes and device."""
+
+
+# ------------------------------------------------------------------------------------------ reference ops (off)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias. The caller has already cast x to weight's dtype (released precision policy)."""
+    return F.linear(x, weight, bias)
+
+
+def linear_tree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The row-parallel projections (attention O-proj, FFN down). Same math as `linear`; in strict mode the K axis
+    is reduced as a fixed binary tree over 8 chunks so a TP2/4/8 split reproduces TP1 bytes."""
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`nn.RMSNorm` over the last axis: block/refiner/final norms on (B, S, hidden), Q/K norms on (B, S, H, D)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """AdaLN modulation gathered per packed row: x (B, S, D); scale/shift tables (R, D); index (S,) int64.
+    Each row reads table row `index[s]` (`timestep_index * 3 + token_tag` in blocks, `timestep_index` at the end)."""
+    return x * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+
+
+def gated_residual(residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """residual + gate[index] * y, in that order (RFC: residual gates applied in the declared order)."""
+    return residual + gate.index_select(0, index) * y
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Plain residual add (token refiner blocks)."""
+    return a + b
+
+
+def rope_table(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, 3) positions, (F,) inv_freq -> cos, sin of shape (S, 2*3*F) in float32, angle layout [t,h,w,t,h,w]."""
+    position_ids = position_ids.to(torch.float32)
+    freqs = position_ids.unsqueeze(-1) * inv_freq.view(1, 1, -1)  # (S, 3, F)
+    freqs_t, freqs_h, freqs_w = freqs.unbind(dim=1)
+    freqs = torch.cat((freqs_t, freqs_h, freqs_w), dim=-1)
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotate-half RoPE on (B, S, H, D): the leading cos.shape[-1] channels rotate, the rest pass through.
+    cos/sin are cast to x's dtype first, as the released implementation does."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos = cos.to(x.dtype)[None, :, None, :]
+    sin = sin.to(x.dtype)[None, :, None, :]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    x_rot = x_rot * cos + rotated * sin
+    return torch.cat((x_rot, x_pass), dim=-1).contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Non-causal, unmasked attention over one packed document. q, k, v: (B, S, H, D) -> (B, S, H, D), scale
+    1/sqrt(D). The same call Diffusers' native backend makes."""
+    out = F.scaled_dot_product_attention(
+        q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
+    )
+    return out.permute(0, 2, 1, 3)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """Diffusers' SwiGLU on the fc1 output: [value; gate] halves, value * silu(gate)."""
+    value, gate = h.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """H3 timestep sinusoid: float32, t unscaled in [0, 1], max period 10000, [cos | sin] (flip_sin_to_cos)."""
+    half = dim // 2
+    exponent = -math.log(10000) * torch.arange(start=0, end=half, dtype=torch.float32, device=t.device)
+    exponent = exponent / half
+    emb = t[:, None].float() * torch.exp(exponent)[None, :]
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
+    return torch.cat([emb[:, half:], emb[:, :half]], dim=-1)
+
+
+def pack_rows(
+    seq_len: int,
+    text: tuple[torch.Tensor, torch.Tensor],
+    video: tuple[torch.Tensor, torch.Tensor],
+    audio: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Zero-initialised packed buffer (B, seq_len, D) in the text rows' dtype; text, video, audio rows copied to
+    their packed positions in that order. Each part is (index (N,), rows (B, N, D))."""
+    text_idx, text_rows = text
+    out = text_rows.new_zeros((text_rows.shape[0], seq_len, text_rows.shape[-1]))
+    out = out.index_copy(1, text_idx, text_rows)
+    out = out.index_copy(1, video[0], video[1].to(text_rows.dtype))
+    out = out.index_copy(1, audio[0], audio[1].to(text_rows.dtype))
+    return out
+
+
+def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Output-row selection: x (B, S, C) -> (B, N, C) rows `index`."""
+    return x.index_select(1, index)
+
+
+REFERENCE_OPS: dict[str, Callable[..., Any]] = {
+    fn.__name__: fn
+    for fn in (
+        linear, linear_tree, rms_norm, modulate, gated_residual, add, rope_table, rope, attention, swiglu, silu,
+        timestep_embedding, pack_rows, select_rows,
+    )
+}
+OP_NAMES = tuple(REFERENCE_OPS)
+
+
+# ----------------------------------------------------------------------------------------------- mode state
+_mode: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_mode", default="off")
+_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_overrides", default={})
+_last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: must be one of {', '.join(MODES)}")
+    return mode
+
+
+def current_mode() -> str:
+    return _mode.get()
+
+
+@contextlib.contextmanager
+def use_mode(mode: str) -> Iterator[str]:
+    """Run the enclosed forwards in `mode` ("strict" | "audit" | "auto" | "off")."""
+    token = _mode.set(check_mode(mode))
+    try:
+        yield mode
+    finally:
+        _mode.reset(token)
+
+
+@contextlib.contextmanager
+def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
+    """Replace single ops (by name) in every mode; used to plant ablation perturbations."""
+    unknown = sorted(set(overrides) - set(OP_NAMES))
+    if unknown:
+        raise ValueError(f"override for unknown op(s) {unknown}: ops are {', '.join(OP_NAMES)}")
+    token = _overrides.set({**_overrides.get(), **overrides})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def last_trace() -> "Trace | None":
+    """Provenance of the last forward run in this context (None before the first)."""
+    return _last_trace.get()
+
+
+# ---------------------------------------------------------------------------------------------------- trace
+@dataclass
+class OpRecord:
+    op: str
+    point: str
+    requested: str  # mode the call was made in
+    actual: str  # "strict" | "torch" | "override"
+    kernel_id: str
+    tile: str
+    acc_dtype: str
+    shapes: list
+    dtypes: list
+    fallback: str = ""  # why a strict call fell back (auto) / was not strict (audit)
+
+
+@dataclass
+class Trace:
+    mode: str
+    device: str
+    fingerprint: str = ""
+    versions: dict = field(default_factory=dict)
+    records: list[OpRecord] = field(default_factory=list)
+
+    @property
+    def fallbacks(self) -> list[OpRecord]:
+        return [r for r in self.records if r.actual != "strict"]
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """op -> {actual backend: count}."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            out.setdefault(r.op, {}).setdefault(r.actual, 0)
+            out[r.op][r.actual] += 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "device": self.device,
+            "fingerprint": self.fingerprint,
+            "versions": self.versions,
+            "summary": self.summary(),
+            "records": [asdict(r) for r in self.records],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # pragma: no cover - triton is a hard dependency, but provenance must never crash
+        out["triton"] = "unavailable"
+    return out
+
+
+def _describe(args: tuple, kwargs: dict) -> tuple[list, list]:
+    shapes, dtypes = [], []
+    for a in list(args) + list(kwargs.values()):
+        for t in a if isinstance(a, (tuple, list)) else (a,):
+            if isinstance(t, torch.Tensor):
+                shapes.append(list(t.shape))
+                dtypes.append(str(t.dtype).replace("torch.", ""))
+    return shapes, dtypes
+
+
+def _device_of(args: tuple) -> str:
+    for a in args:
+        for t in a if isinstance(a, (tuple, list)) else (a,):
+            if isinstance(t, torch.Tensor):
+                return str(t.device)
+    return "cpu"
+
+
+_TORCH_INFO = {"kernel_id": "torch", "tile": "", "acc_dtype": "torch-default"}
+
+
+# ------------------------------------------------------------------------------------------------ dispatcher
+class Ops:
+    """The op table of one forward. `ops.linear(x, w, b, point="blocks.3.to_q")`: every op takes its reference
+    signature plus a keyword `point` (the hook point it serves, recorded in the trace)."""
+
+    def __init__(self, mode: str, trace: Trace, record: bool = True):
+        self.mode = check_mode(mode)
+        self.trace = trace
+        self.record = record
+        self._overrides = _overrides.get()
+        self._strict = _strict_registry() if mode in ("strict", "auto") else {}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name not in REFERENCE_OPS:
+            raise AttributeError(f"no op {name!r}: ops are {', '.join(OP_NAMES)}")
+
+        def call(*args: Any, point: str = "", **kwargs: Any) -> Any:
+            return self._call(name, point, args, kwargs)
+
+        return call
+
+    def _call(self, name: str, point: str, args: tuple, kwargs: dict) -> Any:
+        if name in self._overrides:
+            self._log(name, point, "override", {"kernel_id": f"override:{name}", "tile": "", "acc_dtype": ""}, args, kwargs)
+            return self._overrides[name](*args, **kwargs)
+        if self.mode in ("off", "audit"):
+            note = "audit: production torch op" if self.mode == "audit" else ""
+            self._log(name, point, "torch", _TORCH_INFO, args, kwargs, note)
+            return REFERENCE_OPS[name](*args, **kwargs)
+        kernel = self._strict.get(name)
+        reason = ""
+        if kernel is None:
+            reason = f"no strict kernel is registered for op {name!r}"
+        else:
+            try:
+                info = kernel.check(*args, **kwargs)
+            except Exception as exc:  # StrictUnsupported or a validation error: both mean "strict cannot serve"
+                reason = str(exc)
+            else:
+                self._log(name, point, "strict", info, args, kwargs)
+                return kernel.run(*args, **kwargs)
+        if self.mode == "strict":
+            shapes, dtypes = _describe(args, kwargs)
+            raise StrictError(
+                f"strict mode cannot run op {name!r} at {point or '<no point>'} "
+                f"(shapes {shapes}, dtypes {dtypes}, device {_device_of(args)}): {reason}"
+            )
+        self._log(name, point, "torch", _TORCH_INFO, args, kwargs, f"auto fallback: {reason}")
+        return REFERENCE_OPS[name](*args, **kwargs)
+
+    def _log(self, name, point, actual, info, args, kwargs, fallback: str = "") -> None:
+        if not self.record:
+            return
+        shapes, dtypes = _describe(args, kwargs)
+        self.trace.records.append(
+            OpRecord(
+                op=name, point=point, requested=self.mode, actual=actual,
+                kernel_id=str(info.get("kernel_id", "")), tile=str(info.get("tile", "")),
+                acc_dtype=str(info.get("acc_dtype", "")), shapes=shapes, dtypes=dtypes, fallback=fallback,
+            )
+        )
+
+
+def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool = True) -> Ops:
+    """Start a forward in the current mode: a fresh `Trace` becomes `last_trace()` and the returned `Ops` fills it."""
+    mode = current_mode()
+    trace = Trace(mode=mode, device=str(device), fingerprint=fingerprint, versions=versions())
+    _last_trace.set(trace)
+    return Ops(mode, trace, record=record)
+
+
+def _strict_registry() -> dict[str, Any]:
+    """op name -> strict kernel entry (`.check(*args)` -> provenance dict or raises; `.run(*args)`)."""
+    from h3kernels import registry
+
+    return registry.STRICT_OPS
