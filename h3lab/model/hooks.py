@@ -1,0 +1,186 @@
+"""Hook points of `H3Transformer`: where a forward can be observed or perturbed.
+
+Contract (docs/ARCHITECTURE.md, "Hook points"):
+
+- `hook_points(config)` lists every `HookPoint(name, layer, op, rows)` in execution order. Each point is the output
+  of one op-table call (`op`, a name of `h3lab.runtime.OP_NAMES`), exactly the tensor the next op consumes:
+  `blocks.3.q` is the to_q projection (B, S, inner) before the head split, `blocks.3.attention` the attention output
+  (B, S, H, D) before the head merge, `blocks.3.adaln_table` the AdaLN table viewed as (T*3, 6*hidden).
+- `layer` is the block index for `blocks.{i}.*`, the refiner block index for `refiner.{i}.*`, None elsewhere.
+- `rows` says what the row axis indexes: "packed" (rows of the packed sequence), "video" / "audio" / "text" (rows in
+  the order of `video_indices` / `audio_indices` / `text_indices`), "table" (AdaLN table rows
+  `timestep_index*3 + tag`) or "time" (one row per distinct timestep). `HookPoint.row_axis` says which axis that is:
+  1 for (B, S, ...) activations, 0 for the tables ("table", "time") and for the rope tables `rope_cos` / `rope_sin`
+  (shape (S, rotary_dim), one row per packed row).
+- A hook is `fn(point: HookPoint, tensor) -> tensor | None`. A returned tensor replaces the value (it must keep the
+  shape, dtype and device); None leaves it. Hooks run in registration order; each sees the previous one's result.
+  The tensor is live in the autograd graph: a capturing hook should store `tensor.detach()` (or a clone).
+- With no hook registered the forward does no hook work: each point costs one `if`.
+- Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
+  (fully or up to torch's early stop), so a perturbation shapes the gradients exactly as it shaped the forward.
+  `model.recomputing` is True during such a replay, for observers that must count each forward once.
+- `model.hook_context` is a caller-owned dict (the denoise loop sets e.g. `{"step": 3}` before each forward) that a
+  hook holding the model may read; during a checkpoint replay it reads the dict of the forward being replayed.
+
+The trace (`h3lab.runtime.last_trace()`) records every op call with the name of the point its result is exposed at;
+ops internal to a point record that point (the silu and first linear of `time_mlp`, the silu of `adaln_table` /
+`final_table`), and the single `rope_table` call records `rope_cos` (it produces `rope_cos` and `rope_sin`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ..config import H3Config
+from ..errors import H3Error
+
+ROWS = ("packed", "video", "audio", "text", "table", "time")
+
+# Per refiner block: (suffix, op); rows "text". Plain pre-norm block: no AdaLN, no RoPE.
+REFINER_POINTS = (
+    ("norm1", "rms_norm"),
+    ("q", "linear"),
+    ("k", "linear"),
+    ("v", "linear"),
+    ("q_norm", "rms_norm"),
+    ("k_norm", "rms_norm"),
+    ("attention", "attention"),
+    ("o_proj", "linear_tree"),
+    ("residual1", "add"),
+    ("norm2", "rms_norm"),
+    ("ffn_up", "linear"),
+    ("swiglu", "swiglu"),
+    ("ffn_down", "linear_tree"),
+    ("residual2", "add"),
+)
+
+# Per transformer block: (suffix, op, rows).
+BLOCK_POINTS = (
+    ("adaln_table", "linear", "table"),
+    ("norm1", "rms_norm", "packed"),
+    ("modulate1", "modulate", "packed"),
+    ("q", "linear", "packed"),
+    ("k", "linear", "packed"),
+    ("v", "linear", "packed"),
+    ("q_norm", "rms_norm", "packed"),
+    ("k_norm", "rms_norm", "packed"),
+    ("q_rope", "rope", "packed"),
+    ("k_rope", "rope", "packed"),
+    ("attention", "attention", "packed"),
+    ("o_proj", "linear_tree", "packed"),
+    ("residual1", "gated_residual", "packed"),
+    ("norm2", "rms_norm", "packed"),
+    ("modulate2", "modulate", "packed"),
+    ("ffn_up", "linear", "packed"),
+    ("swiglu", "swiglu", "packed"),
+    ("ffn_down", "linear_tree", "packed"),
+    ("residual2", "gated_residual", "packed"),
+)
+
+_INPUT_POINTS = (
+    ("video_proj_in", "linear", "video"),
+    ("audio_proj_in", "linear", "audio"),
+    ("text_proj_in", "linear", "text"),
+)
+_STEM_POINTS = (
+    ("pack", "pack_rows", "packed"),
+    ("time_sinusoid", "timestep_embedding", "time"),
+    ("time_mlp", "linear", "time"),
+    ("rope_cos", "rope_table", "packed"),
+    ("rope_sin", "rope_table", "packed"),
+)
+_END_POINTS = (
+    ("final_table", "linear", "time"),
+    ("final_norm", "rms_norm", "packed"),
+    ("final_modulate", "modulate", "packed"),
+    ("video_head", "linear", "packed"),
+    ("audio_head", "linear", "packed"),
+    ("video_out", "select_rows", "video"),
+    ("audio_out", "select_rows", "audio"),
+)
+
+
+class HookError(H3Error):
+    """A hook was registered for an unknown point, or returned a tensor that cannot replace the value."""
+
+
+class HookPoint(NamedTuple):
+    name: str
+    layer: int | None
+    op: str
+    rows: str
+
+    @property
+    def row_axis(self) -> int:
+        """Axis of the hooked tensor that `rows` indexes (0 for tables and the (S, R) rope tables, else 1)."""
+        return 0 if self.rows in ("table", "time") or self.op == "rope_table" else 1
+
+
+def hook_points(config: H3Config) -> tuple[HookPoint, ...]:
+    """Every hook point of a model with this config, in execution order."""
+    points = [HookPoint(name, None, op, rows) for name, op, rows in _INPUT_POINTS]
+    for i in range(config.num_refiner_layers):
+        points += [HookPoint(f"refiner.{i}.{s}", i, op, "text") for s, op in REFINER_POINTS]
+    points.append(HookPoint("refiner.final_norm", None, "rms_norm", "text"))
+    points += [HookPoint(name, None, op, rows) for name, op, rows in _STEM_POINTS]
+    for i in range(config.num_layers):
+        points += [HookPoint(f"blocks.{i}.{s}", i, op, rows) for s, op, rows in BLOCK_POINTS]
+    points += [HookPoint(name, None, op, rows) for name, op, rows in _END_POINTS]
+    return tuple(points)
+
+
+HookFn = Callable[[HookPoint, torch.Tensor], "torch.Tensor | None"]
+
+
+class HookRegistry:
+    """Registered hooks of one model: `add` returns a handle with `.remove()`; `fire` runs them at one point.
+    Falsy while empty, which is the forward's only hook check."""
+
+    def __init__(self, points: Iterable[HookPoint]):
+        self.points: dict[str, HookPoint] = {p.name: p for p in points}
+        self._hooks: OrderedDict[int, tuple[HookFn, frozenset | None]] = OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+    def add(self, fn: HookFn, names: Iterable[str] | None = None) -> RemovableHandle:
+        """Register `fn` at every point, or only at the points named in `names`."""
+        if not callable(fn):
+            raise HookError(f"hook {fn!r} is not callable: a hook is fn(point, tensor) -> tensor | None")
+        selected = None
+        if names is not None:
+            selected = frozenset([names] if isinstance(names, str) else names)
+            unknown = sorted(selected - set(self.points))
+            if unknown:
+                raise HookError(f"hook names {unknown} are not hook points of this model (see model.hook_points())")
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = (fn, selected)
+        return handle
+
+    def fire(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        point = self.points[name]
+        for fn, selected in list(self._hooks.values()):
+            if selected is not None and name not in selected:
+                continue
+            out = fn(point, tensor)
+            if out is None:
+                continue
+            if not isinstance(out, torch.Tensor) or out.shape != tensor.shape or out.dtype != tensor.dtype or (
+                out.device != tensor.device
+            ):
+                got = f"{type(out).__name__} {list(out.shape)} {out.dtype} {out.device}" if isinstance(
+                    out, torch.Tensor
+                ) else type(out).__name__
+                raise HookError(
+                    f"hook {getattr(fn, '__name__', fn)!r} at {name} returned {got}: a replacement must be a tensor "
+                    f"of shape {list(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}"
+                )
+            tensor = out
+        return tensor

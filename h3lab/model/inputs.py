@@ -1,0 +1,115 @@
+"""Validation of `H3Transformer.forward` inputs; every failure is one `ModelInputError` line naming value and rule.
+
+Diffusers' two checks come first with Diffusers' messages (`position_ids` must be (seq_len, 3); `token_tags` and
+`timestep_indices` must be (seq_len,)). Then: tensor types, 3-D inputs of the config's feature widths, one batch size
+across the three inputs, 1-D float `timestep`, int64 index tensors whose lengths match the inputs' row counts, and
+index values in range (packed positions in [0, seq_len), timestep indices in [0, num_timesteps), tags in {0, 1, 2}).
+The range checks read min/max back to the host once per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import NUM_MODALITIES, H3Config
+from ..errors import H3Error
+
+
+class ModelInputError(H3Error):
+    """A forward input has the wrong shape, dtype, width or index range."""
+
+
+def check_inputs(
+    config: H3Config,
+    hidden_states,
+    audio_hidden_states,
+    encoder_hidden_states,
+    timestep,
+    timestep_indices,
+    token_tags,
+    position_ids,
+    video_indices,
+    audio_indices,
+    text_indices,
+) -> None:
+    named = {
+        "hidden_states": hidden_states, "audio_hidden_states": audio_hidden_states,
+        "encoder_hidden_states": encoder_hidden_states, "timestep": timestep, "timestep_indices": timestep_indices,
+        "token_tags": token_tags, "position_ids": position_ids, "video_indices": video_indices,
+        "audio_indices": audio_indices, "text_indices": text_indices,
+    }
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise ModelInputError(f"{name} is a {type(value).__name__}: must be a torch.Tensor")
+
+    # Diffusers' checks, Diffusers' wording.
+    if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
+        raise ModelInputError(f"`position_ids` must be a `(seq_len, 3)` tensor, got {list(position_ids.shape)}.")
+    seq_len = position_ids.shape[0]
+    if token_tags.shape != (seq_len,) or timestep_indices.shape != (seq_len,):
+        raise ModelInputError(
+            "`token_tags` and `timestep_indices` must both be `(seq_len,)` tensors matching `position_ids`, got "
+            f"{list(token_tags.shape)} and {list(timestep_indices.shape)} for seq_len={seq_len}."
+        )
+    if position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise ModelInputError(f"position_ids dtype {position_ids.dtype}: must be a real (float or integer) tensor")
+
+    c = config
+    p = c.patch_size
+    video_rule = f"video_patch_dim = in_channels*prod(patch_size) = {c.in_channels}*{p[0]}*{p[1]}*{p[2]}"
+    widths = {
+        "hidden_states": (c.video_patch_dim, video_rule),
+        "audio_hidden_states": (c.audio_in_channels, "audio_in_channels"),
+        "encoder_hidden_states": (c.text_dim, "text_dim"),
+    }
+    for name, (width, rule) in widths.items():
+        x = named[name]
+        if x.ndim != 3:
+            raise ModelInputError(f"{name} has shape {list(x.shape)}: must be (batch, rows, {width})")
+        if x.shape[-1] != width:
+            raise ModelInputError(f"{name} has {x.shape[-1]} features per row: the config needs {rule} = {width}")
+        if not x.is_floating_point():
+            raise ModelInputError(f"{name} dtype {x.dtype}: must be a floating-point tensor")
+    batches = {name: named[name].shape[0] for name in widths}
+    if len(set(batches.values())) != 1:
+        raise ModelInputError(f"batch sizes differ across inputs {batches}: all three must share one batch size")
+
+    if timestep.ndim != 1 or timestep.numel() == 0:
+        raise ModelInputError(
+            f"timestep has shape {list(timestep.shape)}: must be (num_timesteps,) with at least one value"
+        )
+    if not timestep.is_floating_point():
+        raise ModelInputError(f"timestep dtype {timestep.dtype}: must be a floating-point tensor of values in [0, 1]")
+
+    rows = {
+        "video_indices": ("hidden_states", hidden_states),
+        "audio_indices": ("audio_hidden_states", audio_hidden_states),
+        "text_indices": ("encoder_hidden_states", encoder_hidden_states),
+    }
+    for name in ("timestep_indices", "token_tags", *rows):
+        t = named[name]
+        if t.dtype != torch.int64:
+            raise ModelInputError(f"{name} dtype {t.dtype}: index tensors must be int64 (torch.long)")
+    for name, (src_name, src) in rows.items():
+        t = named[name]
+        if t.shape != (src.shape[1],):
+            raise ModelInputError(
+                f"{name} has shape {list(t.shape)}: must be ({src.shape[1]},), "
+                f"one packed position per row of {src_name}"
+            )
+
+    limits = {
+        "video_indices": (seq_len, "a packed position in [0, seq_len)"),
+        "audio_indices": (seq_len, "a packed position in [0, seq_len)"),
+        "text_indices": (seq_len, "a packed position in [0, seq_len)"),
+        "timestep_indices": (timestep.numel(), "an index into timestep, in [0, num_timesteps)"),
+        "token_tags": (NUM_MODALITIES, "a modality tag in {0 video, 1 text, 2 audio}"),
+    }
+    for name, (limit, rule) in limits.items():
+        t = named[name]
+        if t.numel() == 0:
+            continue
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise ModelInputError(f"{name} holds {bad}: each value must be {rule} (bound {limit})")

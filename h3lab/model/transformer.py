@@ -1,0 +1,260 @@
+"""`H3Transformer`: MiniMax-H3's token refiner, block stack and heads, written once against the runtime op table.
+
+Contract:
+- State-dict keys are exactly Diffusers' `MiniMaxH3Transformer3DModel` keys, in the same order; `rope.inv_freq` is a
+  non-persistent float32 buffer.
+- `forward(...)` has Diffusers' signature and semantics and returns the plain tuple `(video, audio)`. In `off` mode
+  on CPU the output bytes equal Diffusers' for the same weights, under both dtype policies.
+- Every arithmetic step goes through `ops = runtime.ops(...)` (fetched at the start of each forward); reshapes,
+  chunk, views and the released cast points are plain torch. The cast points, as released: each input is cast to
+  its projection's parameter dtype; the text stream sets the packed dtype; the timestep MLP input is cast to
+  `time_embedder`'s dtype; silu runs on the float32 `temb` and only its result is cast to each AdaLN linear's dtype;
+  the `norm_out` result is cast to the heads' dtype.
+- Dtype policy: `H3Transformer(config, dtype_policy="released" | "float32")`, or `apply_dtype_policy(policy)` on a
+  built model (see `precision.py`). Use it rather than `model.to(dtype)`, which would also cast `inv_freq`.
+- Gradient checkpointing: `model.gradient_checkpointing = True` checkpoints each refiner block and each transformer
+  block with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` while grad is enabled, as Diffusers does.
+  The replay in backward does not append to the runtime trace (the forward's records are the trace).
+- Hooks (`hooks.py`): `hook_points()`, `add_hook(fn, names=None)` -> handle with `.remove()`, `recomputing`.
+  `model.hook_context` is a plain dict owned by the caller (the denoise loop sets e.g. `{"step": 3}` before a
+  forward) for hooks that hold the model to read; the model never reads or mutates it. During a checkpoint replay in
+  backward it is temporarily set back to the object that was current when that forward ran.
+- Meta construction for loading: `with torch.device("meta"): H3Transformer(cfg)`, load with `assign=True`, then
+  `model.reset_buffers(device)` recomputes `inv_freq` (it is not in the state dict). `from_pretrained` delegates to
+  `h3lab.checkpoint.loader.load_transformer`.
+- `model.fingerprint` (default "") is written into the runtime trace of every forward.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from .. import runtime
+from ..config import NUM_MODALITIES, H3Config
+from .hooks import HookFn, HookPoint, HookRegistry, hook_points
+from .inputs import ModelInputError, check_inputs
+from .layers import AdaLNOut, Linear, RotaryTable, Run, TimestepMLP, TokenRefiner, TransformerBlock
+from .precision import check_policy, policy_dtype
+
+
+class H3Transformer(nn.Module):
+    """MiniMax-H3 transformer over one packed text/video/audio sequence (see the module docstring)."""
+
+    def __init__(self, config: H3Config, dtype_policy: str = "released"):
+        super().__init__()
+        if not isinstance(config, H3Config):
+            raise TypeError(f"config is a {type(config).__name__}: must be an h3lab.H3Config")
+        check_policy(dtype_policy)
+        c = config
+        self.config = c
+        # Registration order = Diffusers' state-dict order.
+        self.proj_in = Linear(c.video_patch_dim, c.hidden_size)
+        self.audio_proj_in = Linear(c.audio_in_channels, c.hidden_size)
+        self.context_embedder = Linear(c.text_dim, c.hidden_size)
+        self.time_embedder = TimestepMLP(c.freq_dim, c.time_embed_hidden_dim, c.time_embed_dim)
+        self.rope = RotaryTable(c.rope_freq_dim, c.rope_theta)
+        self.token_refiner = TokenRefiner(c)
+        self.transformer_blocks = nn.ModuleList([TransformerBlock(c, i) for i in range(c.num_layers)])
+        self.norm_out = AdaLNOut(c.hidden_size, c.time_embed_dim, c.final_norm_eps)
+        self.proj_out = Linear(c.hidden_size, c.video_patch_dim)
+        self.audio_proj_out = Linear(c.hidden_size, c.audio_in_channels)
+
+        self.gradient_checkpointing = False
+        self.fingerprint = ""
+        self.hook_context: dict = {}
+        self.recomputing = False
+        self._points = hook_points(c)
+        self._hooks = HookRegistry(self._points)
+        self.dtype_policy = "float32"
+        self.apply_dtype_policy(dtype_policy)
+
+    # ------------------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls, path, subfolder: str | None = None, device=None, dtype_policy: str = "released"
+    ) -> "H3Transformer":
+        """Load a snapshot root or component folder (see `h3lab.checkpoint.loader.load_transformer`)."""
+        from ..checkpoint.loader import load_transformer
+
+        return load_transformer(cls, path, subfolder=subfolder, device=device, dtype_policy=dtype_policy)
+
+    def apply_dtype_policy(self, policy: str) -> "H3Transformer":
+        """Cast parameters in place to `policy` ("released": FP32_MODULES float32, the rest bfloat16; "float32").
+        Parameter objects are kept (`param.data` is replaced, as `Module.to` does); `inv_freq` stays float32."""
+        check_policy(policy)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                dtype = policy_dtype(name, policy)
+                if param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+        self.dtype_policy = policy
+        return self
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the non-persistent `rope.inv_freq` (float32) on `device` (default: where `proj_in` lives).
+        The loader calls this after materialising a meta-constructed model."""
+        if device is None:
+            device = self.proj_in.weight.device
+        self.rope.inv_freq = self.rope.compute_inv_freq(device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------------------------------------- hooks
+    def hook_points(self) -> tuple[HookPoint, ...]:
+        """Every hook point, in execution order (docs/ARCHITECTURE.md)."""
+        return self._points
+
+    def add_hook(self, fn: HookFn, names: Iterable[str] | None = None):
+        """Register `fn(point, tensor) -> tensor | None` at every point (or only at `names`); returns a handle
+        whose `.remove()` unregisters it."""
+        return self._hooks.add(fn, names)
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, Nv, video_patch_dim) rows in video_indices order
+        audio_hidden_states: torch.Tensor,  # (B, Na, audio_in_channels)
+        encoder_hidden_states: torch.Tensor,  # (B, Nt, text_dim)
+        timestep: torch.Tensor,  # (T,) distinct timesteps in [0, 1]
+        timestep_indices: torch.Tensor,  # (S,) int64 into timestep
+        token_tags: torch.Tensor,  # (S,) int64: 0 video, 1 text, 2 audio
+        position_ids: torch.Tensor,  # (S, 3) t, h, w
+        video_indices: torch.Tensor,  # (Nv,) int64 packed positions
+        audio_indices: torch.Tensor,  # (Na,)
+        text_indices: torch.Tensor,  # (Nt,)
+        attention_kwargs: dict | None = None,
+        return_dict: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video (B, Nv, video_patch_dim) and audio (B, Na, audio_in_channels) velocities, rows in index order.
+
+        `attention_kwargs` and `return_dict` exist only so Diffusers' denoise loop can call this model unchanged
+        (it passes `attention_kwargs=None, return_dict=False`): there are no LoRA layers, so a LoRA scale other than
+        1 is refused, and the result is always the plain tuple."""
+        if attention_kwargs and any(k != "scale" or v != 1.0 for k, v in attention_kwargs.items()):
+            raise ModelInputError(
+                f"attention_kwargs={attention_kwargs!r}: H3Transformer has no LoRA layers; only None or scale=1.0"
+            )
+        if return_dict:
+            raise ModelInputError(
+                "return_dict=True: H3Transformer.forward always returns the plain tuple (video, audio)"
+            )
+        check_inputs(
+            self.config, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
+            token_tags, position_ids, video_indices, audio_indices, text_indices,
+        )
+        inv_freq = self.rope.inv_freq
+        if inv_freq.is_meta or inv_freq.dtype != torch.float32:
+            raise ModelInputError(
+                f"rope.inv_freq is {inv_freq.dtype} on {inv_freq.device}: must be float32 on a real device "
+                "(call model.reset_buffers(device) after loading; cast with apply_dtype_policy, not .to(dtype))"
+            )
+        ops = runtime.ops(device=hidden_states.device, fingerprint=self.fingerprint)
+        hooks = self._hooks if self._hooks else None
+        run = Run(ops, hooks)
+        seq_len = position_ids.shape[0]
+
+        # 1. Per-modality input projections, each input cast to its projection's dtype (float32 video/audio heads,
+        # bfloat16 context_embedder in the release).
+        w = self.proj_in
+        video = ops.linear(hidden_states.to(w.weight.dtype), w.weight, w.bias, point="video_proj_in")
+        if hooks:
+            video = hooks.fire("video_proj_in", video)
+        w = self.audio_proj_in
+        audio = ops.linear(audio_hidden_states.to(w.weight.dtype), w.weight, w.bias, point="audio_proj_in")
+        if hooks:
+            audio = hooks.fire("audio_proj_in", audio)
+        w = self.context_embedder
+        text = ops.linear(encoder_hidden_states.to(w.weight.dtype), w.weight, w.bias, point="text_proj_in")
+        if hooks:
+            text = hooks.fire("text_proj_in", text)
+
+        # 2. Token refiner over the text rows, then its final norm.
+        for block in self.token_refiner.refiner_blocks:
+            text = self._run_block(run, block, text)
+        norm = self.token_refiner.final_norm
+        text = ops.rms_norm(text, norm.weight, norm.eps, point="refiner.final_norm")
+        if hooks:
+            text = hooks.fire("refiner.final_norm", text)
+
+        # 3. Packed buffer (B, S, hidden) in the text stream's dtype; video/audio rows cast to it.
+        x = ops.pack_rows(seq_len, (text_indices, text), (video_indices, video), (audio_indices, audio), point="pack")
+        if hooks:
+            x = hooks.fire("pack", x)
+
+        # 4. One timestep embedding per distinct noise level: float32 sinusoid, cast to time_embedder's dtype.
+        temb = ops.timestep_embedding(timestep, self.config.freq_dim, point="time_sinusoid")  # (T, freq_dim)
+        if hooks:
+            temb = hooks.fire("time_sinusoid", temb)
+        mlp = self.time_embedder
+        temb = ops.linear(temb.to(mlp.linear_1.weight.dtype), mlp.linear_1.weight, mlp.linear_1.bias, point="time_mlp")
+        temb = ops.silu(temb, point="time_mlp")
+        temb = ops.linear(temb, mlp.linear_2.weight, mlp.linear_2.bias, point="time_mlp")  # (T, time_embed_dim)
+        if hooks:
+            temb = hooks.fire("time_mlp", temb)
+
+        # 5. RoPE tables (S, 2*3*rope_freq_dim) float32, shared by every block.
+        cos, sin = ops.rope_table(position_ids, inv_freq, point="rope_cos")
+        if hooks:
+            cos = hooks.fire("rope_cos", cos)
+            sin = hooks.fire("rope_sin", sin)
+
+        # 6. Block stack; each row reads AdaLN table row timestep_index*3 + tag (integer index arithmetic).
+        adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
+        for block in self.transformer_blocks:
+            x = self._run_block(run, block, x, temb, adaln_indices, cos, sin)
+
+        # 7. Output norm, modulated per row from the per-timestep [shift | scale] table, at the stack's precision.
+        out = self.norm_out
+        a = ops.silu(temb, point="final_table").to(out.linear.weight.dtype)
+        table = ops.linear(a, out.linear.weight, out.linear.bias, point="final_table")  # (T, 2*hidden)
+        if hooks:
+            table = hooks.fire("final_table", table)
+        shift, scale = table.chunk(2, dim=-1)
+        x = ops.rms_norm(x, out.norm.weight, out.norm.eps, point="final_norm")
+        if hooks:
+            x = hooks.fire("final_norm", x)
+        x = ops.modulate(x, scale, shift, timestep_indices, point="final_modulate")
+        if hooks:
+            x = hooks.fire("final_modulate", x)
+
+        # 8. Both heads over every packed row (float32 in the release: cast to proj_out's dtype), then row selection.
+        x = x.to(self.proj_out.weight.dtype)
+        video = ops.linear(x, self.proj_out.weight, self.proj_out.bias, point="video_head")  # (B, S, video_patch_dim)
+        if hooks:
+            video = hooks.fire("video_head", video)
+        audio = ops.linear(x, self.audio_proj_out.weight, self.audio_proj_out.bias, point="audio_head")
+        if hooks:
+            audio = hooks.fire("audio_head", audio)
+        video = ops.select_rows(video, video_indices, point="video_out")  # (B, Nv, video_patch_dim)
+        if hooks:
+            video = hooks.fire("video_out", video)
+        audio = ops.select_rows(audio, audio_indices, point="audio_out")  # (B, Na, audio_in_channels)
+        if hooks:
+            audio = hooks.fire("audio_out", audio)
+        return video, audio
+
+    def _run_block(self, run: Run, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        """One refiner or transformer block, checkpointed while grad is enabled and `gradient_checkpointing` is set."""
+        if not (torch.is_grad_enabled() and self.gradient_checkpointing):
+            return block(run, *args)
+        calls, context = [0], self.hook_context
+
+        def replayable(*tensors: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 1:
+                return block(run, *tensors)
+            # Replay during backward: same op table (same mode and overrides), same hooks seeing the forward's
+            # hook_context, but no second trace.
+            saved = run.ops.record, self.hook_context
+            run.ops.record, self.recomputing, self.hook_context = False, True, context
+            try:
+                return block(run, *tensors)
+            finally:
+                (run.ops.record, self.hook_context), self.recomputing = saved, False
+
+        return torch.utils.checkpoint.checkpoint(replayable, *args, use_reentrant=False)
