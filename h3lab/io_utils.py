@@ -20,12 +20,19 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[str], None]) -> Path
         writer(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; artifacts get the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

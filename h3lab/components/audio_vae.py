@@ -1,0 +1,119 @@
+"""`AudioVAE`: the released audio autoencoder (`AutoencoderKLMiniMaxH3Audio` from a snapshot's `audio_vae/`) with the
+pipeline's stereo row layout and latent normalisation.
+
+Contract
+- The VAE is mono at 32 kHz with a hop of 800 samples (40 latents/s). Stereo rides as two batch items.
+- `encode(waveform (2, S) float32 at 32 kHz) -> rows (2A, C)` float32 on the CPU: the waveform is right-padded to a
+  multiple of 800 by the VAE, the posterior **mean** (`mode()`) is taken (never sampled, as released), normalised
+  `(z - latents_mean) / latents_std` per channel and laid out channel-major: rows `[ch0 t0..tA-1, ch1 t0..tA-1]`.
+  This is Diffusers' reference-soundtrack encode (`MiniMaxH3Ref2VAReferenceEncoderStep`) bit for bit.
+- `decode(rows (2A, C)) -> (2, A*800)` float32 in [-1, 1] on the CPU: rows are unpacked channel-major, de-normalised
+  `z * std + mean` and decoded (the decoder clamps to [-1, 1]); Diffusers' after-denoise unpack + audio decode step.
+- `rows_to_latents` / `latents_to_rows` convert between (2A, C) rows and the (2, C, A) batch the VAE takes.
+- Device/dtype: the module lives on `device`; Diffusers keeps every audio-VAE module in float32 whatever `dtype` says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, ValidationError
+
+CHANNELS = 2
+
+
+def latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
+    """(2, C, A) -> (2A, C) channel-major rows."""
+    if latents.ndim != 3 or latents.shape[0] != CHANNELS:
+        raise ValidationError(f"audio latents shape {tuple(latents.shape)}: must be (2, channels, latents)")
+    return latents.transpose(1, 2).reshape(-1, latents.shape[1]).contiguous()
+
+
+def rows_to_latents(rows: torch.Tensor) -> torch.Tensor:
+    """(2A, C) channel-major rows -> (2, C, A), the exact inverse of `latents_to_rows`."""
+    if rows.ndim != 2 or rows.shape[0] % CHANNELS or rows.shape[0] == 0:
+        raise ValidationError(f"audio rows shape {tuple(rows.shape)}: must be (2*latents, channels) with latents >= 1")
+    return rows.reshape(CHANNELS, rows.shape[0] // CHANNELS, rows.shape[1]).permute(0, 2, 1).contiguous()
+
+
+class AudioVAE:
+    """The released audio VAE with the pipeline's conventions (see module docstring)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae.eval().requires_grad_(False)
+        cfg = vae.config
+        self.sample_rate = int(cfg.sampling_rate)
+        self.hop_length = int(vae.hop_length)
+        self.latent_channels = int(cfg.latent_channels)
+        if cfg.latents_mean is None or cfg.latents_std is None:
+            raise CheckpointError("audio_vae config has no latents_mean/latents_std: the pipeline normalises with them")
+        # (1, 1, C) float32 CPU statistics for (batch, time, channel) latents, as the pipeline builds them.
+        self.latents_mean = torch.tensor(cfg.latents_mean).view(1, 1, -1)
+        self.latents_std = torch.tensor(cfg.latents_std).view(1, 1, -1)
+        if self.latents_mean.numel() != self.latent_channels or self.latents_std.numel() != self.latent_channels:
+            raise CheckpointError(
+                f"audio_vae config latents_mean/std have {self.latents_mean.numel()}/{self.latents_std.numel()} "
+                f"values: must have latent_channels={self.latent_channels}"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        snapshot: str | Path,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        subfolder: str = "audio_vae",
+    ) -> "AudioVAE":
+        """Load `<snapshot>/<subfolder>` (safetensors only, offline)."""
+        from diffusers import AutoencoderKLMiniMaxH3Audio
+
+        path = Path(snapshot) / subfolder
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"audio VAE folder {str(path)!r} has no config.json")
+        kwargs: dict[str, Any] = {"use_safetensors": True, "local_files_only": True}
+        if dtype is not None:
+            kwargs["torch_dtype"] = dtype
+        vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(path), **kwargs)
+        if device is not None:
+            vae = vae.to(device)
+        return cls(vae)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    def num_latents(self, num_samples: int) -> int:
+        """Latents per channel for `num_samples` samples (the VAE right-pads to whole hops)."""
+        return -(-num_samples // self.hop_length)
+
+    @torch.no_grad()
+    def encode(self, waveform: Any) -> torch.Tensor:
+        """float32 (2, S) at the VAE rate -> normalised (2A, C) rows on the CPU (posterior mean)."""
+        x = waveform
+        if isinstance(x, np.ndarray):  # np.require copies only a read-only or non-contiguous array
+            x = torch.from_numpy(np.require(x, requirements=["C", "W"]))
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValidationError(f"waveform of type {type(waveform).__name__}: must be a floating point array")
+        if x.ndim != 2 or x.shape[0] != CHANNELS or x.shape[1] < 1:
+            raise ValidationError(f"waveform shape {tuple(x.shape)}: must be (2, samples>=1) stereo")
+        posterior = self.vae.encode(x.to(self.device)[:, None], return_dict=False)[0]  # batch = stereo channel
+        z = posterior.mode().float().cpu().transpose(1, 2)  # (2, A, C)
+        z = (z - self.latents_mean) / self.latents_std
+        return z.reshape(-1, self.latent_channels)  # (2A, C), channel-major
+
+    @torch.no_grad()
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Normalised (2A, C) rows -> float32 (2, A*hop) waveform in [-1, 1] on the CPU."""
+        if rows.ndim != 2 or rows.shape[1] != self.latent_channels:
+            raise ValidationError(
+                f"audio rows shape {tuple(rows.shape)}: must be (2*latents, {self.latent_channels})"
+            )
+        device = self.device
+        z = rows_to_latents(rows.to(device, torch.float32))  # (2, C, A)
+        z = z * self.latents_std.view(1, -1, 1).to(device) + self.latents_mean.view(1, -1, 1).to(device)
+        audio = self.vae.decode(z, return_dict=False)[0]  # (2, 1, S)
+        return audio.float()[:, 0].cpu()
