@@ -197,8 +197,9 @@ class H3Transformer(nn.Module):
         if hooks:
             temb = hooks.fire("time_mlp", temb)
 
-        # 5. RoPE tables (S, 2*3*rope_freq_dim) float32, shared by every block.
-        cos, sin = ops.rope_table(position_ids, inv_freq, point="rope_cos")
+        # 5. RoPE tables (S, 2*3*rope_freq_dim) float32, shared by every block. Layouts build positions in float64;
+        # the released rope casts them to float32 first, so the cast sits here, before the op, in every mode.
+        cos, sin = ops.rope_table(position_ids.to(torch.float32), inv_freq, point="rope_cos")
         if hooks:
             cos = hooks.fire("rope_cos", cos)
             sin = hooks.fire("rope_sin", sin)

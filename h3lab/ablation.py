@@ -1,0 +1,904 @@
+"""The RFC's ablation matrix (section 6) as declarative perturbations, each checked against its expected signature
+by the first-drift localiser.
+
+Contract
+--------
+`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — with the factor it changes, how the
+change is applied (op override / hook / layout change / sampler change / input change / model change / control),
+the runtime mode and scope it runs in, and its `Expected` signature:
+
+  PASS      the two arms are byte-equal at every compared point (the drift report is `equal`);
+  DRIFT     the first drift is at exactly `point` in pass `step` (-1 = scheduler construction), and, where given,
+            the first drift inside the block stack is at `block_point`;
+  REJECTED  the comparison must refuse the pair as non-comparable;
+  N/A       the factor does not exist in H3; the row runs a check that it indeed does not (A5, C2);
+  distributed rows (A4, C0, H17, H-C4, H-C5) need several ranks: until `h3lab.distributed` provides an entry point
+            they report status "needs distributed" with `passed = None` — never True — and are counted apart.
+
+`run_ablation(name, bench=None, mode=None)` and `run_matrix(bench=None, names=None, modes=None)` return per row a
+dict: `name`, `factor`, `description`, `apply`, `mode`, `scope`, `expected` (text), `expected_signature`, `rfc`
+(the RFC's wording), `observed` (text), `status` (PASS / DRIFT / REJECTED / N/A / NEEDS DISTRIBUTED / ERROR),
+`first_drift` and `first_in_block` (`DriftPoint.to_dict()` or None), `passed` (True / False / None), `seconds`,
+and `report` (the `DriftReport.to_dict()`, None for rows without a comparison).
+
+Modes. Perturbation rows run in ``off``: on CPU torch is deterministic, so the only drift between the arms is the
+planted one, and the signature (where it first shows) is a property of the perturbation, not of the arithmetic.
+The invariance promises run in ``strict``: A0 (shared replay from the sealed artifact), C1 / H-C1 (request alone vs
+a row of a packed batch — only strict promises batch invariance: torch is not batch-invariant on a GPU, nor on a CPU
+with two threads, where the float32 `audio_proj_in` GEMM of a 2-item batch differs in the last bit from the
+1-item one), H-C0 / H-C2 (repeat),
+H-C3 (consistent permutation: strict attention visits keys in the layout's canonical order — the op-table
+`attention(q, k, v)` has no key order, so the probe arm passes `key_order = layout.canonical_order()` to the strict
+kernel through an override). H-C6 (checkpointing) runs in ``off`` by default: on CPU a strict backward through the
+Triton interpreter costs ~25 s per step; `run_ablation("H-C6", mode="strict")` runs it strict (GPU).
+`modes={"H5": "strict"}` (or `mode=`) overrides any row.
+
+The bench (`Bench.tiny(snapshot)`): the tiny snapshot's `transformer/` (released mixed precision) and its
+`transformer_ref/` (the other variant, for H16), an fl2va layout with a first-frame anchor (5 text rows, 4
+conditioning rows, 6 audio rows, 8 target video rows = 23 rows: conditioning rows keep at least two distinct
+timesteps per pass, which H3/H4 need), a 2-pass dual schedule, and seeded inputs (anchor latents noise-mixed at
+t = 0.999, target noise). The bench caches the strict reference runs so rows sharing an arm do not recompute them:
+A0 and H-C2 share one replay of the sealed reference (A0 also checks the replay's digest against the sealed one),
+C2 reports H-C2, forward-scope rows cut their reference from the trajectory capture.
+
+Reuse outside the matrix: `probe(bench, mode)` builds the probe arm from any `Bench(model, variant, layout, schedule,
+inputs, parts)`, so the session applies a factor to a user's request (its layout, inputs and model) by taking the
+probe arm's overrides / hooks / stepper / inputs / schedule / model / row_map.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import runtime
+from .config import AUDIO
+from .drift import Capture, DriftError, DriftReport, Execution, RowMap, capture, compare
+from .errors import H3Error
+from .sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
+from .trajectory import (
+    DenoiseInputs,
+    ScheduleStepper,
+    TrajectoryRecorder,
+    load,
+    model_fingerprint,
+    model_forward,
+    tensor_digest,
+)
+
+KINDS = ("PASS", "DRIFT", "REJECTED", "N/A", "DISTRIBUTED")
+
+
+class AblationError(H3Error):
+    """An unknown row name or mode was asked for."""
+
+
+# =================================================================================================== signatures
+@dataclass(frozen=True)
+class Expected:
+    kind: str
+    point: str | None = None
+    step: int | None = None
+    block_point: str | None = None
+    rfc_kind: str | None = None  # for DISTRIBUTED rows: what the RFC expects once it runs (PASS / REJECTED)
+
+    def describe(self) -> str:
+        if self.kind == "PASS":
+            return "PASS byte-equal"
+        if self.kind == "DRIFT":
+            where = "scheduler construction" if self.step == -1 else f"pass {self.step}"
+            block = f"; first in-block drift {self.block_point}" if self.block_point else ""
+            return f"EXPECTED DRIFT at {self.point} ({where}){block}"
+        if self.kind == "REJECTED":
+            return "REJECTED as non-comparable"
+        if self.kind == "N/A":
+            return "N/A"
+        return f"{self.rfc_kind or 'PASS'} (needs distributed)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "point": self.point, "step": self.step, "block_point": self.block_point,
+                "rfc_kind": self.rfc_kind}
+
+
+PASS = Expected("PASS")
+
+
+def drift_at(point: str, step: int = 0, block_point: str | None = None) -> Expected:
+    return Expected("DRIFT", point, step, block_point)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One row of the matrix. `probe(bench, mode) -> (reference arm, probe arm)` for comparison rows; `check(bench,
+    mode) -> (status, observed, passed, report)` for N/A and control rows without two arms."""
+
+    name: str
+    factor: str
+    description: str
+    apply: str
+    expected: Expected
+    mode: str
+    scope: str
+    rfc: str
+    probe: Callable[["Bench", str], tuple[Execution, Execution]] | None = None
+    check: Callable[["Bench", str], tuple[str, str, bool | None, DriftReport | None]] | None = None
+
+
+# ======================================================================================================= bench
+def _ones_tags(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.long)
+
+
+@dataclass
+class Bench:
+    """The shared setting every row perturbs (see the module docstring). `parts` keeps the pieces the inputs were
+    made from (anchor latents, noise seeds) so probes can rebuild them with one change."""
+
+    model: Any
+    variant: Any
+    layout: Any
+    schedule: DualSchedule
+    inputs: DenoiseInputs
+    parts: dict[str, Any]
+    snapshot: Path | None = None
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def tiny(cls, snapshot: str | Path | None = None, num_points: int = 3, seed: int = 0) -> "Bench":
+        """The tiny bench: `snapshot` (default: the embedded tiny snapshot), `num_points` grid points
+        (`num_points - 1` passes), `seed` for the inputs."""
+        from .checkpoint.tiny import default_snapshot
+        from .layout import build_layout
+        from .model import H3Transformer
+
+        snap = Path(snapshot) if snapshot is not None else default_snapshot()
+        model = H3Transformer.from_pretrained(snap, subfolder="transformer")
+        variant = H3Transformer.from_pretrained(snap, subfolder="transformer_ref")
+        layout = build_layout("fl2va", _ones_tags(5), 2, 4, 4, 3, anchors=("first",),
+                              patch_size=model.config.patch_size)
+        schedule = DualSchedule.build(num_points)
+        parts = {"seed": seed}
+        inputs = make_inputs(model.config, layout, schedule, seed, parts)
+        return cls(model=model, variant=variant, layout=layout, schedule=schedule, inputs=inputs, parts=parts,
+                   snapshot=snap)
+
+    # ------------------------------------------------------------------------------------------------- arms
+    def inputs_for(self, layout: Any = None, schedule: DualSchedule | None = None, **changes: Any) -> DenoiseInputs:
+        """The bench inputs with a different layout and/or schedule (plan rebuilt from them) and field changes."""
+        layout = layout if layout is not None else self.layout
+        schedule = schedule if schedule is not None else self.schedule
+        base = self.inputs
+        if layout is not self.layout or schedule is not self.schedule:
+            base = DenoiseInputs.from_layout(layout, schedule, base.text, base.video, base.audio, base.seeds)
+        return base.replace(**changes) if changes else base
+
+    def reference(self, mode: str, scope: str = "trajectory", label: str = "reference") -> Execution:
+        return Execution(self.model, self.inputs, self.schedule, mode=mode, label=f"{label}:{mode}", scope=scope)
+
+    def reference_capture(self, mode: str, scope: str = "trajectory", forward_pass: int = 0) -> Capture:
+        """Cached capture of the reference arm (trajectory scope also records the `Trajectory`, see
+        `reference_trajectory`). A forward-scope capture is cut from the trajectory capture of the same mode."""
+        if scope == "forward":
+            return self.reference_capture(mode).forward_view(forward_pass)
+        key = ("capture", mode)
+        if key not in self.cache:
+            recorder = TrajectoryRecorder(keep=("latents", "velocities"), meta={"bench": "ablation.tiny"})
+            ex = self.reference(mode).replace(recorder=recorder)
+            self.cache[key] = capture(ex)
+            self.cache[("trajectory", mode)] = recorder.finish()
+        return self.cache[key]
+
+    def reference_trajectory(self, mode: str):
+        """The reference arm's recorded `Trajectory` in `mode` (latents and velocities kept), computed once."""
+        self.reference_capture(mode)
+        return self.cache[("trajectory", mode)]
+
+
+def make_inputs(
+    config: Any, layout: Any, schedule: DualSchedule, seed: int, parts: dict | None = None
+) -> DenoiseInputs:
+    """Seeded pre-encoded inputs for `layout`: text embeddings N(0,1) (1, L, text_dim); anchor latents x0 N(0,1)
+    noise-mixed to t = CONDITION_T with their own noise draw (first on the request generator, as released); then the
+    target video noise and the target audio noise in row layout. `parts` receives the anchor latents `x0`."""
+    g = torch.Generator().manual_seed(seed)
+    ncv = layout.num_condition_video_rows
+    nv, na, nt = layout.video_indices.numel(), layout.audio_indices.numel(), layout.text_indices.numel()
+    text = torch.randn(1, nt, config.text_dim, generator=g)
+    x0 = torch.randn(1, ncv, config.video_patch_dim, generator=g)  # the anchor frame's VAE latents, as rows
+    cond_noise = draw_noise((1, ncv, config.video_patch_dim), g)
+    video_noise = draw_noise((1, nv - ncv, config.video_patch_dim), g)
+    audio_noise = draw_noise((1, na, config.audio_in_channels), g)
+    video = torch.cat([noise_mix(x0, cond_noise, CONDITION_T), video_noise], dim=1)
+    if parts is not None:
+        parts.update(x0=x0, cond_noise=cond_noise)
+    seeds = {"request": seed}
+    return DenoiseInputs.from_layout(layout, schedule, text, video, audio_noise, seeds)
+
+
+@functools.lru_cache(maxsize=4)
+def tiny_bench(snapshot: str | None = None, num_points: int = 3, seed: int = 0) -> Bench:
+    """A process-wide cached `Bench.tiny(...)` (tests of drift, ablation and arms share one bench and its cached
+    strict reference runs)."""
+    return Bench.tiny(snapshot, num_points, seed)
+
+
+# ============================================================================================= perturbations
+def _mode_op(name: str) -> Callable[..., Any]:
+    """The op the current runtime mode would dispatch `name` to (for overrides that change only some calls)."""
+    mode = runtime.current_mode()
+    ref = runtime.REFERENCE_OPS[name]
+    if mode in ("off", "audit"):
+        return ref
+    from h3kernels import registry
+
+    kernel = registry.STRICT_OPS.get(name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kernel is not None:
+            try:
+                kernel.check(*args, **kwargs)
+            except Exception as exc:
+                if mode == "strict":
+                    raise runtime.StrictError(f"strict mode cannot run overridden op {name!r}: {exc}") from None
+            else:
+                return kernel.run(*args, **kwargs)
+        elif mode == "strict":
+            raise runtime.StrictError(f"strict mode cannot run op {name!r}: no strict kernel is registered")
+        return ref(*args, **kwargs)
+
+    return call
+
+
+def _param_ids(params) -> set[int]:
+    return {id(p) for p in params}
+
+
+def _qk_norm_weights(model: Any) -> set[int]:
+    """ids of the transformer blocks' Q/K RMSNorm weights (the refiner's are not targeted)."""
+    return _param_ids([p for b in model.transformer_blocks for p in (b.attn.norm_q.weight, b.attn.norm_k.weight)])
+
+
+def _first_target_video_row(bench: Bench) -> int:
+    return int(bench.layout.video_indices[bench.layout.num_condition_video_rows])
+
+
+def _full_head_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Standard rotate-half RoPE over all D head channels: the (S, 2*3F) half-angle tables are extended to D/2
+    angles (the last axis's frequencies reused for the extra pairs), so every channel rotates (H5)."""
+    half, extra = cos.shape[-1] // 2, (x.shape[-1] - cos.shape[-1]) // 2
+    c = torch.cat([cos[..., :half], cos[..., half - extra : half]], dim=-1)
+    s = torch.cat([sin[..., :half], sin[..., half - extra : half]], dim=-1)
+    return _mode_op("rope")(x, torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False):
+    out = F.scaled_dot_product_attention(
+        q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask, is_causal=causal
+    )
+    return out.permute(0, 2, 1, 3)
+
+
+def _packed_attention(seq_len: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Attention override that applies `fn` to the packed document (S rows) and the mode's op to the refiner."""
+
+    def attention(q, k, v):
+        if q.shape[1] != seq_len:
+            return _mode_op("attention")(q, k, v)
+        return fn(q, k, v)
+
+    return attention
+
+
+def _split_kv_reversed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A CP-style plan: keys in two blocks, each block's partial output rounded to the activation dtype with its
+    float32 log-sum-exp, merged in reverse block order (A7)."""
+    S, D = k.shape[1], q.shape[-1]
+    half = S // 2
+    parts = []
+    for lo, hi in ((half, S), (0, half)):  # reversed merge order
+        qf, kf, vf = (t.float().permute(0, 2, 1, 3) for t in (q, k[:, lo:hi], v[:, lo:hi]))
+        s = qf @ kf.transpose(-1, -2) / math.sqrt(D)
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        parts.append(((torch.softmax(s, dim=-1) @ vf).to(q.dtype), lse))
+    lse = torch.logsumexp(torch.cat([p[1] for p in parts], dim=-1), dim=-1, keepdim=True)
+    out = sum(p[0].float() * torch.exp(p[1] - lse) for p in parts)
+    return out.to(q.dtype).permute(0, 2, 1, 3).contiguous()
+
+
+def _canonical_key_attention(order: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """Attention over a consistently permuted packed document that visits keys in canonical order: strict passes
+    `key_order` to the strict kernel; off/audit gathers K and V into canonical order for the torch op. The refiner's
+    text-only attention keeps its (unpermuted) order."""
+
+    def attention(q, k, v):
+        if q.shape[1] != order.numel():
+            return _mode_op("attention")(q, k, v)
+        if runtime.current_mode() in ("strict", "auto"):
+            from h3kernels import attention as strict_attention
+
+            return strict_attention.attention(q, k, v, key_order=order.to(q.device))
+        idx = order.to(q.device)
+        return runtime.attention(q, k.index_select(1, idx), v.index_select(1, idx))
+
+    return attention
+
+
+class _NegatedVelocity(ScheduleStepper):
+    """x0 = x_t - sigma * v (the flow-matching sign) instead of H3's data-ward + (H9)."""
+
+    def step(self, modality, i, sample, velocity):
+        return super().step(modality, i, sample, -velocity)
+
+
+class _ReorderedEuler(ScheduleStepper):
+    """x_next = x_t + (sigma - sigma_next) * v in float32: algebraically the H3 blend, rounded differently (H13)."""
+
+    def step(self, modality, i, sample, velocity):
+        s = getattr(self.schedule, modality)
+        return (sample.float() + (s.sigmas[i] - s.sigmas[i + 1]) * velocity.float()).to(sample.dtype)
+
+
+def _generic_grid(num_points: int, shift: float) -> Schedule:
+    """A generic flow-matching grid: shifted linspace(1, 1/1000, num_points - 1), terminal 0 appended (H11)."""
+    base = torch.linspace(1.0, 1.0 / 1000, num_points - 1, dtype=torch.float32)
+    sigmas = torch.cat([shift * base / (1 + (shift - 1) * base), torch.zeros(1)])
+    return Schedule(float(shift), num_points, sigmas, timesteps(sigmas))
+
+
+def _batched(bench: Bench, position: int, size: int, seed: int) -> DenoiseInputs:
+    """The bench request at batch `position` of `size`, the other items independent random requests."""
+    g = torch.Generator().manual_seed(seed)
+    x = bench.inputs
+
+    def stack(t: torch.Tensor) -> torch.Tensor:
+        items = [torch.randn(t.shape, generator=g, dtype=t.dtype) for _ in range(size)]
+        items[position] = t
+        return torch.cat(items, dim=0)
+
+    return x.replace(text=stack(x.text), video=stack(x.video), audio=stack(x.audio))
+
+
+def _permutation(n: int, seed: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------------- probes
+def _probe_repeat(scope: str):
+    def probe(bench: Bench, mode: str):
+        ref = bench.reference(mode, scope)
+        return ref, ref.replace(label=f"repeat:{mode}")
+
+    return probe
+
+
+def _probe_sealed_replay(bench: Bench, mode: str):
+    """A0 / H-C2: the reference trajectory sealed to disk, loaded back, and replayed from the sealed inputs."""
+    key = ("sealed", mode)
+    if key not in bench.cache:
+        traj = bench.reference_trajectory(mode)
+        folder = Path(tempfile.mkdtemp(prefix="h3lab-ablation-"))
+        bench.cache[key] = load(traj.seal(folder / "reference"))
+    sealed = bench.cache[key]
+    replay = Execution(bench.model, sealed.inputs, sealed.schedule, mode=sealed.mode, label=f"sealed-replay:{mode}",
+                       recorder=TrajectoryRecorder())
+    return bench.reference(mode), replay
+
+
+def _probe_A1(bench, mode):
+    pos = bench.inputs.position_ids.clone()
+    pos[_first_target_video_row(bench), 1] += 1.0  # one row one unit along h
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs.replace(position_ids=pos), label="A1")
+
+
+def _probe_A2(bench, mode):
+    targets = _qk_norm_weights(bench.model)
+
+    def rms_norm(x, weight, eps):
+        return _mode_op("rms_norm")(x, weight, eps * 1e4 if id(weight) in targets else eps)
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"rms_norm": rms_norm}, label="A2")
+
+
+def _probe_A3(bench, mode):
+    S = bench.inputs.seq_len
+    half = S // 2
+    mask = torch.zeros(S, S, dtype=torch.bool)
+    mask[:half, :half] = True
+    mask[half:, half:] = True
+    attn = _packed_attention(S, lambda q, k, v: _sdpa(q, k, v, mask=mask.to(q.device)).contiguous())
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"attention": attn}, label="A3")
+
+
+def _check_A5(bench, mode):
+    """No KV cache: three calls (x1, x2, x1) on one model give byte-equal first and third outputs, and the model
+    holds no cache state."""
+    x1 = bench.inputs
+    x2 = _batched(bench, 1, 2, seed=99)
+    x2 = x2.replace(text=x2.text[:1], video=x2.video[:1], audio=x2.audio[:1])  # an unrelated request, same layout
+    with runtime.use_mode(mode), torch.no_grad():
+        first = model_forward(bench.model, x1, x1.video, x1.audio, 0)
+        model_forward(bench.model, x2, x2.video, x2.audio, 0)
+        third = model_forward(bench.model, x1, x1.video, x1.audio, 0)
+    stateless = all(tensor_digest(a) == tensor_digest(b) for a, b in zip(first, third))
+    cache_attrs = [n for n in ("past_key_values", "kv_cache", "cache") if getattr(bench.model, n, None) is not None]
+    ok = stateless and not cache_attrs
+    observed = ("N/A: no KV cache (calls x1, x2, x1 give byte-equal outputs for x1; no cache state)" if ok else
+                f"cache semantics detected: stateless={stateless}, cache attributes {cache_attrs}")
+    return "N/A" if ok else "FAIL", observed, ok, None
+
+
+def _probe_A6(bench, mode):
+    def modulate(x, scale, shift, index):
+        # float32 throughout, one rounding at the end (the reference rounds after every bfloat16 op)
+        y = x.float() * (1.0 + scale.index_select(0, index).float()) + shift.index_select(0, index).float()
+        return y.to(x.dtype)
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"modulate": modulate}, label="A6")
+
+
+def _probe_A7(bench, mode):
+    attn = _packed_attention(bench.inputs.seq_len, _split_kv_reversed)
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"attention": attn}, label="A7")
+
+
+def _probe_C1(bench, mode):
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=_batched(bench, 1, 2, seed=7), row_map=RowMap(batch_index=1), label="C1 batch[1/2]")
+
+
+def _check_C2(bench, mode):
+    row = run_ablation("H-C2", bench, mode)
+    ok = row["passed"] is True
+    observed = f"N/A: no autoregressive cache handoff in H3; replaced by H-C2 ({row['observed']})"
+    return "N/A" if ok else "FAIL", observed, ok, None
+
+
+def _probe_H1(bench, mode):
+    layout = bench.layout.permute(_permutation(bench.inputs.seq_len, 11), leave_behind="position_ids")
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs_for(layout=layout),
+                            row_map=RowMap(packed_order=layout.canonical_order()),
+                            label="H1 permuted, position_ids left behind")
+
+
+def _probe_H2(bench, mode):
+    tags = bench.inputs.token_tags.clone()
+    tags[_first_target_video_row(bench)] = AUDIO
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs.replace(token_tags=tags), label="H2")
+
+
+def _probe_H3(bench, mode):
+    row = _first_target_video_row(bench)
+    plan = []
+    for t, idx in bench.inputs.plan:
+        idx = idx.clone()
+        idx[row] = (idx[row] + 1) % t.numel()
+        plan.append((t, idx))
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs.replace(plan=plan), label="H3")
+
+
+def _probe_H4(bench, mode):
+    state = {"final": False}
+
+    def where(point, t):
+        if point.name == "blocks.0.adaln_table":
+            state["final"] = False
+        elif point.name == "final_table":
+            state["final"] = True
+        return None
+
+    def remap(index: torch.Tensor, rows: int) -> torch.Tensor:
+        T = rows // 3  # modality-major addressing tag * T + timestep_index of a timestep-major table
+        return (index % 3) * T + index // 3
+
+    def modulate(x, scale, shift, index):
+        index = index if state["final"] else remap(index, scale.shape[0])
+        return _mode_op("modulate")(x, scale, shift, index)
+
+    def gated_residual(residual, gate, index, y):
+        index = index if state["final"] else remap(index, gate.shape[0])
+        return _mode_op("gated_residual")(residual, gate, index, y)
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"modulate": modulate, "gated_residual": gated_residual}, hooks=(where,),
+                            label="H4")
+
+
+def _probe_H5(bench, mode):
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"rope": _full_head_rope}, label="H5")
+
+
+def _probe_H6(bench, mode):
+    targets = _qk_norm_weights(bench.model)
+    pending: list[tuple[torch.Tensor, float]] = []
+
+    def rms_norm(x, weight, eps):
+        if id(weight) in targets:
+            pending.append((weight, eps))  # q then k: applied after the rotation instead
+            return x
+        return _mode_op("rms_norm")(x, weight, eps)
+
+    def rope(x, cos, sin):
+        weight, eps = pending.pop(0)
+        return _mode_op("rms_norm")(_mode_op("rope")(x, cos, sin), weight, eps)
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"rms_norm": rms_norm, "rope": rope}, label="H6")
+
+
+def _probe_H7(bench, mode):
+    w = bench.model.proj_in.weight
+
+    def linear(x, weight, bias=None):
+        if weight is w:  # the float32 video input projection, computed in bfloat16
+            b = None if bias is None else bias.to(torch.bfloat16)
+            return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), b).to(x.dtype)
+        return _mode_op("linear")(x, weight, bias)
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"linear": linear}, label="H7")
+
+
+def _probe_H8(bench, mode):
+    attn = _packed_attention(bench.inputs.seq_len, lambda q, k, v: _sdpa(q, k, v, causal=True).contiguous())
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"attention": attn}, label="H8")
+
+
+def _probe_H9(bench, mode):
+    ref = bench.reference(mode)
+    return ref, ref.replace(stepper=_NegatedVelocity(bench.schedule), label="H9")
+
+
+def _probe_H10(bench, mode):
+    s = bench.schedule
+    plan = [tuple(p) for p in bench.layout.timestep_plan(s.video.sigmas[:-1], s.audio.sigmas[:-1])]  # t = sigma
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs.replace(plan=plan), label="H10")
+
+
+def _probe_H11(bench, mode):
+    n = bench.schedule.num_points
+    schedule = DualSchedule(_generic_grid(n, bench.schedule.video.shift), _generic_grid(n, bench.schedule.audio.shift))
+    ref = bench.reference(mode)
+    return ref, ref.replace(schedule=schedule, inputs=bench.inputs_for(schedule=schedule), label="H11")
+
+
+def _probe_H12(bench, mode):
+    schedule = DualSchedule(bench.schedule.video, Schedule.build(bench.schedule.num_points, bench.schedule.video.shift))
+    ref = bench.reference(mode)
+    return ref, ref.replace(schedule=schedule, inputs=bench.inputs_for(schedule=schedule), label="H12")
+
+
+def _probe_H13(bench, mode):
+    ref = bench.reference(mode)
+    return ref, ref.replace(stepper=_ReorderedEuler(bench.schedule), label="H13")
+
+
+def _probe_H14(bench, mode):
+    def select_rows(x, index):
+        return _mode_op("select_rows")(x, index.roll(1))  # stale selection: every row one off
+
+    ref = bench.reference(mode)
+    return ref, ref.replace(overrides={"select_rows": select_rows}, label="H14")
+
+
+def _probe_H15(bench, mode):
+    """The anchor rows re-made from another noise draw: from the clean anchor latents when the bench kept them
+    (`parts["x0"]`), else from the sealed (already augmented) rows — the second case is a double augmentation."""
+    x = bench.inputs
+    ncv = x.num_condition_video_rows
+    x0 = bench.parts.get("x0", x.video[:, :ncv]).to(x.video.device)
+    g = torch.Generator().manual_seed(int(bench.parts.get("seed", 0)) + 1000)
+    noise = draw_noise(tuple(x0.shape), g, device=x.video.device)
+    video = torch.cat([noise_mix(x0, noise, CONDITION_T).to(x.video.dtype), x.video[:, ncv:]], dim=1)
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=x.replace(video=video), label="H15")
+
+
+def _probe_H16(bench, mode):
+    ref = bench.reference(mode)
+    return ref, ref.replace(model=bench.variant, label="H16 transformer_ref")
+
+
+def _probe_HC1(bench, mode):
+    ref = bench.reference(mode, "forward")
+    return ref, ref.replace(inputs=_batched(bench, 0, 3, seed=5), row_map=RowMap(batch_index=0),
+                            label="H-C1 batch[0/3]")
+
+
+def _probe_HC3(bench, mode):
+    layout = bench.layout.permute(_permutation(bench.inputs.seq_len, 13))
+    order = layout.canonical_order()
+    ref = bench.reference(mode)
+    return ref, ref.replace(inputs=bench.inputs_for(layout=layout), row_map=RowMap(packed_order=order),
+                            overrides={"attention": _canonical_key_attention(order)}, label="H-C3 permuted")
+
+
+def _probe_HC6(bench, mode):
+    ref = bench.reference(mode, "forward").replace(grad=True, checkpointing=False, label=f"checkpointing off:{mode}")
+    return ref, ref.replace(checkpointing=True, label=f"checkpointing on:{mode}")
+
+
+def _check_HC7(bench, mode):
+    """Repeated FL2VA / Ref2VA preprocessing: layouts, their JSON artifacts and the sealed inputs built twice are
+    identical; component hashes (weights of both variants, snapshot files) are identical when taken twice."""
+    from .layout import Reference, build_layout
+
+    cfg = bench.model.config
+    mismatches = []
+    builds = {
+        "fl2va": lambda: build_layout("fl2va", _ones_tags(5), 2, 4, 4, 3, anchors=("first", "last")),
+        "ref2va": lambda: build_layout("ref2va", _ones_tags(5), 2, 4, 4, 3,
+                                       references=(Reference.image(4, 4), Reference.audio(2))),
+    }
+    for task, build in builds.items():
+        a, b = build(), build()
+        if a.sha256() != b.sha256() or a.to_json() != b.to_json():
+            mismatches.append(f"{task} layout")
+        ia = make_inputs(cfg, a, bench.schedule, 3)
+        ib = make_inputs(cfg, b, bench.schedule, 3)
+        ha = {k: tensor_digest(v) for k, v in ia.tensors().items()}
+        hb = {k: tensor_digest(v) for k, v in ib.tensors().items()}
+        if ha != hb:
+            mismatches.append(f"{task} sealed inputs")
+    for name, m in (("transformer", bench.model), ("transformer_ref", bench.variant)):
+        if model_fingerprint(m) != model_fingerprint(m) or _weights_digest(m) != _weights_digest(m):
+            mismatches.append(f"{name} weights")
+    if bench.snapshot is not None:
+        from .checkpoint.info import component_hash
+
+        for comp in ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"):
+            folder = bench.snapshot / comp
+            if folder.is_dir() and component_hash(folder) != component_hash(folder):
+                mismatches.append(f"{comp} component hash")
+    ok = not mismatches
+    observed = ("PASS: fl2va/ref2va layouts, layout JSON, sealed inputs and component hashes identical over two builds"
+                if ok else f"differs: {', '.join(mismatches)}")
+    return "PASS" if ok else "FAIL", observed, ok, None
+
+
+def _weights_digest(model: Any) -> str:
+    return "|".join(f"{n}:{tensor_digest(t)}" for n, t in model.state_dict().items())
+
+
+# ================================================================================================== the matrix
+_D = "distributed"
+
+
+def _row(name, factor, description, apply, expected, mode, scope, rfc, probe=None, check=None) -> Ablation:
+    return Ablation(name, factor, description, apply, expected, mode, scope, rfc, probe, check)
+
+
+def _distributed(name, factor, description, rfc_kind, rfc) -> Ablation:
+    return Ablation(name, factor, description, "distributed", Expected("DISTRIBUTED", rfc_kind=rfc_kind), "strict",
+                    "-", rfc)
+
+
+ROWS: dict[str, Ablation] = {r.name: r for r in (
+    # ---- 6.1 base taxonomy
+    _row("A0", "Strict shared replay",
+         "the strict reference trajectory sealed to disk, loaded, and replayed from its sealed inputs",
+         "control", PASS, "strict", "trajectory", "PASS, byte-equal", probe=_probe_sealed_replay),
+    _row("A1", "Position / RoPE", "one target video row moved one unit along h in position_ids", "input change",
+         drift_at("rope_cos", 0, "blocks.0.q_rope"), "off", "trajectory",
+         "EXPECTED DRIFT at first affected attention layer", probe=_probe_A1),
+    _row("A2", "Q/K preprocessing", "block Q/K RMSNorm epsilon 1e-5 -> 0.1 (refiner norms untouched)",
+         "op override", drift_at("blocks.0.q_norm"), "off", "trajectory", "EXPECTED DRIFT at Q/K norm or QK",
+         probe=_probe_A2),
+    _row("A3", "Mask / sequence boundary", "the packed document split in two halves that do not attend to each other",
+         "op override", drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT at attention",
+         probe=_probe_A3),
+    _distributed("A4", "TP/CP logical ownership", "a row/head/metadata item given to the wrong rank", "REJECTED",
+                 "REJECTED as non-comparable"),
+    _row("A5", "KV-cache identity / layout", "no KV cache in H3: checks the model carries no state across calls",
+         "control", Expected("N/A"), "off", "forward", "N/A; fail if a runtime silently introduces cache semantics",
+         check=_check_A5),
+    _row("A6", "Precision / rounding policy",
+         "AdaLN modulation computed in float32 and rounded once (cast point moved)",
+         "op override", drift_at("blocks.0.modulate1"), "off", "trajectory", "EXPECTED DRIFT at changed boundary",
+         probe=_probe_A6),
+    _row("A7", "KV block plan / merge order",
+         "attention over two KV blocks with bfloat16 partials merged in reverse order (a CP plan)", "op override",
+         drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT when order changes", probe=_probe_A7),
+    _distributed("C0", "TP partition preserving head mapping", "TP degree changed, logical ownership kept", "PASS",
+                 "PASS, byte-equal"),
+    _row("C1", "Sample alone vs packed batch row", "the request at batch position 1 of 2 beside another request",
+         "input change", PASS, "strict", "trajectory", "PASS, byte-equal", probe=_probe_C1),
+    _row("C2", "Prefill tail vs decode tail", "no autoregressive cache handoff in H3; runs H-C2 instead", "control",
+         Expected("N/A"), "strict", "trajectory", "N/A; replaced by H-C2", check=_check_C2),
+    # ---- 6.2 H3-specific probes
+    _row("H1", "Packed row order", "rows permuted, position_ids left unpermuted (illegal permutation)",
+         "layout change", drift_at("rope_cos", 0, "blocks.0.q_rope"), "off", "trajectory",
+         "packed_index_copy or first MM-RoPE/AdaLN use", probe=_probe_H1),
+    _row("H2", "Modality tag", "one target video row tagged audio", "layout change", drift_at("blocks.0.modulate1"),
+         "off", "trajectory", "first block AdaLN modulation", probe=_probe_H2),
+    _row("H3", "Timestep-table index", "one target video row's timestep index offset by one (every pass)",
+         "layout change", drift_at("blocks.0.modulate1"), "off", "trajectory", "first block AdaLN modulation",
+         probe=_probe_H3),
+    _row("H4", "AdaLN table layout", "blocks address the timestep-major table modality-major (tag*T + t_index)",
+         "op override", drift_at("blocks.0.modulate1"), "off", "trajectory", "first block AdaLN gather",
+         probe=_probe_H4),
+    _row("H5", "Partial MM-RoPE", "standard rotate-half RoPE over all head channels instead of 2*3*F",
+         "op override", drift_at("blocks.0.q_rope"), "off", "trajectory", "first layer Q/K after RoPE",
+         probe=_probe_H5),
+    _row("H6", "Q/K norm and RoPE order", "RoPE applied before the Q/K RMSNorm", "op override",
+         drift_at("blocks.0.q_norm"), "off", "trajectory", "first layer Q/K", probe=_probe_H6),
+    _row("H7", "Mixed precision", "the float32 video input projection computed in bfloat16", "op override",
+         drift_at("video_proj_in"), "off", "trajectory", "corresponding projection or timestep MLP", probe=_probe_H7),
+    _row("H8", "Attention document", "causal mask over the packed document", "op override",
+         drift_at("blocks.0.attention"), "off", "trajectory", "first attention softmax/output", probe=_probe_H8),
+    _row("H9", "Velocity sign", "x0 = x_t - sigma*v", "sampler change", drift_at("scheduler.video"), "off",
+         "trajectory", "first scheduler step", probe=_probe_H9),
+    _row("H10", "Timestep convention", "the model sees t = sigma instead of 1 - sigma", "sampler change",
+         drift_at("time_sinusoid"), "off", "trajectory", "timestep embedding before first block", probe=_probe_H10),
+    _row("H11", "Sigma grid", "generic flow-matching grid: shifted linspace(1, 1/1000) + terminal 0",
+         "sampler change", drift_at("schedule.video_sigmas", -1), "off", "trajectory",
+         "scheduler construction or first differing step", probe=_probe_H11),
+    _row("H12", "Dual scheduler ownership", "audio shares the video grid (shift 12)", "sampler change",
+         drift_at("schedule.audio_sigmas", -1), "off", "trajectory", "first modality whose sigma differs",
+         probe=_probe_H12),
+    _row("H13", "Euler arithmetic", "x_next = x_t + (sigma - sigma_next) * v (reordered expression)",
+         "sampler change", drift_at("scheduler.video"), "off", "trajectory", "scheduler step", probe=_probe_H13),
+    _row("H14", "Output-row selection", "stale selection index (every selected row one off)", "op override",
+         drift_at("video_out"), "off", "trajectory", "output selection", probe=_probe_H14),
+    _row("H15", "Conditioning augmentation", "anchor noise drawn from another seed", "input change",
+         drift_at("input.video"), "off", "trajectory", "input latent before transformer", probe=_probe_H15),
+    _row("H16", "Variant identity", "the Ref2VA transformer (transformer_ref/) runs the FL2VA layout",
+         "model change", drift_at("video_proj_in"), "off", "trajectory", "checkpoint mapping or packed input",
+         probe=_probe_H16),
+    _distributed("H17", "Distributed metadata", "hidden state sharded, metadata not", "DRIFT",
+                 "first local AdaLN/MM-RoPE use"),
+    # ---- 6.3 controls
+    _row("H-C0", "Repeat identical one-step model call", "one strict forward at pass 0, twice", "control", PASS,
+         "strict", "forward", "bitwise zero drift", probe=_probe_repeat("forward")),
+    _row("H-C1", "Request alone vs same batch row", "one strict forward: the request at batch position 0 of 3",
+         "input change", PASS, "strict", "forward", "bitwise zero drift", probe=_probe_HC1),
+    _row("H-C2", "Same initial noise, complete trajectory",
+         "the whole strict trajectory re-run from the same (sealed) inputs", "control", PASS, "strict", "trajectory",
+         "bitwise zero drift at every step", probe=_probe_sealed_replay),
+    _row("H-C3", "Canonical vs consistent row permutation",
+         "rows and every metadata tensor permuted; keys visited in canonical order", "layout change", PASS, "strict",
+         "trajectory", "outputs equal after inverse permutation", probe=_probe_HC3),
+    _distributed("H-C4", "TP1 vs TP2/TP4/TP8", "tensor-parallel degrees", "PASS", "bitwise zero drift"),
+    _distributed("H-C5", "CP1 vs accepted CP topology", "context-parallel topologies", "PASS", "bitwise zero drift"),
+    _row("H-C6", "Gradient checkpointing off vs on", "training forward + backward of a fixed probe loss",
+         "model change", PASS, "off", "forward", "byte-equal forward and accepted gradient profile", probe=_probe_HC6),
+    _row("H-C7", "FL2VA/Ref2VA repeated preprocessing", "layouts, sealed inputs and component hashes built twice",
+         "control", PASS, "off", "-", "identical packed-layout artifact and component hashes", check=_check_HC7),
+)}
+
+ORDER = tuple(ROWS)
+
+
+# ================================================================================================ running rows
+def _distributed_entry() -> Callable[..., Any] | None:
+    """`h3lab.distributed.run_ablation_row(name, bench, mode)` once the distributed room provides it."""
+    try:
+        from . import distributed
+    except ImportError:
+        return None
+    return getattr(distributed, "run_ablation_row", None)
+
+
+def _observe(expected: Expected, report: DriftReport) -> tuple[str, str, bool]:
+    if report.equal:
+        status, observed = "PASS", f"PASS byte-equal ({report.compared} points compared)"
+    else:
+        status, observed = "DRIFT", f"DRIFT at {report.first}"
+        if report.first_in_block is not None and report.first_in_block.point != report.first.point:
+            observed += f"; first in-block drift {report.first_in_block.point}"
+    if expected.kind == "PASS":
+        return status, observed, report.equal
+    if expected.kind == "DRIFT":
+        ok = (not report.equal and report.first.point == expected.point and report.first.step == expected.step)
+        if ok and expected.block_point is not None:
+            ok = report.first_in_block is not None and report.first_in_block.point == expected.block_point
+        return status, observed, ok
+    return status, observed, False
+
+
+def _compared(row: Ablation, bench: Bench, mode: str) -> tuple[DriftReport, str | None]:
+    """The drift report of a comparison row, cached in the bench per (probe, mode): rows built on the same probe
+    (A0 and H-C2 both replay the sealed reference) share one comparison. Also the replay's recorded digest when the
+    probe arm records one."""
+    key = ("report", row.probe, mode)
+    if key not in bench.cache:
+        a, b = row.probe(bench, mode)
+        reference = None
+        plain = not (a.hooks or a.overrides or a.stepper or a.grad or a.checkpointing is not None or a.row_map)
+        if plain and a.model is bench.model and a.inputs is bench.inputs and a.schedule is bench.schedule:
+            reference = bench.reference_capture(mode, a.scope, a.forward_pass)
+        report = compare(a, b, reference=reference)
+        bench.cache[key] = (report, b.recorder.finish().digest if b.recorder is not None else None)
+    return bench.cache[key]
+
+
+def run_ablation(name: str, bench: Bench | None = None, mode: str | None = None) -> dict[str, Any]:
+    """Run one row (see the module docstring for the result dict). `mode` overrides the row's mode."""
+    if name not in ROWS:
+        raise AblationError(f"ablation {name!r}: must be one of {', '.join(ORDER)}")
+    row = ROWS[name]
+    mode = runtime.check_mode(mode) if mode is not None else row.mode
+    bench = bench if bench is not None else tiny_bench()
+    out: dict[str, Any] = {
+        "name": row.name, "factor": row.factor, "description": row.description, "apply": row.apply, "mode": mode,
+        "scope": row.scope, "expected": row.expected.describe(), "expected_signature": row.expected.to_dict(),
+        "rfc": row.rfc, "observed": "", "status": "", "first_drift": None, "first_in_block": None, "passed": None,
+        "report": None, "seconds": 0.0,
+    }
+    start = time.perf_counter()
+    try:
+        if row.expected.kind == "DISTRIBUTED":
+            entry = _distributed_entry()
+            if entry is None:
+                out.update(status="NEEDS DISTRIBUTED", passed=None,
+                           observed="needs distributed: h3lab.distributed provides no run_ablation_row yet (not run)")
+            else:
+                out.update(entry(name, bench, mode))
+        elif row.check is not None:
+            status, observed, passed, report = row.check(bench, mode)
+            out.update(status=status, observed=observed, passed=passed,
+                       report=report.to_dict() if report is not None else None)
+        else:
+            report, replay_digest = _compared(row, bench, mode)
+            status, observed, passed = _observe(row.expected, report)
+            if replay_digest is not None and passed:
+                sealed = bench.cache[("sealed", mode)]
+                passed = replay_digest == sealed.digest
+                observed += f"; replay digest {'==' if passed else '!='} sealed digest {sealed.digest[:16]}"
+            out.update(status=status, observed=observed, passed=passed, report=report.to_dict(),
+                       first_drift=report.first.to_dict() if report.first else None,
+                       first_in_block=report.first_in_block.to_dict() if report.first_in_block else None)
+    except DriftError as exc:
+        ok = row.expected.kind == "REJECTED"
+        out.update(status="REJECTED", observed=f"REJECTED: {exc}", passed=ok)
+    except Exception as exc:  # a row that cannot run is reported, never silently passed
+        out.update(status="ERROR", observed=f"ERROR {type(exc).__name__}: {exc}", passed=False)
+    out["seconds"] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def run_matrix(
+    bench: Bench | None = None, names: list[str] | tuple[str, ...] | None = None, modes: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Every row (or `names`) in RFC order; `modes` overrides the mode of named rows."""
+    bench = bench if bench is not None else tiny_bench()
+    names = ORDER if names is None else tuple(names)
+    modes = modes or {}
+    return [run_ablation(n, bench, modes.get(n)) for n in names]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts: passed, failed, not run (needs distributed), and the names of failed rows."""
+    return {
+        "rows": len(rows),
+        "passed": sum(r["passed"] is True for r in rows),
+        "failed": [r["name"] for r in rows if r["passed"] is False],
+        "not_run": [r["name"] for r in rows if r["passed"] is None],
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of the matrix (REPL `!ablate`, reports)."""
+    lines = [f"{'row':6} {'mode':6} {'ok':5} {'expected':58} observed"]
+    for r in rows:
+        ok = {True: "yes", False: "NO", None: "-"}[r["passed"]]
+        lines.append(f"{r['name']:6} {r['mode']:6} {ok:5} {r['expected'][:58]:58} {r['observed']}")
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""The RFC ablation matrix on the tiny snapshot: every row declared, every row run in its declared mode, and every
+row's observed signature equal to its expected one (the localiser's first drift *is* the expected operator and pass);
+rows that need several ranks say so and are never counted as passed."""
+
+import json
+
+import pytest
+
+from h3lab import ablation as A
+
+RFC_ROWS = (
+    [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
+    + [f"H-C{i}" for i in range(8)]
+)
+DISTRIBUTED = {"A4", "C0", "H17", "H-C4", "H-C5"}
+KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_snapshot):
+    return A.tiny_bench(str(tiny_snapshot))
+
+
+@pytest.fixture(scope="module")
+def matrix(bench):
+    return {row["name"]: row for row in A.run_matrix(bench)}
+
+
+def test_every_rfc_row_is_declared():
+    assert list(A.ORDER) == RFC_ROWS
+    for name, row in A.ROWS.items():
+        assert row.factor and row.description and row.rfc and row.apply
+        assert row.expected.kind in A.KINDS and row.mode in ("off", "strict")
+        assert (row.expected.kind == "DISTRIBUTED") == (name in DISTRIBUTED)
+        if row.expected.kind == "DRIFT":
+            assert row.expected.point and row.expected.step is not None
+        if name not in DISTRIBUTED:
+            assert (row.probe is None) != (row.check is None)
+    # the strict promises run strict
+    assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
+        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3"}
+
+
+@pytest.mark.parametrize("name", RFC_ROWS)
+def test_row_matches_its_expected_signature(matrix, name):
+    row = matrix[name]
+    assert KEYS <= set(row)
+    json.dumps(row)
+    if name in DISTRIBUTED:
+        assert row["passed"] is None and row["status"] == "NEEDS DISTRIBUTED"
+        return
+    assert row["passed"] is True, f"{name}: expected {row['expected']}, observed {row['observed']}"
+    exp = A.ROWS[name].expected
+    if exp.kind == "DRIFT":
+        f = row["first_drift"]
+        assert (f["point"], f["step"]) == (exp.point, exp.step)
+        if exp.block_point:
+            assert row["first_in_block"]["point"] == exp.block_point
+        if f["rows"] in ("packed", "video", "audio", "text"):
+            assert f["packed_row"] is not None and f["modality"] in ("text", "video", "audio")
+        if exp.step >= 0 and f["note"] != "shapes differ":  # H10: the model sees other distinct timesteps
+            assert f["max_abs"] > 0 and f["rel_l2"] > 0
+    elif exp.kind == "PASS" and row["report"] is not None:
+        assert row["report"]["equal"] and row["first_drift"] is None and row["report"]["compared"] > 80
+
+
+def test_planted_rows_point_at_the_perturbed_row(matrix, bench):
+    row = int(bench.layout.video_indices[bench.layout.num_condition_video_rows])
+    for name in ("H2", "H3", "A1"):
+        f = matrix[name]["first_drift"]
+        assert (f["packed_row"], f["modality"]) == (row, "video"), name
+        assert f["rows_differing"] == 1, name
+    # H15 changes only the conditioning rows, H14 every selected row
+    assert matrix["H15"]["first_drift"]["rows_differing"] == bench.layout.num_condition_video_rows
+    assert matrix["H14"]["first_drift"]["rows_differing"] == bench.layout.video_indices.numel()
+    # H1 leaves position_ids behind: the metadata comparison says so
+    assert {m["name"] for m in matrix["H1"]["report"]["metadata"]} == {"position_ids"}
+
+
+def test_summary_counts_and_table(matrix):
+    rows = [matrix[n] for n in RFC_ROWS]
+    s = A.summarize(rows)
+    assert s == {"rows": 36, "passed": 31, "failed": [], "not_run": sorted(DISTRIBUTED, key=RFC_ROWS.index)}
+    table = A.format_table(rows)
+    assert table.count("\n") == 36 and "needs distributed" in table
+
+
+def test_a_wrong_expectation_fails(bench, matrix):
+    """The matching is strict: the H5 drift report checked against PASS, or against another operator, fails."""
+    report, _ = bench.cache[("report", A.ROWS["H5"].probe, "off")]
+    assert A._observe(A.PASS, report)[2] is False
+    assert A._observe(A.drift_at("blocks.0.k_rope"), report)[2] is False
+    assert A._observe(A.drift_at("blocks.0.q_rope", 1), report)[2] is False
+    assert A._observe(A.drift_at("blocks.0.q_rope", 0), report)[2] is True
+
+
+def test_unknown_row_raises(bench):
+    with pytest.raises(A.AblationError, match="H18"):
+        A.run_ablation("H18", bench)
+    with pytest.raises(ValueError, match="mode"):
+        A.run_ablation("H5", bench, mode="fast")
