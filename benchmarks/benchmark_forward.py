@@ -238,7 +238,8 @@ def main() -> None:
             playout = layout.permute(perm)
             pinputs = dict(inputs)
             unique_t, t_idx = playout.row_timesteps(0.3, 0.55)
-            pinputs.update(timestep=unique_t.to(device), timestep_indices=t_idx.to(device), **playout.model_inputs(device))
+            pinputs.update(timestep=unique_t.to(device), timestep_indices=t_idx.to(device), **playout.model_inputs(device),
+                           key_order=playout.key_order().to(device))
             v0, a0 = h3("strict", inputs)
             v1, a1 = h3("strict", pinputs)
             equal = bool(torch.equal(v0, v1) and torch.equal(a0, a1))

@@ -27,9 +27,8 @@ The invariance promises run in ``strict``: A0 (shared replay from the sealed art
 a row of a packed batch — only strict promises batch invariance: torch is not batch-invariant on a GPU, nor on a CPU
 with two threads, where the float32 `audio_proj_in` GEMM of a 2-item batch differs in the last bit from the
 1-item one), H-C0 / H-C2 (repeat),
-H-C3 (consistent permutation: strict attention visits keys in the layout's canonical order — the op-table
-`attention(q, k, v)` has no key order, so the probe arm passes `key_order = layout.canonical_order()` to the strict
-kernel through an override). H-C6 (checkpointing) runs in ``off`` by default: on CPU a strict backward through the
+H-C3 (consistent permutation: the permuted layout's sealed inputs carry its `key_order()`, so attention visits
+keys in canonical order and the outputs permute byte for byte). H-C6 (checkpointing) runs in ``off`` by default: on CPU a strict backward through the
 Triton interpreter costs ~25 s per step; `run_ablation("H-C6", mode="strict")` runs it strict (GPU).
 `modes={"H5": "strict"}` (or `mode=`) overrides any row.
 
@@ -289,9 +288,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def _packed_attention(seq_len: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Attention override that applies `fn` to the packed document (S rows) and the mode's op to the refiner."""
 
-    def attention(q, k, v):
+    def attention(q, k, v, key_order=None):
         if q.shape[1] != seq_len:
-            return _mode_op("attention")(q, k, v)
+            return _mode_op("attention")(q, k, v, key_order)
         return fn(q, k, v)
 
     return attention
@@ -311,24 +310,6 @@ def _split_kv_reversed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     lse = torch.logsumexp(torch.cat([p[1] for p in parts], dim=-1), dim=-1, keepdim=True)
     out = sum(p[0].float() * torch.exp(p[1] - lse) for p in parts)
     return out.to(q.dtype).permute(0, 2, 1, 3).contiguous()
-
-
-def _canonical_key_attention(order: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """Attention over a consistently permuted packed document that visits keys in canonical order: strict passes
-    `key_order` to the strict kernel; off/audit gathers K and V into canonical order for the torch op. The refiner's
-    text-only attention keeps its (unpermuted) order."""
-
-    def attention(q, k, v):
-        if q.shape[1] != order.numel():
-            return _mode_op("attention")(q, k, v)
-        if runtime.current_mode() in ("strict", "auto"):
-            from h3kernels import attention as strict_attention
-
-            return strict_attention.attention(q, k, v, key_order=order.to(q.device))
-        idx = order.to(q.device)
-        return runtime.attention(q, k.index_select(1, idx), v.index_select(1, idx))
-
-    return attention
 
 
 class _NegatedVelocity(ScheduleStepper):
@@ -627,8 +608,9 @@ def _probe_HC3(bench, mode):
     layout = bench.layout.permute(_permutation(bench.inputs.seq_len, 13))
     order = layout.canonical_order()
     ref = bench.reference(mode)
+    # The permuted layout's sealed inputs carry its key_order, so attention visits keys canonically: no override.
     return ref, ref.replace(inputs=bench.inputs_for(layout=layout), row_map=RowMap(packed_order=order),
-                            overrides={"attention": _canonical_key_attention(order)}, label="H-C3 permuted")
+                            label="H-C3 permuted")
 
 
 def _probe_HC6(bench, mode):

@@ -421,6 +421,12 @@ class PackedLayout:
         `layout.permute(order)` is canonical and `packed_tensor[..., order, :]` maps packed rows back."""
         return torch.argsort(self.canonical_rows)
 
+    def key_order(self) -> torch.Tensor | None:
+        """The attention key order the model needs for this layout: None for a layout in canonical order (packed
+        order is canonical), else `canonical_order()` — keys visited canonically make a consistent permutation
+        permute the outputs byte for byte (H-C3)."""
+        return None if self.is_canonical else self.canonical_order()
+
     def permute(self, perm, leave_behind: str | Iterable[str] = ()) -> "PackedLayout":
         """New layout with row i = old row perm[i]. Legal (default): every per-row tensor gathered by perm and the
         index tensors remapped, so the streams keep their row order. `leave_behind`: names from `PERMUTABLE`

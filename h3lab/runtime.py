@@ -97,9 +97,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x_rot, x_pass), dim=-1).contiguous()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_order: torch.Tensor | None = None) -> torch.Tensor:
     """Non-causal, unmasked attention over one packed document. q, k, v: (B, S, H, D) -> (B, S, H, D), scale
-    1/sqrt(D). The same call Diffusers' native backend makes."""
+    1/sqrt(D). The same call Diffusers' native backend makes.
+
+    `key_order` (S,) int64, optional: the canonical order in which keys are visited (`PackedLayout.key_order()`:
+    the packed position of canonical row 0, 1, ...). None means packed order, which *is* canonical for a layout in
+    canonical order — the released case, bit-equal to Diffusers. For a consistently permuted layout, visiting keys
+    in canonical order is what makes the output bytes permute with the rows (H-C3); here K and V are gathered into
+    that order before the torch op, strict kernels read them through the order directly."""
+    if key_order is not None:
+        k, v = k.index_select(1, key_order), v.index_select(1, key_order)
     out = F.scaled_dot_product_attention(
         q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
     )

@@ -203,6 +203,7 @@ class DenoiseInputs:
     layout_sha256: str = ""
     seeds: dict = field(default_factory=dict)
     task: str = ""
+    key_order: torch.Tensor | None = None  # (S,) canonical attention key order; None for a canonical layout
 
     _LAYOUT_KEYS = ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices")
 
@@ -261,6 +262,7 @@ class DenoiseInputs:
             num_condition_video_rows=int(layout.num_condition_video_rows),
             num_condition_audio_rows=int(layout.num_condition_audio_rows),
             layout_sha256=layout.sha256(), seeds=dict(seeds or {}), task=str(getattr(layout, "task", "")),
+            key_order=layout.key_order(),
         )
 
     def replace(self, **changes: Any) -> "DenoiseInputs":
@@ -273,6 +275,7 @@ class DenoiseInputs:
             token_tags=mv(self.token_tags), video_indices=mv(self.video_indices),
             audio_indices=mv(self.audio_indices), text_indices=mv(self.text_indices),
             plan=[(mv(t), mv(i)) for t, i in self.plan],
+            key_order=None if self.key_order is None else mv(self.key_order),
         )
 
     def layout_kwargs(self) -> dict[str, torch.Tensor]:
@@ -281,6 +284,8 @@ class DenoiseInputs:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat name -> tensor dict of everything sealed (safetensors keys)."""
         out = {"text": self.text, "video": self.video, "audio": self.audio, **self.layout_kwargs()}
+        if self.key_order is not None:
+            out["key_order"] = self.key_order
         for i, (t, idx) in enumerate(self.plan):
             out[f"plan.{i:04d}.timestep"] = t
             out[f"plan.{i:04d}.timestep_indices"] = idx
@@ -309,7 +314,7 @@ class DenoiseInputs:
                 num_condition_video_rows=int(meta["num_condition_video_rows"]),
                 num_condition_audio_rows=int(meta["num_condition_audio_rows"]),
                 layout_sha256=str(meta.get("layout_sha256", "")), seeds=dict(meta.get("seeds", {})),
-                task=str(meta.get("task", "")),
+                task=str(meta.get("task", "")), key_order=tensors.get("key_order"),
             )
         except KeyError as exc:
             raise TrajectoryError(f"sealed inputs lack tensor {exc.args[0]!r}: the inputs file is incomplete") from None
@@ -352,6 +357,8 @@ def model_forward(model: Any, inputs: DenoiseInputs, video: torch.Tensor, audio:
     """One transformer forward of pass i over the packed layout; works for `H3Transformer` and Diffusers'
     `MiniMaxH3Transformer3DModel` (whose output object is unpacked)."""
     timestep, timestep_indices = inputs.plan[i]
+    # Diffusers' model has no key_order; it only ever sees canonical layouts (packed order = canonical order).
+    extra = {} if inputs.key_order is None else {"key_order": inputs.key_order}
     out = model(
         hidden_states=video,
         audio_hidden_states=audio,
@@ -359,6 +366,7 @@ def model_forward(model: Any, inputs: DenoiseInputs, video: torch.Tensor, audio:
         timestep=timestep,
         timestep_indices=timestep_indices,
         **inputs.layout_kwargs(),
+        **extra,
     )
     if isinstance(out, tuple):
         return out[0], out[1]

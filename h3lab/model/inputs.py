@@ -113,3 +113,15 @@ def check_inputs(
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise ModelInputError(f"{name} holds {bad}: each value must be {rule} (bound {limit})")
+
+
+def check_key_order(key_order, position_ids) -> None:
+    """`key_order` must be an int64 (S,) permutation of 0..S-1 on the inputs' device (checked once per forward)."""
+    seq_len = position_ids.shape[0]
+    if not isinstance(key_order, torch.Tensor) or key_order.dtype != torch.int64 or tuple(key_order.shape) != (seq_len,):
+        got = f"{key_order.dtype} {list(key_order.shape)}" if isinstance(key_order, torch.Tensor) else type(key_order).__name__
+        raise ModelInputError(f"key_order is {got}: must be an int64 tensor of shape ({seq_len},)")
+    if key_order.device != position_ids.device:
+        raise ModelInputError(f"key_order is on {key_order.device}: must be on {position_ids.device} with the layout")
+    if not torch.equal(torch.sort(key_order).values, torch.arange(seq_len, device=key_order.device)):
+        raise ModelInputError(f"key_order is not a permutation of 0..{seq_len - 1}")

@@ -19,13 +19,16 @@ from .hooks import BLOCK_POINTS, REFINER_POINTS, HookRegistry
 
 
 class Run:
-    """What one forward threads through the blocks: the op table and the hook registry (None when empty)."""
+    """What one forward threads through the blocks: the op table, the hook registry (None when empty) and the
+    canonical key order of the packed document (None = packed order; only the block stack's attention uses it —
+    the token refiner attends over the text rows alone)."""
 
-    __slots__ = ("ops", "hooks")
+    __slots__ = ("ops", "hooks", "key_order")
 
-    def __init__(self, ops, hooks: HookRegistry | None):
+    def __init__(self, ops, hooks: HookRegistry | None, key_order: torch.Tensor | None = None):
         self.ops = ops
         self.hooks = hooks
+        self.key_order = key_order
 
 
 # ------------------------------------------------------------------------------------------- parameter holders
@@ -136,7 +139,9 @@ class Attention(nn.Module):
             if hooks:
                 k = hooks.fire(pt["k_rope"], k)
 
-        o = ops.attention(q, k, v, point=pt["attention"])  # (B, S, H, D)
+        # Keys in canonical order over the packed document (blocks); the refiner's text document keeps its own order.
+        key_order = run.key_order if rope is not None else None
+        o = ops.attention(q, k, v, key_order, point=pt["attention"])  # (B, S, H, D)
         if hooks:
             o = hooks.fire(pt["attention"], o)
         o = o.flatten(2, 3).type_as(q)  # (B, S, inner); Diffusers' type_as (a no-op: attention keeps q's dtype)

@@ -36,7 +36,7 @@ from torch import nn
 from .. import runtime
 from ..config import NUM_MODALITIES, H3Config
 from .hooks import HookFn, HookPoint, HookRegistry, hook_points
-from .inputs import ModelInputError, check_inputs
+from .inputs import ModelInputError, check_inputs, check_key_order
 from .layers import AdaLNOut, Linear, RotaryTable, Run, TimestepMLP, TokenRefiner, TransformerBlock
 from .precision import check_policy, policy_dtype
 
@@ -129,8 +129,14 @@ class H3Transformer(nn.Module):
         text_indices: torch.Tensor,  # (Nt,)
         attention_kwargs: dict | None = None,
         return_dict: bool = False,
+        key_order: torch.Tensor | None = None,  # (S,) int64 canonical key order (PackedLayout.key_order())
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Video (B, Nv, video_patch_dim) and audio (B, Na, audio_in_channels) velocities, rows in index order.
+
+        `key_order` (an h3lab extension of Diffusers' signature): the packed position of canonical row 0, 1, ...;
+        the block stack's attention visits keys in that order. None (the default, and what a canonical layout
+        gives) is packed order. Passing a consistently permuted layout together with its `key_order` makes every
+        packed-row intermediate permute with the rows and leaves the selected outputs byte-identical in strict mode.
 
         `attention_kwargs` and `return_dict` exist only so Diffusers' denoise loop can call this model unchanged
         (it passes `attention_kwargs=None, return_dict=False`): there are no LoRA layers, so a LoRA scale other than
@@ -153,9 +159,11 @@ class H3Transformer(nn.Module):
                 f"rope.inv_freq is {inv_freq.dtype} on {inv_freq.device}: must be float32 on a real device "
                 "(call model.reset_buffers(device) after loading; cast with apply_dtype_policy, not .to(dtype))"
             )
+        if key_order is not None:
+            check_key_order(key_order, position_ids)
         ops = runtime.ops(device=hidden_states.device, fingerprint=self.fingerprint)
         hooks = self._hooks if self._hooks else None
-        run = Run(ops, hooks)
+        run = Run(ops, hooks, key_order)
         seq_len = position_ids.shape[0]
 
         # 1. Per-modality input projections, each input cast to its projection's dtype (float32 video/audio heads,
