@@ -1,0 +1,411 @@
+"""Strict norm / elementwise / RoPE / timestep / packing kernels vs the torch reference ops on the H3 shapes.
+
+    python benchmarks/benchmark_elementwise.py --out benchmarks/results/elementwise.json     # H200
+    python benchmarks/benchmark_elementwise.py --dry-run --out /tmp/elementwise.json         # CPU interpreter, tiny
+    python benchmarks/benchmark_elementwise.py --sweep ...                                   # + rms_norm tile sweep
+
+Rows M in {2066, 7272} (512x512x22f and 864x480x56f), batch 1, hidden 5376, 56 heads x 128 (96 rotated), FFN 14336,
+bfloat16 activations as released (float32 where the model is float32: silu on the timestep MLP, the RoPE tables,
+the sinusoid, the video/audio projections that `pack_rows` casts, the output heads `select_rows` reads).
+Each op is timed as the model calls it (host-side checks included) against `h3lab.runtime`'s reference op in the
+same process, two ways: `median_s` = `triton.testing.do_bench` (eager, L2 flushed between runs, median of all runs),
+which for ops of tens of microseconds measures Python launch overhead as much as the GPU; `gpu_s` = device time per
+call of 20 back-to-back calls queued behind a GPU sleep (`measure_gpu`), the time that counts inside a forward where
+the host runs ahead of the GPU. `ratio` = strict / torch on `gpu_s`, `ratio_eager` on `median_s`.
+GB/s = bytes_moved / gpu_s, bytes_moved = every input read once + every output written once (the formula is in
+each row's `bytes_formula`). Backward rows time `torch.autograd.grad` of the op alone.
+Checks stored on the strict rows: `ref_equal` (bytes equal to the torch reference on this GPU), `rows_equal` (the
+first row alone, the first half of the rows, and rows 7..M -- every row at another position in its tile -- give the
+bytes of the full call), `repeat_equal`, `bwd_repeat_equal`
+(two backward runs), and `rel_l2_vs_fp32` for strict and torch alike (against the float32 reference math).
+`ptx` lists, per strict kernel, the count of approximate / contracted PTX instructions (`.approx`, `div.full`,
+`fma`) in its compiled code — libdevice functions (exp / sin / cos) contain fma by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, HEADS, HEAD_DIM, ROTARY, FFN, FREQ_DIM, TIMESTEPS = 5376, 56, 128, 96, 14336, 256, 2
+ROWS = (2066, 7272)
+# (text, video, audio) rows of the two layouts: illustrative splits with the released proportions.
+SPLITS = {2066: (493, 1536, 37), 7272: (1508, 5670, 94), 3: (1, 1, 1), 67: (20, 40, 7)}
+DRY = dict(HIDDEN=24, HEADS=2, HEAD_DIM=16, ROTARY=12, FFN=40, FREQ_DIM=16)
+DRY_ROWS = (3, 67)
+
+
+# ------------------------------------------------------------------------------------------------- plumbing
+def bootstrap(dry_run: bool) -> None:
+    """Make `h3lab` / `h3kernels` importable from a bare checkout (the GPU image has no editable install); the
+    interpreter must be chosen before triton is imported."""
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        import h3kernels  # noqa: F401
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            "h3kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["h3kernels"] = module
+        spec.loader.exec_module(module)
+
+
+def git_rev() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("H3LAB_GIT_REV", "unknown")
+
+
+def header(argv: list[str]) -> dict:
+    import torch
+    import triton
+
+    return {
+        "name": "elementwise",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_rev": git_rev(),
+        "command": " ".join(["python", "benchmarks/benchmark_elementwise.py", *argv]),
+        "results": [],
+    }
+
+
+def measure(fn, device: str) -> dict:
+    """{"median_s", "runs", "peak_mem_gib"} of fn(): do_bench on CUDA, 3 timed calls after a warm-up on CPU."""
+    import torch
+
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times_ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        return {"median_s": statistics.median(times_ms) / 1e3, "runs": len(times_ms), "peak_mem_gib": round(peak, 3)}
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "runs": len(times), "peak_mem_gib": 0.0}
+
+
+def measure_gpu(fn, device: str, reps: int = 20, trials: int = 7) -> float | None:
+    """Median device seconds per call of fn() issued back to back with the launch queue pre-filled: a
+    `torch.cuda._sleep` keeps the GPU busy while the host enqueues `reps` calls, so events around them time the
+    kernels and not Python's launch overhead (inputs stay L2-warm across the reps). None on CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: longer than enqueueing reps calls
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def _flat(out):
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    return all(torch.equal(x, y) for x, y in zip(_flat(a), _flat(b)))
+
+
+def _rel_l2(out, truth) -> float:
+    num = sum(float((o.double() - t.double()).norm() ** 2) for o, t in zip(_flat(out), _flat(truth)))
+    den = sum(float(t.double().norm() ** 2) for t in _flat(truth))
+    return (num / den) ** 0.5 if den else 0.0
+
+
+# -------------------------------------------------------------------------------------------------- the cases
+def cases(m: int, device: str, dims: dict):
+    """One dict per op at m packed rows: args, reference math (float32), bytes moved, row slicing for rows_equal,
+    and which args get gradients."""
+    import torch
+
+    from h3kernels import elementwise, modulate, packing, rms_norm, rope, timestep
+    from h3lab import runtime
+
+    hid, heads, hd, rot, ffn, fdim = (dims[k] for k in ("HIDDEN", "HEADS", "HEAD_DIM", "ROTARY", "FFN", "FREQ_DIM"))
+    gen = torch.Generator(device=device).manual_seed(m)
+    bf = torch.bfloat16
+
+    def rnd(*shape, dtype=bf, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+    def idx(n, hi):
+        return torch.randint(0, hi, (n,), device=device, generator=gen)
+
+    r_tab = 3 * TIMESTEPS
+    index = idx(m, r_tab)
+    tables = rnd(r_tab, 6 * hid, scale=0.3).chunk(6, dim=-1)  # the AdaLN projection, chunked as the model does
+    nt, nv, na = SPLITS[m]
+    perm = torch.randperm(m, device=device, generator=gen)
+    ti, vi, ai = perm[:nt].contiguous(), perm[nt : nt + nv].contiguous(), perm[nt + nv :].contiguous()
+    f_rope = rot // 6
+    pos = torch.stack([idx(m, 14), idx(m, 27), idx(m, 45)], dim=-1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * f_rope, 2, dtype=torch.float32, device=device) / (2 * f_rope)))
+    cos, sin = runtime.rope_table(pos, inv_freq)
+    x_h, x_qk = rnd(1, m, hid), rnd(1, m, heads, hd)
+    w_h, w_qk = rnd(hid, scale=0.1) + 1, rnd(hd, scale=0.1) + 1
+    t = torch.rand(TIMESTEPS, device=device, generator=gen)
+    out = []
+
+    def case(name, op, args, truth, nbytes, formula, rows=None, grads=(), shape=None):
+        out.append(dict(name=name, op=op, args=args, truth=truth, bytes=nbytes, formula=formula, rows=rows,
+                        grads=grads, shape=shape or "x".join(str(s) for s in args[0].shape)))
+
+    # row slicers: sl -> args restricted to packed rows sl (a slice), for the rows_equal check
+    sl_b1 = lambda sl: lambda a: (a[0][:, sl].contiguous(), *a[1:])  # noqa: E731
+    case("rms_norm", "rms_norm", (x_h, w_h, 1e-5), lambda a: rms_norm.reference(*a), 4 * m * hid + 2 * hid,
+         "2*(M*D read + M*D write) bf16", sl_b1, grads=(0, 1))
+    case("qk_norm", "rms_norm", (x_qk, w_qk, 1e-5), lambda a: rms_norm.reference(*a), 4 * m * heads * hd,
+         "2*(M*H*D read + write) bf16", sl_b1, grads=(0, 1))
+
+    def sl_index(sl):
+        return lambda a: (a[0][:, sl].contiguous(), a[1], a[2], a[3][sl].contiguous())
+
+    case("modulate", "modulate", (x_h, tables[1], tables[0], index), lambda a: modulate.reference_modulate(*a),
+         4 * m * hid + 8 * m, "2*(M*D read + M*D write) + 8*M index", sl_index, grads=(0, 1, 2))
+    y_h = rnd(1, m, hid)
+    case("gated_residual", "gated_residual", (x_h, tables[2], index, y_h),
+         lambda a: modulate.reference_gated_residual(*a), 6 * m * hid + 8 * m, "2*3*M*D + 8*M",
+         lambda sl: lambda a: (a[0][:, sl].contiguous(), a[1], a[2][sl].contiguous(), a[3][:, sl].contiguous()),
+         grads=(0, 1, 3))
+    case("add", "add", (x_h, y_h), lambda a: elementwise.reference_add(*a), 6 * m * hid, "2*3*M*D",
+         lambda sl: lambda a: (a[0][:, sl].contiguous(), a[1][:, sl].contiguous()), grads=(0, 1))
+    case("swiglu", "swiglu", (rnd(1, m, 2 * ffn),), lambda a: elementwise.reference_swiglu(*a), 2 * m * 3 * ffn,
+         "2*(M*2F read + M*F write)", sl_b1, grads=(0,))
+    case("silu_temb", "silu", (rnd(TIMESTEPS, hid, dtype=torch.float32),), lambda a: elementwise.reference_silu(*a),
+         8 * TIMESTEPS * hid, "4*2*T*D float32 (the real call: launch-bound)", None)
+    case("silu_wide", "silu", (rnd(1, m, ffn),), lambda a: elementwise.reference_silu(*a), 4 * m * ffn,
+         "2*2*M*F bf16 (bandwidth probe)", sl_b1, grads=(0,))
+    case("rope", "rope", (x_qk, cos, sin), lambda a: rope.reference_rope(*a), 4 * m * heads * hd + 8 * m * rot,
+         "2*2*M*H*D + 2*4*M*R tables",
+         lambda sl: lambda a: (a[0][:, sl].contiguous(), a[1][sl].contiguous(), a[2][sl].contiguous()), grads=(0,))
+    case("rope_table", "rope_table", (pos, inv_freq), lambda a: rope.reference_rope_table(*a, dtype=torch.float64),
+         24 * m + 8 * m * rot, "8*3*M positions + 2*4*M*R", lambda sl: lambda a: (a[0][sl].contiguous(), a[1]),
+         shape=f"{m}x3")
+    case("timestep_embedding", "timestep_embedding", (t, fdim), lambda a: timestep.reference(*a),
+         4 * TIMESTEPS + 4 * TIMESTEPS * fdim, "4*T + 4*T*dim (launch-bound)", None, shape=f"{TIMESTEPS}x{fdim}")
+    parts = ((ti, rnd(1, nt, hid)), (vi, rnd(1, nv, hid, dtype=torch.float32)), (ai, rnd(1, na, hid, dtype=torch.float32)))
+    case("pack_rows", "pack_rows", (m, *parts), lambda a: packing.reference_pack_rows(*a),
+         2 * nt * hid + 4 * (nv + na) * hid + 2 * m * hid, "2*Nt*D + 4*(Nv+Na)*D + 2*M*D", None,
+         shape=f"{m}x{hid}", grads=())
+    head_out = rnd(1, m, 96, dtype=torch.float32)
+    case("select_rows", "select_rows", (head_out, vi), lambda a: packing.reference_select_rows(*a), 8 * nv * 96,
+         "2*4*Nv*96 float32", None, grads=(0,))
+    return out
+
+
+def _ratios(pair: list[dict]) -> None:
+    """strict / torch: `ratio` on device time (graph replay) where both have it, `ratio_eager` as called."""
+    s, t = pair
+    s["ratio_eager"] = s["median_s"] / t["median_s"]
+    s["ratio"] = s["gpu_s"] / t["gpu_s"] if s["gpu_s"] and t["gpu_s"] else s["ratio_eager"]
+
+
+def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
+    import torch
+
+    from h3kernels import registry
+    from h3lab import runtime
+
+    strict, ref = registry.STRICT_OPS[c["op"]], runtime.REFERENCE_OPS[c["op"]]
+    args = c["args"]
+    info = strict.check(*args)
+    truth = c["truth"](args)
+    ys, yr = strict.run(*args), ref(*args)
+    rows = []
+    for impl, fn, y in (("h3lab-strict", strict.run, ys), ("h3lab-off", ref, yr)):
+        row = {"shape": c["shape"], "rows": m, "impl": impl, "op": c["op"], "case": c["name"], "pass": "forward",
+               "bytes_moved": c["bytes"], "bytes_formula": c["formula"], "rel_l2_vs_fp32": _rel_l2(y, truth),
+               **measure(lambda fn=fn: fn(*args), device), "gpu_s": measure_gpu(lambda fn=fn: fn(*args), device)}
+        row["gb_s"] = c["bytes"] / (row["gpu_s"] or row["median_s"]) / 1e9
+        if impl == "h3lab-strict":
+            row.update(kernel_id=info["kernel_id"], tile=info["tile"], acc_dtype=info["acc_dtype"])
+            row["ref_equal"] = _equal(ys, yr)
+            row["repeat_equal"] = _equal(strict.run(*args), ys)
+            if c["rows"] is not None:
+                # first row alone, first half, and rows 7.. (shifts every row's position inside its tile)
+                ok = True
+                for sl in (slice(0, 1), slice(0, m // 2 + 1), slice(min(7, m - 1), m)):
+                    part = strict.run(*c["rows"](sl)(args))
+                    ok &= all(torch.equal(p, (f[:, sl] if f.dim() > 2 else f[sl])) for p, f in zip(_flat(part), _flat(ys)))
+                row["rows_equal"] = bool(ok)
+        rows.append(row)
+    _ratios(rows)
+    if backward and c["grads"]:
+        bwd = []
+        for impl, fn in (("h3lab-strict", strict.run), ("h3lab-off", ref)):
+            leaves = [a.detach().clone().requires_grad_() if i in c["grads"] else a for i, a in enumerate(args)]
+            y = fn(*leaves)
+            dy = torch.randn_like(y)
+            wrt = [leaves[i] for i in c["grads"]]
+            grads = lambda y=y, dy=dy, wrt=wrt: torch.autograd.grad(y, wrt, dy, retain_graph=True)  # noqa: E731
+            g1, g2 = grads(), grads()
+            row = {"shape": c["shape"], "rows": m, "impl": impl, "op": c["op"], "case": c["name"], "pass": "backward",
+                   "bwd_repeat_equal": _equal(g1, g2), **measure(grads, device), "gpu_s": measure_gpu(grads, device)}
+            bwd.append(row)
+            del y, g1, g2
+        _ratios(bwd)
+        rows += bwd
+    return rows
+
+
+def ptx_audit() -> dict:
+    """kernel name -> counts of approximate / contracted instructions in every compiled variant (CUDA only)."""
+    from h3kernels import elementwise, modulate, packing, rms_norm, rope, timestep
+
+    pat = {"approx": r"\.approx", "div_full": r"div\.full", "fma": r"\bfma\.", "ex2": r"\bex2\."}
+    out = {}
+    for mod in (rms_norm, modulate, rope, elementwise, timestep, packing):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not name.startswith("_") or not name.endswith("_kernel") or caches is None:
+                continue
+            counts = {k: 0 for k in pat}
+            variants = 0
+            try:
+                for entry in caches.values():
+                    for kernel in entry[0].values():
+                        ptx = kernel.asm.get("ptx", "")
+                        variants += 1
+                        for k, p in pat.items():
+                            counts[k] += len(re.findall(p, ptx))
+            except Exception as exc:  # provenance only: never fail the benchmark on a cache layout change
+                counts = {"error": repr(exc)}
+            out[f"{mod.__name__.split('.')[-1]}.{name}"] = {"variants": variants, **counts}
+    return out
+
+
+def sweep_rms_norm(device: str, dims: dict, rows_list) -> list[dict]:
+    """Exploration only (the contract's tiles are constants): time other rms_norm tiles through the same kernels."""
+    import torch
+    import torch.nn.functional as F
+
+    from h3kernels import rms_norm as K
+
+    contract = K._tile
+    out = []
+    for m in rows_list:
+        for shape in ((1, m, dims["HIDDEN"]), (1, m, dims["HEADS"], dims["HEAD_DIM"])):
+            d = shape[-1]
+            x = torch.randn(shape, device=device).bfloat16().requires_grad_()
+            w = (1 + 0.1 * torch.randn(d, device=device)).bfloat16().requires_grad_()
+            dy = torch.randn_like(x)
+            yr = F.rms_norm(x, (d,), w, 1e-5)
+            def timed(fn):
+                return measure_gpu(fn, device) or measure(fn, device)["median_s"]
+
+            ref_f = timed(lambda: F.rms_norm(x, (d,), w, 1e-5))
+            ref_b = timed(lambda: torch.autograd.grad(yr, (x, w), dy, retain_graph=True))
+            base = contract(d)
+            for rows in (1, 2, 4) if base["ROWS"] == 1 else (16, 32, 64):
+                for warps in (4, 8, 16) if base["ROWS"] == 1 else (4, 8):
+                    for tiles in (8, 16):
+                        cfg = dict(BLOCK_D=base["BLOCK_D"], ROWS=rows, TILES=tiles, CHUNK=tiles * rows, num_warps=warps)
+                        K._tile = lambda _d, cfg=cfg: cfg
+                        try:
+                            f = timed(lambda: K.rms_norm(x, w, 1e-5))
+                            y = K.rms_norm(x, w, 1e-5)
+                            b = timed(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+                        finally:
+                            K._tile = contract
+                        row = {"shape": "x".join(map(str, shape)), "rows": m, "ROWS": rows, "num_warps": warps,
+                               "TILES": tiles, "contract": cfg == {**base}, "fwd_ratio": f / ref_f, "bwd_ratio": b / ref_b}
+                        print(f"sweep rms_norm {row['shape']:<16} ROWS={rows:>2} warps={warps:>2} TILES={tiles:>2} "
+                              f"fwd x{row['fwd_ratio']:.2f} bwd x{row['bwd_ratio']:.2f}{'  <- contract' if row['contract'] else ''}",
+                              flush=True)
+                        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/elementwise.json)")
+    parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--only", default=None, help="comma-separated case names")
+    parser.add_argument("--sweep", action="store_true", help="also time other rms_norm tiles (exploration only)")
+    args = parser.parse_args(argv)
+    bootstrap(args.dry_run)
+    import torch
+
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
+        return 2
+    dims = DRY if args.dry_run else dict(HIDDEN=HIDDEN, HEADS=HEADS, HEAD_DIM=HEAD_DIM, ROTARY=ROTARY, FFN=FFN,
+                                         FREQ_DIM=FREQ_DIM)
+    doc = header(sys.argv[1:] if argv is None else argv)
+    only = set(args.only.split(",")) if args.only else None
+    for m in DRY_ROWS if args.dry_run else ROWS:
+        for c in cases(m, device, dims):
+            if only and c["name"] not in only:
+                continue
+            rows = run_case(c, m, device, backward=not args.no_backward)
+            doc["results"] += rows
+            s, t = rows[0], rows[1]
+            checks = " ".join(f"{k}={s[k]}" for k in ("ref_equal", "rows_equal", "repeat_equal") if k in s)
+            bwd = next((r for r in rows if r["pass"] == "backward" and r["impl"] == "h3lab-strict"), None)
+            btxt = f" | bwd x{bwd['ratio']:.2f} det={bwd['bwd_repeat_equal']}" if bwd else ""
+            us = lambda r: (r["gpu_s"] or r["median_s"]) * 1e6  # noqa: E731
+            print(f"{m:>5} {c['name']:<19} strict {us(s):8.1f} us {s['gb_s']:7.1f} GB/s | torch {us(t):8.1f} us "
+                  f"{t['gb_s']:7.1f} GB/s | x{s['ratio']:.2f} (eager x{s['ratio_eager']:.2f}) | err "
+                  f"{s['rel_l2_vs_fp32']:.1e}/{t['rel_l2_vs_fp32']:.1e} | {checks}{btxt}", flush=True)
+            del c
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if args.sweep:
+        doc["sweep_rms_norm"] = sweep_rms_norm(device, dims, DRY_ROWS if args.dry_run else ROWS)
+    if device == "cuda":
+        doc["ptx"] = ptx_audit()
+        for k, v in doc["ptx"].items():
+            print(f"ptx {k}: {v}")
+    if args.out:
+        from h3lab.io_utils import atomic_write_json
+
+        atomic_write_json(args.out, doc)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
