@@ -1,0 +1,164 @@
+"""A 10-pass full-size (random weights) trajectory at 512x512x22f: strict run twice (sealed digests must match),
+the four experiment arms P/P, R/P, P/R, R/R (P = Diffusers transformer + scheduler, R = h3lab strict), and the
+cost of hash capture (the trajectory recorder) against a plain strict denoise loop.
+
+Models: Diffusers' `MiniMaxH3Transformer3DModel` with seeded random weights and `H3Transformer` sharing the same
+parameter tensors (see benchmark_forward.py). Inputs: a t2va layout, random bf16 text rows and seeded float32
+noise. Writes one JSON (schema of DESIGN.md "Evidence") to --out. `--tiny` runs it on H3Config.tiny() on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared, git_rev  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats of the plain and recorded loops")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from h3lab import runtime
+    from h3lab.arms import rollout, run_arm, sides
+    from h3lab.config import H3Config
+    from h3lab.layout import build_layout
+    from h3lab.sampler import DualSchedule
+    from h3lab.trajectory import DenoiseInputs, denoise, run_trajectory
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = "cpu" if args.tiny else "cuda"
+    config = H3Config.tiny() if args.tiny else H3Config.full()
+    shape = "tiny-64x64x22f" if args.tiny else "512x512x22f"
+    dm = build_diffusers(config, device, seed=1234)
+    hm = build_h3lab_shared(config, dm, device)
+
+    frames, lh, lw, audio_latents, text = SHAPES[shape]
+    layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio_latents)
+    schedule = DualSchedule.from_passes(args.passes)
+    gen = torch.Generator().manual_seed(42)
+    nv, na = layout.video_indices.numel(), layout.audio_indices.numel()
+    inputs = DenoiseInputs.from_layout(
+        layout, schedule,
+        text=torch.randn(1, text, config.text_dim, generator=gen).to(torch.bfloat16),
+        video=torch.randn(1, nv, config.video_patch_dim, generator=gen),
+        audio=torch.randn(1, na, config.audio_in_channels, generator=gen),
+        seeds={"noise": 42},
+    ).to(device)
+
+    def plain() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with runtime.use_mode("strict"), torch.no_grad():
+            denoise(hm, inputs, schedule)
+        sync(device)
+        return time.perf_counter() - t0
+
+    def recorded():
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            traj = run_trajectory(hm, inputs, schedule, mode="strict")
+        sync(device)
+        return time.perf_counter() - t0, traj
+
+    plain()  # warm-up: kernel compilation
+    plain_times, rec_times, digests = [], [], []
+    for _ in range(args.repeats):  # interleaved so drift in clocks hits both equally
+        plain_times.append(plain())
+        t, traj = recorded()
+        rec_times.append(t)
+        digests.append(traj.digest)
+    overhead = statistics.median(rec_times) / statistics.median(plain_times) - 1.0
+    print(f"strict 10-pass loop: plain {statistics.median(plain_times):.3f} s, recorded {statistics.median(rec_times):.3f} s,"
+          f" overhead {overhead*100:.2f}%; digests equal: {len(set(digests)) == 1}", flush=True)
+
+    sd = sides(hm, dm)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        traj_r = rollout(sd["R"], inputs, schedule)
+        t_r = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        traj_p = rollout(sd["P"], inputs, schedule)
+        t_p = time.perf_counter() - t0
+    steps = []
+    for i in range(schedule.num_passes):
+        row = {"step": i}
+        for key in ("video", "audio", "velocity_video", "velocity_audio"):
+            a, b = traj_r.kept[f"{key}.{i:04d}"].double(), traj_p.kept[f"{key}.{i:04d}"].double()
+            row[key] = {"rel_l2": float((a - b).norm() / b.norm()), "max_abs": float((a - b).abs().max())}
+        steps.append(row)
+    print(f"R vs P rollout final video latent rel L2 {steps[-1]['video']['rel_l2']:.3e}", flush=True)
+
+    arms = {}
+    for arm, (train, roll, traj) in {
+        "P/P": ("P", "P", traj_p), "R/R": ("R", "R", traj_r), "R/P": ("R", "P", traj_p), "P/R": ("P", "R", traj_r),
+    }.items():
+        t0 = time.perf_counter()
+        rep = run_arm(sd[train], sd[roll], inputs, schedule, trajectory=traj)
+        arms[arm] = {
+            "byte_equal": rep.byte_equal,
+            "first_drift": rep.first_drift,
+            "max_velocity_rel_l2": max(max(d["video"]["rel_l2"], d["audio"]["rel_l2"]) for d in rep.velocity_drift),
+            "max_latent_rel_l2": max(max(d["video"]["rel_l2"], d["audio"]["rel_l2"]) for d in rep.latent_drift),
+            "seconds": rep.seconds,
+            "wall_s": time.perf_counter() - t0,
+        }
+        print(f"arm {arm}: byte_equal={rep.byte_equal} first_drift={rep.first_drift}", flush=True)
+
+    import triton
+
+    doc = {
+        "name": "trajectory_full" if not args.tiny else "trajectory_tiny_smoke",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_rev": git_rev(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "weights": "random (seeded), shared storage between Diffusers and h3lab",
+        "results": [
+            {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass loop, no recorder",
+             "median_s": statistics.median(plain_times), "runs": len(plain_times), "times_s": plain_times,
+             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")},
+            {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass loop, recorder (sha256 per pass)",
+             "median_s": statistics.median(rec_times), "runs": len(rec_times), "times_s": rec_times,
+             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+             "overhead_vs_plain": overhead},
+            {"shape": shape, "rows": layout.sequence_length, "impl": "diffusers", "what": "10-pass rollout (P side)",
+             "median_s": t_p, "runs": 1, "peak_mem_gib": float("nan")},
+            {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass rollout (R side, kept tensors)",
+             "median_s": t_r, "runs": 1, "peak_mem_gib": float("nan")},
+        ],
+        "strict_digests": digests,
+        "strict_repeat_bit_equal": len(set(digests)) == 1,
+        "r_vs_p_rollout": steps,
+        "arms": arms,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,487 @@
+"""Strict GEMM: the `linear` and `linear_tree` ops (y = x @ weight.T + bias), forward and backward.
+
+Contract
+--------
+Math      y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x (..., K) is flattened to (M, K) rows, w is (N, K),
+          x.dtype == w.dtype == bias.dtype in {bfloat16, float32}; y has x's dtype and shape (..., N).
+Tiles     one fixed config per (op, dtype), never autotuned and never chosen from M (`LINEAR_TILES`, `TREE_TILES`):
+            linear      bf16  BLOCK 128x256x64, GROUP_M 8, 8 warps, 3 stages, persistent, TMA
+                        fp32  BLOCK  64x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA
+            linear_tree bf16  BLOCK 128x128x64, GROUP_M 8, 8 warps, 4 stages, persistent, TMA
+                        fp32  BLOCK  64x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA
+          BLOCK_K fixes the reduction order; BLOCK_M/BLOCK_N only group independent outputs. Persistent: one
+          program per SM loops over output tiles (which program computes a tile never changes its values). TMA:
+          operands that are row-major, or transposes of row-major, and 16-byte aligned are read through tensor
+          descriptors, others through pointers; both read the same tiles in the same order into the same dot
+          (bit-equal; checked on the H200 by `benchmarks/benchmark_gemm.py --sweep`).
+Reduction `linear`: each output element owns one float32 accumulator; the K axis is visited in BLOCK_K tiles in
+          ascending order, acc = dot(x_tile, w_tile^T, acc) (tensor core for bf16 operands; IEEE float32 for
+          float32 operands via input_precision="ieee", never TF32). No split-K, no atomics.
+          `linear_tree`: K is cut into 8 equal chunks (K % 8 == 0, else refused); chunk c covers
+          [c*K/8, (c+1)*K/8) and is reduced like `linear` (BLOCK_K tiles ascending, from zero) into its own float32
+          partial p_c; the partials are combined in float32 by the fixed binary tree
+          ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). Finished subtrees (p0 + p1, the left half, p4 + p5)
+          wait in a float32 scratch slot of the program (exact), so at most two accumulators are live. A TP2/4/8
+          rank owning 4/2/1 consecutive chunks computes its subtree with `tree_partial`, and `tree_combine`
+          finishes the same tree: TP1 bytes.
+Epilogue  bias (cast to float32) is added once after the reduction, then one round-to-nearest-even cast to the
+          output dtype. Kernels are compiled with enable_fp_fusion=False: no multiply-add contraction outside dot.
+Backward  (same kernel and tiles as `linear` for the dtype, for both ops: the tree is a forward-only split)
+          dX = dY @ W     reduction over N in BLOCK_K tiles, ascending; dX rows are row-invariant.
+          dW = dY^T @ X   reduction over the M rows in fixed BLOCK_K-row chunks in ascending row order, one float32
+                          accumulator per element (no split over rows, so no atomics and no merge).
+          dB = sum_m dY   row r is added to lane r % 64 of a (64, 128) float32 tile, row chunks ascending, then the
+                          64 lanes are summed by tl.sum's fixed tree.
+          Each gradient is cast once to its input's dtype. Two backward runs are bit-identical.
+Invariance Row m of y (and of dX) depends only on row m of x (of dY) and the weights: batch size, batch position,
+          row count and other rows never change its bytes (rows past M are wrapped onto valid rows, or read as 0 by
+          TMA, and never stored).
+Interpreter (CPU, TRITON_INTERPRET=1): numpy cannot multiply bfloat16, so bf16 tiles are widened to float32 before
+          the dot (exact: a bf16 x bf16 product fits in float32), and the final bf16 rounding is done on the bits
+          (the interpreter's cast truncates). Tile loop, chunking, tree and cast points are the GPU's; the order
+          inside one tile's dot is numpy's, so CPU bytes are not promised equal to GPU bytes.
+Refused   dtypes other than bf16/fp32, mixed dtypes or devices, empty tensors, weight not 2-D, x.shape[-1] != K,
+          bias not (N,), any tensor of 2**31 or more elements, K % 8 != 0 for `linear_tree`, CPU tensors without
+          the interpreter. Any strides are accepted (x is flattened with reshape, which copies only when it must).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import registry
+from ._strict_math import round_to
+
+TREE_CHUNKS = 8
+_MAX_NUMEL = 2**31 - 1
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A fixed launch config; `describe()` is the provenance string recorded in the trace."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    persistent: bool = True  # one program per SM looping over output tiles (else one program per tile)
+    tma: bool = True  # read aligned row-major operands through TMA descriptors (else always pointers)
+
+    def describe(self) -> str:
+        flags = ("-persistent" if self.persistent else "") + ("-tma" if self.tma else "")
+        shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
+        return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
+
+
+LINEAR_TILES = {
+    torch.bfloat16: Tile(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    torch.float32: Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True),
+}
+TREE_TILES = {
+    torch.bfloat16: Tile(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+    torch.float32: Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True),
+}
+ROWSUM_BLOCK_M, ROWSUM_BLOCK_N = 64, 128  # dB: (row lanes, columns) of one program
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def mma(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b with a float32 accumulator. bf16 operands use the tensor core; float32 operands use IEEE
+    float32 (never TF32). INTERPRETED (interpreter only) widens bf16 tiles to float32 first, which is exact."""
+    if INTERPRETED:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast_rne(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 -> DTYPE, round to nearest even (the GPU's cvt.rn). Triton's interpreter truncates float32 -> bf16,
+    so there the value is first rounded exactly by `_strict_math.round_to` and the cast is then exact."""
+    if INTERPRETED:
+        x = round_to(x, DTYPE)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+           INTERPRETED: tl.constexpr):
+    """Partial p_c: float32 (BLOCK_M, BLOCK_N) = sum over k in chunk c, i.e. [c*CHUNK_K, (c+1)*CHUNK_K), of
+    x[m, k] * w[n, k], in BLOCK_K tiles ascending, from zero. USE_TMA: x_src/w_src are tensor descriptors over x
+    (M, K) and w (N, K), or over their row-major transposes (K, M) / (K, N) when X_TRANS / W_TRANS, and the tile
+    starts at (off_m, off_n) (out-of-range elements read as 0); else they are pointer blocks at k = 0,
+    x (BLOCK_M, BLOCK_K) and w (BLOCK_K, BLOCK_N)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = c * CHUNK_K
+    if USE_TMA:
+        for k in range(0, CHUNK_K, BLOCK_K):
+            if X_TRANS:
+                a = x_src.load([k_lo + k, off_m]).T  # (BLOCK_K, BLOCK_M) -> (BLOCK_M, BLOCK_K)
+            else:
+                a = x_src.load([off_m, k_lo + k])  # (BLOCK_M, BLOCK_K)
+            if W_TRANS:
+                b = w_src.load([k_lo + k, off_n])  # (BLOCK_K, BLOCK_N)
+            else:
+                b = w_src.load([off_n, k_lo + k]).T  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+            acc = mma(a, b, acc, INTERPRETED)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_src + k_lo * stride_xk
+        w_ptrs = w_src + k_lo * stride_wk
+        for k in range(0, CHUNK_K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                # chunk tail: masked lanes load 0 and add exact zeros
+                a = tl.load(x_ptrs, mask=offs_k[None, :] < CHUNK_K - k, other=0.0)
+                b = tl.load(w_ptrs, mask=offs_k[:, None] < CHUNK_K - k, other=0.0)
+            acc = mma(a, b, acc, INTERPRETED)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _stash(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Park a finished float32 subtree (BLOCK_M, BLOCK_N) in a scratch slot of this program, so the next pair of
+    chunks runs with two live accumulators instead of up to four. float32 in, float32 out: the bytes do not change.
+    The barriers order the slot's accesses across the program's threads."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.debug_barrier()
+    tl.store(slot_ptr + offs, tile)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(slot_ptr + offs, cache_modifier=".cg")
+
+
+@triton.jit
+def _pair(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+          INTERPRETED: tl.constexpr):
+    """p_c + p_(c+1), left operand first (two live accumulators)."""
+    left = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+    right = _chunk(x_src, w_src, off_m, off_n, c + 1, CHUNK_K, stride_xk, stride_wk,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+    return left + right
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(
+    x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,  # x (M, K), w (N, K) (pointers or descriptors), bias (N,), y (M, N)
+    scratch_ptr,  # float32 (n_programs, 2, BLOCK_M, BLOCK_N): per-program slots for finished subtrees (tree only)
+    M, N, CHUNK_K, n_programs,  # K = N_CHUNKS * CHUNK_K; n_programs = grid size (persistent loop stride)
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # persistent: program p computes output tiles p, p + n_programs, ...; grouped tile order for L2 reuse. Which
+    # program computes a tile, and when, never changes its values.
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, n_programs):
+        group = GROUP_M * num_pid_n
+        first_m = (tile // group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((tile % group) % group_m)
+        pid_n = (tile % group) // group_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        # rows/cols past the end are wrapped onto valid ones for the loads and never stored, so a valid row's
+        # arithmetic is the same wherever it sits in the tile
+        rows = offs_m % M
+        cols = offs_n % N
+        if USE_TMA:
+            x_src = x_desc
+            w_src = w_desc
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
+            w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
+
+        # the declared tree ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), each add's left operand computed
+        # first; finished subtrees wait in the program's scratch slots, so at most two accumulators are live
+        slot0 = scratch_ptr + tl.program_id(0).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+        slot1 = slot0 + BLOCK_M * BLOCK_N
+        if N_CHUNKS == 1:
+            acc = _chunk(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+        elif N_CHUNKS == 2:
+            acc = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+        else:
+            tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
+            s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p0 + p1
+            _stash(slot0, s, BLOCK_M, BLOCK_N)
+            s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p2 + p3
+            acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
+            if N_CHUNKS == 8:
+                _stash(slot0, acc, BLOCK_M, BLOCK_N)
+                s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p4 + p5
+                _stash(slot1, s, BLOCK_M, BLOCK_N)
+                s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p6 + p7
+                s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
+                acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
+
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]  # bias (BLOCK_N,) in float32, once
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _row_sum_kernel(dy_ptr, out_ptr, M, N, stride_m, stride_n,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[n] = sum_m dy[m, n]: row r goes to lane r % BLOCK_M, row chunks ascending, then tl.sum over lanes."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + offs_m
+        mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+        ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_m + offs_n[None, :] * stride_n
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+        acc += tile.to(tl.float32)
+    tl.store(out_ptr + offs_n, cast_rne(tl.sum(acc, axis=0), out_ptr.dtype.element_ty, INTERPRETED), mask=offs_n < N)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+    """A TMA descriptor reading tiles of the (rows, K) operand `t`: (descriptor, transposed) over `t` itself when it
+    is row-major, over `t.T` (block (block_k, block_rows)) when that is; None when neither is, or when a stride or
+    the base is not 16-byte aligned."""
+    size = t.element_size()
+    for src, block, trans in ((t, [block_rows, block_k], False), (t.t(), [block_k, block_rows], True)):
+        if src.stride(1) == 1 and (src.stride(0) * size) % 16 == 0 and src.data_ptr() % 16 == 0:
+            return TensorDescriptor.from_tensor(src, block), trans
+    return None
+
+
+def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_chunks: int,
+                 tile: Tile, use_tma: bool | None = None) -> torch.Tensor:
+    """out (M, N) = x (M, K) @ w (N, K)^T [+ bias], K split into `n_chunks` tree chunks; any strides. No checks.
+    Operands that are row-major (or transposes of row-major) and 16-byte aligned are read through TMA descriptors,
+    unless the tree's chunks are not whole BLOCK_K tiles; others through pointers. Both paths visit the same tiles
+    in the same order with the same dot. `use_tma=False` forces pointers (tests and sweeps compare the two)."""
+    M, K = x.shape
+    N = w.shape[0]
+    chunk_k = K // n_chunks
+    even_k = chunk_k % tile.block_k == 0
+    x_desc = w_desc = None
+    if use_tma is None:
+        use_tma = None if tile.tma else False
+    if use_tma is not False and (n_chunks == 1 or even_k):
+        x_desc = _descriptor(x, tile.block_m, tile.block_k)
+        w_desc = _descriptor(w, tile.block_n, tile.block_k)
+    tma = x_desc is not None and w_desc is not None
+    if use_tma and not tma:
+        raise ValueError(f"TMA requested but operands x {tuple(x.stride())}, w {tuple(w.stride())} do not allow it")
+    num_tiles = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
+    n_programs = num_tiles if x.device.type == "cpu" or not tile.persistent else min(num_tiles, _num_sms(x.device))
+    scratch = out  # unused unless the tree has 4 or 8 chunks
+    if n_chunks >= 4:
+        scratch = torch.empty((n_programs, 2, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
+    _gemm_kernel[(n_programs,)](
+        x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
+        M, N, chunk_k, n_programs,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
+        INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
+        num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n_chunks: int, tile: Tile,
+          out_dtype: torch.dtype, use_tma: bool | None = None) -> torch.Tensor:
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
+    return _launch_gemm(x, w, bias, out, n_chunks, tile, use_tma)
+
+
+def _row_sum(dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    M, N = dy.shape
+    out = torch.empty((N,), dtype=out_dtype, device=dy.device)
+    _row_sum_kernel[(triton.cdiv(N, ROWSUM_BLOCK_N),)](
+        dy, out, M, N, dy.stride(0), dy.stride(1), BLOCK_M=ROWSUM_BLOCK_M, BLOCK_N=ROWSUM_BLOCK_N,
+        INTERPRETED=dy.device.type == "cpu",
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+def _validate(op: str, x, weight, bias, n_chunks: int) -> None:
+    """Raise StrictUnsupported (one line: value and rule) for any call the kernel does not serve."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise registry.StrictUnsupported(f"{op}: {name} is {type(t).__name__}, must be a torch.Tensor")
+    registry.check_device(x, weight, bias, op=op)
+    if weight.dim() != 2:
+        raise registry.StrictUnsupported(f"{op}: weight has shape {tuple(weight.shape)}, must be 2-D (N, K)")
+    if x.dim() < 1:
+        raise registry.StrictUnsupported(f"{op}: x is 0-D, must be (..., K)")
+    if x.dtype not in _DTYPES:
+        raise registry.StrictUnsupported(f"{op}: x dtype {x.dtype} is not supported (bfloat16 or float32)")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        dts = [str(t.dtype) for t in (x, weight, bias) if t is not None]
+        raise registry.StrictUnsupported(f"{op}: mixed dtypes {dts}; x, weight and bias must share one dtype")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise registry.StrictUnsupported(f"{op}: x.shape[-1] = {x.shape[-1]} does not match weight K = {K}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise registry.StrictUnsupported(f"{op}: bias has shape {tuple(bias.shape)}, must be ({N},)")
+    if x.numel() == 0 or weight.numel() == 0:
+        raise registry.StrictUnsupported(
+            f"{op}: empty input (x {tuple(x.shape)}, weight {tuple(weight.shape)}); strict refuses empty tensors"
+        )
+    M = x.numel() // K
+    if max(x.numel(), weight.numel(), M * N) > _MAX_NUMEL:
+        raise registry.StrictUnsupported(
+            f"{op}: {max(x.numel(), weight.numel(), M * N)} elements exceeds the int32 offset limit {_MAX_NUMEL}"
+        )
+    if K % n_chunks != 0:
+        raise registry.StrictUnsupported(
+            f"{op}: K = {K} is not a multiple of {n_chunks} (the fixed K-chunk tree needs equal chunks)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------- autograd
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, n_chunks, tile):
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return _gemm(x2d, weight, bias, n_chunks, tile, x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        tile = LINEAR_TILES[x2d.dtype]
+        dy = dy.to(x2d.dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _gemm(dy, weight.t(), None, 1, tile, x2d.dtype)  # (M, N) @ (N, K): "w" = W^T viewed (K, N)
+        if ctx.needs_input_grad[1]:
+            dw = _gemm(dy.t(), x2d.t(), None, 1, tile, weight.dtype)  # (N, M) @ (M, K): reduce over rows
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _row_sum(dy, weight.dtype)
+        return dx, dw, db, None, None
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_chunks: int, tile: Tile) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    y = _LinearFn.apply(x2d, weight, bias, n_chunks, tile)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- public ops
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Strict `linear`: x (..., K) @ weight (N, K)^T + bias (N,) -> (..., N), autograd-aware."""
+    _validate("linear", x, weight, bias, 1)
+    return _apply(x, weight, bias, 1, LINEAR_TILES[x.dtype])
+
+
+def linear_tree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Strict `linear_tree`: as `linear`, K reduced as the fixed 8-chunk binary tree (K % 8 == 0)."""
+    _validate("linear_tree", x, weight, bias, TREE_CHUNKS)
+    return _apply(x, weight, bias, TREE_CHUNKS, TREE_TILES[x.dtype])
+
+
+def tree_partial(x: torch.Tensor, weight: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """The float32 subtree a tensor-parallel rank owns: x (..., K_r) and its weight slice (N, K_r) holding
+    `n_chunks` (1, 2 or 4; 8 is TP1) consecutive chunks of the full K. Same kernel and tiles as `linear_tree`, no
+    bias, no cast, forward only. Returns (..., N) float32."""
+    if n_chunks not in (1, 2, 4, 8):
+        raise registry.StrictUnsupported(f"tree_partial: n_chunks = {n_chunks}, must be 1, 2, 4 or 8")
+    _validate("tree_partial", x, weight, None, n_chunks)
+    x2d = x.reshape(-1, x.shape[-1])
+    out = _gemm(x2d, weight, None, n_chunks, TREE_TILES[x.dtype], torch.float32)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def tree_combine(partials: list[torch.Tensor], bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Finish the tree from the 1, 2, 4 or 8 rank subtrees in rank order (pairwise float32 adds, left to right
+    within each level), add bias in float32, cast once: bit-equal to `linear_tree` on the full K."""
+    level = list(partials)
+    if len(level) not in (1, 2, 4, 8) or any(p.dtype != torch.float32 for p in level):
+        raise registry.StrictUnsupported(
+            f"tree_combine: {len(level)} partials of dtypes {sorted({str(p.dtype) for p in level})}; "
+            "need 1, 2, 4 or 8 float32 partials"
+        )
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    acc = level[0]
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 torch reference of both ops (the math, not the order): float32 in, float32 out."""
+    return torch.nn.functional.linear(
+        x.float(), weight.float(), None if bias is None else bias.float()
+    )
+
+
+# ------------------------------------------------------------------------------------------------- registry
+def _provenance(op: str, dtype: torch.dtype, tile: Tile, tree: bool) -> dict:
+    name = "tree8" if tree else "kloop"
+    return {
+        "kernel_id": f"h3kernels.gemm.{op}.{name}.{str(dtype).replace('torch.', '')}",
+        "tile": tile.describe(),
+        "acc_dtype": "float32",
+    }
+
+
+def check_linear(x, weight, bias=None) -> dict:
+    _validate("linear", x, weight, bias, 1)
+    return _provenance("linear", x.dtype, LINEAR_TILES[x.dtype], tree=False)
+
+
+def check_linear_tree(x, weight, bias=None) -> dict:
+    _validate("linear_tree", x, weight, bias, TREE_CHUNKS)
+    return _provenance("linear_tree", x.dtype, TREE_TILES[x.dtype], tree=True)
+
+
+registry.register("linear", run=linear, check=check_linear)
+registry.register("linear_tree", run=linear_tree, check=check_linear_tree)
