@@ -23,5 +23,7 @@ demo: $(STAMP)
 info: $(STAMP)
 	$(BIN)/h3lab --info
 
+# The notebook browser test needs Debian's chromium; browser_setup.sh installs it once (quick when present).
 test: $(STAMP)
+	bash scripts/browser_setup.sh $(BIN)/python
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q

@@ -1,0 +1,35 @@
+"""Helpers of the notebook-room tests (imported by name: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+ARTIFACTS = REPO / "test-artifacts"
+TINY_REQUEST = dict(width=64, height=64, frames=22, steps=2, mode="off")
+
+
+def write_benchmark_sample(folder: Path) -> dict[str, object]:
+    """A results folder as benchmarks/ writes it: one complete document (with a failed entry), one document that
+    lacks required keys, and one file that is not JSON. Returns what a reader must find."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = {
+        "name": "forward_sample", "date": "2025-01-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11.0",
+        "triton": "3.6.0", "git_rev": "abc1234", "command": "python benchmarks/benchmark_forward.py",
+        "results": [
+            {"shape": "512x512x22f", "rows": 2066, "impl": "diffusers", "median_s": 0.25, "runs": 5,
+             "peak_mem_gib": 70.5},
+            {"shape": "512x512x22f", "rows": 2066, "impl": "h3lab-strict", "median_s": 0.31, "runs": 5,
+             "peak_mem_gib": 71.0},
+            {"shape": "768x768x121f", "rows": 21000, "impl": "diffusers", "median_s": 2.5, "runs": 5,
+             "peak_mem_gib": 90.0},
+            {"shape": "768x768x121f", "rows": 21000, "impl": "h3lab-strict", "error": "StrictError: shape refused"},
+        ],
+    }
+    partial = {"name": "gemm_partial", "date": "2025-01-02", "results": []}
+    (folder / "forward_sample.json").write_text(json.dumps(good), encoding="utf-8")
+    (folder / "gemm_partial.json").write_text(json.dumps(partial), encoding="utf-8")
+    (folder / "broken.json").write_text("{not json", encoding="utf-8")
+    return {"good": good, "skipped": ["broken.json", "gemm_partial.json"]}
