@@ -14,11 +14,9 @@ Checks (strict rows): `batch_equal` (item 0 of a batch of 2 equals the same item
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
-from benchmark_gemm import bootstrap, header, measure, rel_l2, table, torch_equal, write
+from _common import equal, header, kernel_parser, measure, prepare, rel_l2, table, write
 
 HEADS, HEAD_DIM = 56, 128
 SEQS = (2066, 7272)
@@ -56,12 +54,12 @@ def bench_seq(S: int, heads: int, head_dim: int, device: str, backward: bool) ->
                "rel_l2_vs_fp32": rel_l2(o, truth), **measure(lambda: fn(q, k, v), device)}
         row["tflops"] = flops / row["median_s"] / 1e12
         if impl == "h3lab-strict":
-            row["repeat_equal"] = torch_equal(fn(q, k, v), o)
-            row["batch_equal"] = torch_equal(fn(q2, k2, v2)[:1], o)
+            row["repeat_equal"] = equal(fn(q, k, v), o)
+            row["batch_equal"] = equal(fn(q2, k2, v2)[:1], o)
             perm = torch.randperm(S, generator=torch.Generator().manual_seed(0)).to(device)
             inverse = torch.argsort(perm)
             permuted = attn.attention(q[:, perm], k[:, perm], v[:, perm], key_order=inverse)
-            row["perm_equal"] = torch_equal(permuted[:, inverse], o)
+            row["perm_equal"] = equal(permuted[:, inverse], o)
         rows.append(row)
         del o
     rows[0]["ratio"] = rows[0]["median_s"] / rows[1]["median_s"]
@@ -75,7 +73,7 @@ def bench_seq(S: int, heads: int, head_dim: int, device: str, backward: bool) ->
             g1, g2 = grads(), grads()
             row = {"shape": shape, "rows": S, "impl": impl, "pass": "backward",
                    "backend": "triton" if impl == "h3lab-strict" else "sdpa",
-                   "bwd_repeat_equal": all(torch_equal(a, c) for a, c in zip(g1, g2)), **measure(grads, device)}
+                   "bwd_repeat_equal": all(equal(a, c) for a, c in zip(g1, g2)), **measure(grads, device)}
             row["tflops"] = 2.5 * flops / row["median_s"] / 1e12
             bwd.append(row)
             del o, g1, g2
@@ -124,22 +122,12 @@ def sweep(seqs, device: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON results path (e.g. benchmarks/results/attention.json)")
+    parser = kernel_parser(__doc__.splitlines()[0], "attention")
     parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths S (default 2066 7272)")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--sweep", action="store_true", help="time candidate tile configs instead")
     args = parser.parse_args(argv)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bootstrap(args.dry_run)
-    import torch
-
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: run on the GPU, or pass --dry-run")
+    device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
     heads, head_dim = (DRY["heads"], DRY["head_dim"]) if args.dry_run else (HEADS, HEAD_DIM)
-    doc = header("attention", argv)
+    doc = header("attention", __file__, argv, device)
     seqs = args.seqs or (DRY["seqs"] if args.dry_run else SEQS)
     if args.sweep:
         doc["results"] = sweep(seqs, device)

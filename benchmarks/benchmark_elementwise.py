@@ -24,132 +24,16 @@ bytes of the full call), `repeat_equal`, `bwd_repeat_equal`
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib.util
-import os
 import re
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import equal, flat, header, kernel_parser, measure, measure_gpu, prepare, rel_l2, write
+
 HIDDEN, HEADS, HEAD_DIM, ROTARY, FFN, FREQ_DIM, TIMESTEPS = 5376, 56, 128, 96, 14336, 256, 2
 ROWS = (2066, 7272)
 # (text, video, audio) rows of the two layouts: illustrative splits with the released proportions.
 SPLITS = {2066: (493, 1536, 37), 7272: (1508, 5670, 94), 3: (1, 1, 1), 67: (20, 40, 7)}
 DRY = dict(HIDDEN=24, HEADS=2, HEAD_DIM=16, ROTARY=12, FFN=40, FREQ_DIM=16)
 DRY_ROWS = (3, 67)
-
-
-# ------------------------------------------------------------------------------------------------- plumbing
-def bootstrap(dry_run: bool) -> None:
-    """Make `h3lab` / `h3kernels` importable from a bare checkout (the GPU image has no editable install); the
-    interpreter must be chosen before triton is imported."""
-    if dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import h3kernels  # noqa: F401
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(
-            "h3kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["h3kernels"] = module
-        spec.loader.exec_module(module)
-
-
-def git_rev() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("H3LAB_GIT_REV", "unknown")
-
-
-def header(argv: list[str]) -> dict:
-    import torch
-    import triton
-
-    return {
-        "name": "elementwise",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (triton interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_rev": git_rev(),
-        "command": " ".join(["python", "benchmarks/benchmark_elementwise.py", *argv]),
-        "results": [],
-    }
-
-
-def measure(fn, device: str) -> dict:
-    """{"median_s", "runs", "peak_mem_gib"} of fn(): do_bench on CUDA, 3 timed calls after a warm-up on CPU."""
-    import torch
-
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times_ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        return {"median_s": statistics.median(times_ms) / 1e3, "runs": len(times_ms), "peak_mem_gib": round(peak, 3)}
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "runs": len(times), "peak_mem_gib": 0.0}
-
-
-def measure_gpu(fn, device: str, reps: int = 20, trials: int = 7) -> float | None:
-    """Median device seconds per call of fn() issued back to back with the launch queue pre-filled: a
-    `torch.cuda._sleep` keeps the GPU busy while the host enqueues `reps` calls, so events around them time the
-    kernels and not Python's launch overhead (inputs stay L2-warm across the reps). None on CPU."""
-    if device != "cuda":
-        return None
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: longer than enqueueing reps calls
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times)
-
-
-def _flat(out):
-    return out if isinstance(out, (tuple, list)) else (out,)
-
-
-def _equal(a, b) -> bool:
-    import torch
-
-    return all(torch.equal(x, y) for x, y in zip(_flat(a), _flat(b)))
-
-
-def _rel_l2(out, truth) -> float:
-    num = sum(float((o.double() - t.double()).norm() ** 2) for o, t in zip(_flat(out), _flat(truth)))
-    den = sum(float(t.double().norm() ** 2) for t in _flat(truth))
-    return (num / den) ** 0.5 if den else 0.0
 
 
 # -------------------------------------------------------------------------------------------------- the cases
@@ -254,19 +138,19 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
     rows = []
     for impl, fn, y in (("h3lab-strict", strict.run, ys), ("h3lab-off", ref, yr)):
         row = {"shape": c["shape"], "rows": m, "impl": impl, "op": c["op"], "case": c["name"], "pass": "forward",
-               "bytes_moved": c["bytes"], "bytes_formula": c["formula"], "rel_l2_vs_fp32": _rel_l2(y, truth),
+               "bytes_moved": c["bytes"], "bytes_formula": c["formula"], "rel_l2_vs_fp32": rel_l2(y, truth),
                **measure(lambda fn=fn: fn(*args), device), "gpu_s": measure_gpu(lambda fn=fn: fn(*args), device)}
         row["gb_s"] = c["bytes"] / (row["gpu_s"] or row["median_s"]) / 1e9
         if impl == "h3lab-strict":
             row.update(kernel_id=info["kernel_id"], tile=info["tile"], acc_dtype=info["acc_dtype"])
-            row["ref_equal"] = _equal(ys, yr)
-            row["repeat_equal"] = _equal(strict.run(*args), ys)
+            row["ref_equal"] = equal(ys, yr)
+            row["repeat_equal"] = equal(strict.run(*args), ys)
             if c["rows"] is not None:
                 # first row alone, first half, and rows 7.. (shifts every row's position inside its tile)
                 ok = True
                 for sl in (slice(0, 1), slice(0, m // 2 + 1), slice(min(7, m - 1), m)):
                     part = strict.run(*c["rows"](sl)(args))
-                    ok &= all(torch.equal(p, (f[:, sl] if f.dim() > 2 else f[sl])) for p, f in zip(_flat(part), _flat(ys)))
+                    ok &= all(torch.equal(p, (f[:, sl] if f.dim() > 2 else f[sl])) for p, f in zip(flat(part), flat(ys)))
                 row["rows_equal"] = bool(ok)
         rows.append(row)
     _ratios(rows)
@@ -280,7 +164,7 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
             grads = lambda y=y, dy=dy, wrt=wrt: torch.autograd.grad(y, wrt, dy, retain_graph=True)  # noqa: E731
             g1, g2 = grads(), grads()
             row = {"shape": c["shape"], "rows": m, "impl": impl, "op": c["op"], "case": c["name"], "pass": "backward",
-                   "bwd_repeat_equal": _equal(g1, g2), **measure(grads, device), "gpu_s": measure_gpu(grads, device)}
+                   "bwd_repeat_equal": equal(g1, g2), **measure(grads, device), "gpu_s": measure_gpu(grads, device)}
             bwd.append(row)
             del y, g1, g2
         _ratios(bwd)
@@ -358,23 +242,15 @@ def sweep_rms_norm(device: str, dims: dict, rows_list) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    parser.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/elementwise.json)")
-    parser.add_argument("--no-backward", action="store_true")
+    parser = kernel_parser(__doc__, "elementwise", sweep_help="also time other rms_norm tiles (exploration only)")
     parser.add_argument("--only", default=None, help="comma-separated case names")
-    parser.add_argument("--sweep", action="store_true", help="also time other rms_norm tiles (exploration only)")
     args = parser.parse_args(argv)
-    bootstrap(args.dry_run)
+    device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
     import torch
 
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
-        return 2
     dims = DRY if args.dry_run else dict(HIDDEN=HIDDEN, HEADS=HEADS, HEAD_DIM=HEAD_DIM, ROTARY=ROTARY, FFN=FFN,
                                          FREQ_DIM=FREQ_DIM)
-    doc = header(sys.argv[1:] if argv is None else argv)
+    doc = header("elementwise", __file__, argv, device)
     only = set(args.only.split(",")) if args.only else None
     for m in DRY_ROWS if args.dry_run else ROWS:
         for c in cases(m, device, dims):
@@ -399,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["ptx"] = ptx_audit()
         for k, v in doc["ptx"].items():
             print(f"ptx {k}: {v}")
-    if args.out:
-        from h3lab.io_utils import atomic_write_json
-
-        atomic_write_json(args.out, doc)
-        print(f"wrote {args.out}")
+    write(args.out, doc)
     return 0
 
 

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
+
+from _common import header, prepare, rel_l2, timed, write
 
 SHAPES = {
     # name: (latent frames, latent h, latent w, audio latents per channel, text rows) -> rows
@@ -35,13 +33,6 @@ SHAPES = {
     "864x480x56f": (17, 30, 54, 93, 201),  # 6885 + 186 + 201 = 7272
     "tiny-64x64x22f": (7, 4, 4, 37, 12),
 }
-
-
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("H3LAB_GIT_REV", "unknown")
 
 
 def init_random_(model: torch.nn.Module, seed: int) -> None:
@@ -108,36 +99,7 @@ def make_inputs(config, shape: str, batch: int, device, seed: int):
     return layout, inputs
 
 
-def timed(fn, runs: int, device) -> tuple[list[float], float]:
-    """Median-able list of seconds (CUDA events on GPU) and peak GiB of the last run."""
-    cuda = torch.device(device).type == "cuda"
-    fn()  # warm-up (compilation, autotune-free kernels, allocator)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(runs):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return times, peak
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="512x512x22f,864x480x56f")
     ap.add_argument("--impls", default="diffusers,h3lab-off,h3lab-strict")
@@ -147,16 +109,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the config's)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny()")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args = ap.parse_args(argv)
+    device = prepare(ap, cpu=args.tiny, flag="--tiny")
     from h3lab import runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    device = "cpu" if args.tiny else "cuda"
     config = H3Config.tiny() if args.tiny else H3Config.full()
     if args.layers is not None:
         config = H3Config(**{**config.to_diffusers(), "num_layers": args.layers})
@@ -284,25 +243,13 @@ def main() -> None:
             print(json.dumps(acc), flush=True)
         del dsmall, hsmall, href
 
-    import triton
-
-    doc = {
-        "name": "forward_full" if not args.tiny else "forward_tiny_smoke",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_rev": git_rev(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "config": {"num_layers": config.num_layers, "hidden_size": config.hidden_size, "heads": config.num_attention_heads},
-        "weights": "random (seeded), shared storage between Diffusers and h3lab",
-        "results": results,
-        "checks": checks,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    doc = header("forward_full" if not args.tiny else "forward_tiny_smoke", __file__, argv, device,
+                 config={"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+                         "heads": config.num_attention_heads},
+                 weights="random (seeded), shared storage between Diffusers and h3lab", checks=checks)
+    doc["results"] = results
+    write(args.out, doc)
+    return doc
 
 
 if __name__ == "__main__":

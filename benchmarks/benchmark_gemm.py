@@ -16,17 +16,8 @@ give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib.util
-import os
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import equal, header, kernel_parser, measure, prepare, rel_l2, table, write
 
 SHAPES = [  # (name, op, K, N)
     ("qkv", "linear", 5376, 7168),
@@ -39,105 +30,10 @@ DRY_SHAPES = [("qkv", "linear", 96, 80), ("o_proj", "linear_tree", 128, 72)]
 DRY_ROWS = (3, 67)
 
 
-# ------------------------------------------------------------------------------ shared benchmark plumbing
-def bootstrap(dry_run: bool) -> None:
-    """Make `h3lab` and `h3kernels` importable from a bare checkout (the GPU image has no editable install); the
-    interpreter must be chosen before triton is imported."""
-    if dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import h3kernels  # noqa: F401
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(
-            "h3kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["h3kernels"] = module
-        spec.loader.exec_module(module)
-
-
-def git_rev() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=10).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("H3LAB_GIT_REV", "unknown")
-
-
-def header(name: str, argv: list[str]) -> dict:
-    import torch
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (triton interpreter)"
-    return {
-        "name": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_rev": git_rev(),
-        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *argv]),
-        "results": [],
-    }
-
-
-def measure(fn, device: str) -> dict:
-    """{"median_s", "runs", "peak_mem_gib"} of fn(). CUDA: do_bench over ~100 ms after warm-up (L2 flushed);
-    CPU (dry run): 3 timed calls after one warm-up."""
-    import torch
-
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times_ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        return {"median_s": statistics.median(times_ms) / 1e3, "runs": len(times_ms), "peak_mem_gib": round(peak, 3)}
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "runs": len(times), "peak_mem_gib": 0.0}
-
-
-def rel_l2(out, ref) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
-def write(out: str | None, doc: dict) -> None:
-    from h3lab.io_utils import atomic_write_json
-
-    if out:
-        atomic_write_json(out, doc)
-        print(f"wrote {out}")
-
-
-def table(rows: list[dict], cols: list[str]) -> str:
-    lines = [" | ".join(cols)]
-    for r in rows:
-        lines.append(" | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols))
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------ the benchmark
 def _rows_checks(fn, x, w, b, y) -> bool:
     half = x.shape[0] // 2 + 1
-    return bool(torch_equal(fn(x[:1], w, b), y[:1]) and torch_equal(fn(x[:half], w, b), y[:half]))
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return bool(torch.equal(a, b))
+    return bool(equal(fn(x[:1], w, b), y[:1]) and equal(fn(x[:half], w, b), y[:half]))
 
 
 def _tp_check(gemm, x, w, b, y) -> bool:
@@ -146,7 +42,7 @@ def _tp_check(gemm, x, w, b, y) -> bool:
         width = K // ranks
         parts = [gemm.tree_partial(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], 8 // ranks)
                  for r in range(ranks)]
-        if not torch_equal(gemm.tree_combine(parts, b, y.dtype), y):
+        if not equal(gemm.tree_combine(parts, b, y.dtype), y):
             return False
     return True
 
@@ -172,7 +68,7 @@ def bench_shape(name: str, op: str, K: int, N: int, M: int, device: str, backwar
                "rel_l2_vs_fp32": rel_l2(y, truth), **measure(lambda: fn(x, w, b), device)}
         row["tflops"] = flops / row["median_s"] / 1e12
         if impl == "h3lab-strict":
-            row["repeat_equal"] = torch_equal(fn(x, w, b), y)
+            row["repeat_equal"] = equal(fn(x, w, b), y)
             row["rows_equal"] = _rows_checks(fn, x, w, b, y)
             if op == "linear_tree":
                 row["tp_equal"] = _tp_check(gemm, x, w, b, y)
@@ -189,7 +85,7 @@ def bench_shape(name: str, op: str, K: int, N: int, M: int, device: str, backwar
             g1, g2 = grads(), grads()
             row = {"shape": shape, "rows": M, "impl": impl, "op": op, "proj": name, "pass": "backward",
                    "backend": "triton" if impl == "h3lab-strict" else "cuBLAS",
-                   "bwd_repeat_equal": all(torch_equal(a, c) for a, c in zip(g1, g2)), **measure(grads, device)}
+                   "bwd_repeat_equal": all(equal(a, c) for a, c in zip(g1, g2)), **measure(grads, device)}
             row["tflops"] = 2 * flops / row["median_s"] / 1e12
             bwd.append(row)
             del y, g1, g2
@@ -248,22 +144,12 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON results path (e.g. benchmarks/results/gemm.json)")
+    parser = kernel_parser(__doc__.splitlines()[0], "gemm")
     parser.add_argument("--rows", type=int, nargs="+", help="row counts M (default 2066 7272)")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--sweep", action="store_true", help="time candidate tile configs instead")
     parser.add_argument("--projs", nargs="+", choices=[s[0] for s in SHAPES], help="only these projections")
     args = parser.parse_args(argv)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bootstrap(args.dry_run)
-    import torch
-
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: run on the GPU, or pass --dry-run")
-    doc = header("gemm", argv)
+    device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
+    doc = header("gemm", __file__, argv, device)
     rows_list = args.rows or (DRY_ROWS if args.dry_run else ROWS)
     shapes = [s for s in (DRY_SHAPES if args.dry_run else SHAPES) if not args.projs or s[0] in args.projs]
     if args.sweep:

@@ -10,33 +10,23 @@ noise. Writes one JSON (schema of DESIGN.md "Evidence") to --out. `--tiny` runs 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared, git_rev  # noqa: E402
+from _common import header, peak_mem_gib, prepare, rel_l2, sync, write
+from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of the plain and recorded loops")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args = ap.parse_args(argv)
+    device = prepare(ap, cpu=args.tiny, flag="--tiny")
 
     from h3lab import runtime
     from h3lab.arms import rollout, run_arm, sides
@@ -46,7 +36,6 @@ def main() -> None:
     from h3lab.trajectory import DenoiseInputs, denoise, run_trajectory
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    device = "cpu" if args.tiny else "cuda"
     config = H3Config.tiny() if args.tiny else H3Config.full()
     shape = "tiny-64x64x22f" if args.tiny else "512x512x22f"
     dm = build_diffusers(config, device, seed=1234)
@@ -105,7 +94,7 @@ def main() -> None:
         row = {"step": i}
         for key in ("video", "audio", "velocity_video", "velocity_audio"):
             a, b = traj_r.kept[f"{key}.{i:04d}"].double(), traj_p.kept[f"{key}.{i:04d}"].double()
-            row[key] = {"rel_l2": float((a - b).norm() / b.norm()), "max_abs": float((a - b).abs().max())}
+            row[key] = {"rel_l2": rel_l2(a, b), "max_abs": float((a - b).abs().max())}
         steps.append(row)
     print(f"R vs P rollout final video latent rel L2 {steps[-1]['video']['rel_l2']:.3e}", flush=True)
 
@@ -125,24 +114,16 @@ def main() -> None:
         }
         print(f"arm {arm}: byte_equal={rep.byte_equal} first_drift={rep.first_drift}", flush=True)
 
-    import triton
-
-    doc = {
-        "name": "trajectory_full" if not args.tiny else "trajectory_tiny_smoke",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_rev": git_rev(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "weights": "random (seeded), shared storage between Diffusers and h3lab",
+    doc = header("trajectory_full" if not args.tiny else "trajectory_tiny_smoke", __file__, argv, device,
+                 weights="random (seeded), shared storage between Diffusers and h3lab")
+    doc.update({
         "results": [
             {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass loop, no recorder",
              "median_s": statistics.median(plain_times), "runs": len(plain_times), "times_s": plain_times,
-             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")},
+             "peak_mem_gib": peak_mem_gib(device)},
             {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass loop, recorder (sha256 per pass)",
              "median_s": statistics.median(rec_times), "runs": len(rec_times), "times_s": rec_times,
-             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+             "peak_mem_gib": peak_mem_gib(device),
              "overhead_vs_plain": overhead},
             {"shape": shape, "rows": layout.sequence_length, "impl": "diffusers", "what": "10-pass rollout (P side)",
              "median_s": t_p, "runs": 1, "peak_mem_gib": float("nan")},
@@ -153,11 +134,9 @@ def main() -> None:
         "strict_repeat_bit_equal": len(set(digests)) == 1,
         "r_vs_p_rollout": steps,
         "arms": arms,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    })
+    write(args.out, doc)
+    return doc
 
 
 if __name__ == "__main__":

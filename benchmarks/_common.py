@@ -1,0 +1,250 @@
+"""Plumbing shared by the benchmarks in this folder: imports from a bare checkout, the device, the provenance header
+of the DESIGN.md "Evidence" schema, the JSON write, the printed table, the timers and the comparisons.
+
+A kernel benchmark's main reads (forward / trajectory build their own parser and pass --tiny as the CPU flag):
+
+    parser = kernel_parser(__doc__.splitlines()[0], "gemm")   # --out --dry-run --no-backward --sweep, then its own
+    args = parser.parse_args(argv)
+    device = prepare(parser, cpu=args.dry_run, flag="--dry-run")   # before anything imports triton
+    doc = header("gemm", __file__, argv, device)                     # results: [] to fill
+    ...
+    write(args.out, doc)
+
+- `prepare` makes `h3lab` and `h3kernels` importable without an install (the GPU image has none; `kernels/`
+  imports as `h3kernels`), turns the Triton interpreter on for a CPU run, and returns "cpu" or "cuda" (refusing
+  through `parser.error`, exit status 2, when CUDA is asked for and absent).
+- `header` gives {name, date, gpu, torch, triton, git_rev, command, results: []} plus any extra keys; `git_rev` is
+  the checkout's HEAD ("-dirty" when the tree has changes), else `$H3LAB_GIT_REV` (set by gpu_env.sh on a machine
+  without git), else "unknown". `command` is `python benchmarks/<script> <args>`, the way to run it again.
+- `write` writes the document atomically (sorted keys, indent 2) and says where; nothing without a path.
+- Timers: `measure` (do_bench median, L2 flushed, for kernels), `measure_gpu` (device time of calls queued behind a
+  GPU sleep, for launch-bound ops), `timed` (CUDA-event seconds of each whole call, for a forward), `sync`,
+  `peak_mem_gib`. On CPU they fall back to `time.perf_counter`.
+- `rel_l2(out, truth)` and `equal(a, b)` take a tensor or a tuple of tensors (an op with several outputs).
+
+Importable as `_common` because a script's own folder is first on `sys.path` (tests prepend this folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------- imports, device
+def bootstrap(cpu: bool) -> None:
+    """Make `h3lab` and `h3kernels` importable from a bare checkout. A CPU run needs the Triton interpreter, which
+    must be chosen before triton is imported."""
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        import h3kernels  # noqa: F401
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            "h3kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["h3kernels"] = module
+        spec.loader.exec_module(module)
+
+
+def kernel_parser(
+    description: str, name: str, sweep_help: str = "time candidate tile configs instead"
+) -> argparse.ArgumentParser:
+    """The flags every kernel benchmark takes: --out, --dry-run (CPU, interpreter, tiny shapes), --no-backward,
+    --sweep (exploration of other tiles). The script adds its own (--rows, --seqs, --only, ...)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help=f"JSON results path (e.g. benchmarks/results/{name}.json)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    return parser
+
+
+def prepare(parser: argparse.ArgumentParser, cpu: bool, flag: str) -> str:
+    """`bootstrap(cpu)`, then the device: "cpu" when `cpu`, else "cuda" (parser.error, exit 2, if there is none)."""
+    bootstrap(cpu)
+    import torch
+
+    if cpu:
+        return "cpu"
+    if not torch.cuda.is_available():
+        parser.error(f"no CUDA device: run on the GPU, or pass {flag}")
+    return "cuda"
+
+
+# ------------------------------------------------------------------------------------------- provenance, output
+def git_rev() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("H3LAB_GIT_REV", "unknown")
+
+
+def header(name: str, script: str, argv: Sequence[str] | None, device: str, **extra: Any) -> dict:
+    """The schema's provenance keys, `extra`, and an empty `results` list. `argv` None means `sys.argv[1:]`."""
+    import torch
+    import triton
+
+    if device == "cuda":
+        gpu = torch.cuda.get_device_name()
+    else:
+        gpu = "cpu (triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_rev": git_rev(),
+        "command": " ".join(["python", f"benchmarks/{Path(script).name}", *args]),
+        **extra,
+        "results": [],
+    }
+
+
+def write(out: str | None, doc: dict) -> None:
+    from h3lab.io_utils import atomic_write_json
+
+    if out:
+        atomic_write_json(out, doc)
+        print(f"wrote {out}")
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    """`cols` joined by " | ", one line per row: floats to 4 significant digits, a missing key as blank."""
+    lines = [" | ".join(cols)]
+    for r in rows:
+        lines.append(" | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------- timers
+def sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def peak_mem_gib(device: str) -> float:
+    """Peak allocated CUDA memory since the last reset, GiB; NaN on CPU (not measured)."""
+    if device != "cuda":
+        return float("nan")
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def measure(fn: Callable[[], Any], device: str) -> dict:
+    """{"median_s", "runs", "peak_mem_gib"} of fn(). CUDA: do_bench over ~100 ms after warm-up (L2 flushed);
+    CPU (dry run): 3 timed calls after one warm-up, peak 0.0."""
+    import torch
+
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times_ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        return {"median_s": statistics.median(times_ms) / 1e3, "runs": len(times_ms), "peak_mem_gib": round(peak, 3)}
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "runs": len(times), "peak_mem_gib": 0.0}
+
+
+def measure_gpu(fn: Callable[[], Any], device: str, reps: int = 20, trials: int = 7) -> float | None:
+    """Median device seconds per call of fn() issued back to back with the launch queue pre-filled: a
+    `torch.cuda._sleep` keeps the GPU busy while the host enqueues `reps` calls, so events around them time the
+    kernels and not Python's launch overhead (inputs stay L2-warm across the reps). None on CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: longer than enqueueing reps calls
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def timed(fn: Callable[[], Any], runs: int, device: str) -> tuple[list[float], float]:
+    """Seconds of each of `runs` calls after one warm-up (CUDA events on GPU, perf_counter on CPU) and the peak
+    GiB over them (NaN on CPU)."""
+    import torch
+
+    cuda = device == "cuda"
+    fn()  # warm-up (compilation, autotune-free kernels, allocator)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(runs):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times, peak_mem_gib(device)
+
+
+# -------------------------------------------------------------------------------------------------- comparisons
+def flat(out) -> tuple:
+    """An op's output as a tuple of tensors (a single tensor becomes a 1-tuple)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def equal(a, b) -> bool:
+    """Same number of tensors, each pair `torch.equal` (same shape and values)."""
+    import torch
+
+    fa, fb = flat(a), flat(b)
+    return len(fa) == len(fb) and all(bool(torch.equal(x, y)) for x, y in zip(fa, fb))
+
+
+def rel_l2(out, truth) -> float:
+    """||out - truth|| / ||truth|| over all tensors of the (tuple) output, in float64. A zero truth gives 0.0 when
+    out is zero too, else inf."""
+    num = sum(float((o.double() - t.double()).norm() ** 2) for o, t in zip(flat(out), flat(truth)))
+    den = sum(float(t.double().norm() ** 2) for t in flat(truth))
+    if not den:
+        return 0.0 if not num else float("inf")
+    return (num / den) ** 0.5
