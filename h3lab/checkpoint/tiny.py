@@ -249,6 +249,11 @@ def _model_index() -> dict:
         "transformer": ["diffusers", "MiniMaxH3Transformer3DModel"],
         "transformer_ref": ["diffusers", "MiniMaxH3Transformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLMiniMaxH3"],
+        # The pipeline's ConfigSpecs, scaled to the tiny canvas (released: 768, 768x1344, 2048) so reference media
+        # stay a few latent rows on a CPU.
+        "canvas_short_edge": 64,
+        "canvas_max_pixels": 7168,
+        "reference_image_short_edge": 64,
     }
 
 

@@ -1,0 +1,292 @@
+"""The interactive session (`h3lab` without `-p`): a prompt-toolkit REPL over `h3lab.commands`.
+
+- A plain line generates; `!...` lines are commands (`!help`). Lines go through `commands.parse` at once, so a bad
+  line is answered immediately with one `error:` line and nothing changes.
+- Generations run on one worker thread, in submission order, with the settings captured when the line was entered;
+  the prompt stays live meanwhile, and everything printed (progress lines, previews, results) appears above it
+  (`patch_stdout(raw=True)`, raw so inline-image escapes reach the terminal). Commands that read results (`!save`,
+  `!drift`, `!trajectory`, `!status`) first wait for the queue to drain.
+- Ctrl-C cancels the running generation (and drops queued ones) and keeps the session; at an idle prompt it just
+  clears the line. Ctrl-D or `!quit` leave after the queue drains (Ctrl-C while waiting cancels).
+- History lives in `<session dir>/history`; completion covers command names, their keywords and file paths; the
+  bottom toolbar shows model, mode, seed, size, frames, steps, anchors/references and generation progress.
+- Testable without a terminal: `Repl(state, input=create_pipe_input(), output=DummyOutput())`.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory
+from prompt_toolkit.patch_stdout import patch_stdout
+
+from . import commands
+from .errors import H3Error
+from .runtime import MODES
+
+WAIT_FOR_RESULTS = {"save", "drift", "trajectory", "status", "cache"}
+KEYWORDS = {
+    "mode": MODES,
+    "first": ("clear",),
+    "last": ("clear",),
+    "refs": ("clear",),
+    "cache": ("clear",),
+    "profile": ("on", "off"),
+    "show": ("on", "off"),
+    "seed": ("random",),
+    "render": ("off",),
+    "trajectory": ("save", "verify"),
+}
+
+
+class H3Completer(Completer):
+    """Command names after `!`, then each command's keywords, and file paths for path arguments."""
+
+    def __init__(self) -> None:
+        self.paths = PathCompleter(expanduser=True)
+
+    def get_completions(self, document: Document, event: CompleteEvent) -> Iterable[Completion]:
+        text = document.text_before_cursor
+        if not text.startswith("!"):
+            return
+        if " " not in text:
+            word = text[1:]
+            names = sorted(set(commands.COMMANDS) | set(commands.ALIASES))
+            for name in names:
+                if name.startswith(word):
+                    yield Completion(name, start_position=-len(word), display=f"!{name}")
+            return
+        name, _, rest = text[1:].partition(" ")
+        name = commands.ALIASES.get(name, name)
+        spec = commands.COMMANDS.get(name)
+        if spec is None:
+            return
+        word = rest.split(" ")[-1]
+        n_before = len(rest.split(" ")) - 1
+        keywords: tuple[str, ...] = KEYWORDS.get(name, ())
+        if name == "ablate" and n_before == 0:
+            keywords = _ablation_factors()
+        elif name == "ablate" and n_before == 1:
+            keywords = ("on", "off")
+        if keywords and (name != "trajectory" or n_before == 0):
+            for kw in keywords:
+                if kw.startswith(word):
+                    yield Completion(kw, start_position=-len(word))
+        if spec.paths and (name != "trajectory" or n_before >= 1):
+            yield from self.paths.get_completions(Document(word, len(word)), event)
+
+
+def _ablation_factors() -> tuple[str, ...]:
+    from .session import ablation_factors
+
+    try:
+        return tuple(ablation_factors())
+    except H3Error:
+        return ()
+
+
+class Repl:
+    """One interactive session over a `commands.SessionState`."""
+
+    def __init__(
+        self,
+        state: commands.SessionState,
+        history: Path | None = None,
+        input: Any = None,
+        output: Any = None,
+        printer: Callable[[str], None] | None = None,
+    ):
+        self.state = state
+        self.printer = printer
+        self.jobs: queue.Queue = queue.Queue()
+        self.idle = threading.Event()  # set when no generation is running or queued
+        self.idle.set()
+        self.pending = 0  # generations queued or running, under self.count_lock
+        self.count_lock = threading.Lock()
+        self.running_cancel: threading.Event | None = None  # the cancel event of the running generation
+        self.busy_text = ""
+        self.prompt = PromptSession(
+            message="h3> ",
+            history=FileHistory(str(history)) if history is not None else None,
+            completer=H3Completer(),
+            complete_while_typing=False,
+            bottom_toolbar=self.toolbar,
+            refresh_interval=0.5,
+            input=input,
+            output=output,
+        )
+        self.worker = threading.Thread(target=self._work, name="h3lab-generate", daemon=True)
+        state.progress = self._progress
+
+    # -------------------------------------------------------------------------------------- output
+    def echo(self, line: str) -> None:
+        if self.printer is not None:
+            self.printer(line)
+        else:
+            print(line, flush=True)
+
+    def toolbar(self) -> str:
+        text = self.state.toolbar()
+        return f"{text} | {self.busy_text}" if self.busy_text else text
+
+    def _progress(self, info) -> None:
+        mark = "" if info.evaluated else " reused"
+        self.busy_text = f"generating {info.step}/{info.total}"
+        self.echo(f"  pass {info.step}/{info.total} t={info.video_t:.4f} {info.seconds:.2f} s{mark}")
+        app = self.prompt.app
+        if app.is_running:
+            app.invalidate()
+
+    # -------------------------------------------------------------------------------------- worker
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            settings, cancel = job
+            self.running_cancel = cancel
+            try:
+                self.busy_text = "generating"
+                for line in commands.run_generation(self.state, settings, cancel):
+                    self.echo(line)
+            except commands.GenerationCancelled as err:
+                self.echo(f"cancelled: {err}")
+            except H3Error as err:
+                self.echo(f"error: {err}")
+            except Exception as err:  # noqa: BLE001 - the session must survive any failure of one generation
+                self.echo(f"error: {type(err).__name__}: {err}")
+                if _debug():
+                    traceback.print_exc()
+            finally:
+                self.busy_text = ""
+                self.running_cancel = None
+                with self.count_lock:
+                    self.pending -= 1
+                    if self.pending == 0:
+                        self.idle.set()
+
+    def submit(self, prompt: str) -> None:
+        settings = self.state.settings.replace(prompt=prompt)  # validated now, captured now
+        self.state.get_session()  # load before queueing so a bad snapshot errors at the prompt
+        with self.count_lock:
+            self.pending += 1
+            self.idle.clear()
+            self.jobs.put((settings, threading.Event()))
+
+    def cancel(self) -> None:
+        dropped = 0
+        with self.count_lock:
+            while True:
+                try:
+                    self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                dropped += 1
+            self.pending -= dropped
+            running = self.pending > 0
+            if running:
+                # The one job left is the running one (or the one being dequeued): its own event stops it before
+                # its next pass; a later generation gets a fresh event.
+                while self.running_cancel is None and self.pending > 0 and not self.idle.is_set():
+                    time.sleep(0.001)
+                if self.running_cancel is not None:
+                    self.running_cancel.set()
+            else:
+                self.idle.set()
+        if running or dropped:
+            self.echo("cancelling the running generation" + (f" (and {dropped} queued)" if dropped else ""))
+
+    def wait_idle(self) -> None:
+        """Block until the queue drains; Ctrl-C (SIGINT) while waiting cancels."""
+        try:
+            while not self.idle.wait(0.1):
+                pass
+        except KeyboardInterrupt:
+            self.cancel()
+            while not self.idle.wait(0.1):
+                pass
+
+    # -------------------------------------------------------------------------------------- lines
+    def handle(self, line: str) -> None:
+        try:
+            cmd = commands.parse(line)
+            if cmd.name == "noop":
+                return
+            if cmd.name == "generate":
+                self.submit(cmd.args[0])
+                return
+            if cmd.name in WAIT_FOR_RESULTS:
+                self.wait_idle()
+            for out in commands.execute(self.state, cmd):
+                self.echo(out)
+        except H3Error as err:
+            self.echo(f"error: {err}")
+        except Exception as err:  # noqa: BLE001 - one bad line never ends the session
+            self.echo(f"error: {type(err).__name__}: {err}")
+            if _debug():
+                traceback.print_exc()
+
+    def run(self, banner: Iterable[str] = ()) -> int:
+        self.worker.start()
+        with patch_stdout(raw=True):
+            for line in banner:
+                self.echo(line)
+            while self.state.running:
+                try:
+                    line = self.prompt.prompt()
+                except KeyboardInterrupt:
+                    self.cancel()
+                    continue
+                except EOFError:
+                    break
+                self.handle(line)
+            self.wait_idle()
+            self.jobs.put(None)
+            self.worker.join()
+        return 0
+
+
+def _debug() -> bool:
+    import os
+
+    return bool(os.environ.get("H3LAB_DEBUG"))
+
+
+def run_repl(args, base_settings, input: Any = None, output: Any = None) -> int:
+    """Start the REPL for parsed CLI `args` with `base_settings` (the CLI's flags as initial settings)."""
+    from .cli import _session
+    from .preview import TerminalPreview
+
+    session_dir = Path(args.session_dir or "h3lab-session").resolve()
+    session_dir.mkdir(parents=True, exist_ok=True)
+    state = commands.SessionState(
+        session=_session(args),
+        settings=base_settings.checked_paths(),
+        out_dir=session_dir,
+        base_dir=Path.cwd(),
+        show=args.show,
+        profile=args.profile,
+    )
+    viewer = TerminalPreview(session_dir / "previews")
+    repl = Repl(state, history=session_dir / "history", input=input, output=output)
+    state.preview = lambda frame, step, total: repl.echo(viewer.show(frame, f"{state.counter:03d}-step{step:03d}"))
+    session = state.session
+    banner = [
+        f"h3lab {session.model_name} ({session.path}) on {session.device}",
+        f"outputs and history in {session_dir}",
+        "type a prompt to generate, !help for commands, Ctrl-C cancels a generation, Ctrl-D quits",
+    ]
+    return repl.run(banner)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(0)

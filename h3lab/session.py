@@ -1,0 +1,925 @@
+"""`Session`: one resident MiniMax-H3 workbench -- snapshot, components, conditioning cache, `generate`.
+
+Contract
+- `Session(path=None, device=None, residency="resident")`. `path=None` is the embedded tiny snapshot
+  (`h3lab.checkpoint.tiny.default_snapshot()`); `device=None` is CUDA when available, else the CPU. Components load on
+  first use: the text encoder, the DiT of the variant a request needs (`transformer/` for t2va/fl2va,
+  `transformer_ref/` for ref2va; switching variants releases the other, two 33B partitions do not share a GPU), the
+  video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
+  encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist.
+- `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting is validated and every
+  input file decoded and checked (kinds, streams, reference rules, audio durations) before anything is encoded, so a
+  rejected request leaves the session exactly as it was. Text conditioning is cached by the text encoder's
+  `cache_key` over the prompt and the presented media; visual/audio conditioning latents per item by content hash +
+  geometry. Repeating a prompt with a new seed therefore skips both encoders: `result.timings["text_encode"] == 0`
+  and `result.cached["text"]`.
+- The denoise loop is the released one (facts brief section 7; Diffusers `before_denoise.py` / `denoise.py`),
+  run by `h3lab.trajectory.denoise` (the one loop every caller shares): noise drawn from one CPU generator seeded
+  with the request seed in the released order (one draw per visual condition, then the video noise as a latent
+  tensor, then the audio noise in row layout); per pass one transformer forward over the packed rows in the
+  request's runtime mode, then one Euler step per modality on its own schedule on the target rows only
+  (conditioning rows are never written). `--steps N` = N passes = N + 1 grid points. With `reuse > 1` skipped passes
+  extrapolate velocities (`h3lab.sampler.reuse_plan`). Ablation factors (`h3lab.ablation`) wrap the loop.
+- Every pass goes to a `trajectory.TrajectoryRecorder`; `result.trajectory` is the recorded `Trajectory` (sealed
+  inputs, per-pass hashes, provenance) and `result.trajectory_hash` its digest, which replays' `# expect` lines
+  check. `Session.keep` picks the per-pass tensors kept in memory (default none: hashes only).
+- `progress(StepInfo)` is called after every pass; `cancel` (a `threading.Event`) is checked before every pass and
+  raises `GenerationCancelled` (the session stays usable). `preview(frame, step, total)` receives the preview frame
+  of every pass (`preview_frame`: the x0 estimate's middle latent frames, decoded, middle pixel frame).
+- Timings (seconds, CUDA-synchronised) per phase: text_encode, condition_encode, denoise, decode_video, decode_audio,
+  write; component loading triggered inside a phase is booked under "load" instead (first use, phased residency), and
+  a text / condition phase served entirely from the cache reports 0 (its key hashing is booked as "cache_lookup").
+  Peak memory: `torch.cuda.max_memory_allocated` on CUDA (reset per request), else the process peak RSS (`VmHWM`,
+  reset per request through /proc/self/clear_refs where the kernel allows it, else the process lifetime peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import runtime
+from .errors import CheckpointError, H3Error, ValidationError
+from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings
+
+PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
+RESIDENCIES = ("resident", "phased")
+
+
+class GenerationCancelled(H3Error):
+    """The front end set the cancel event; the generation stopped between two passes."""
+
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclass(frozen=True)
+class StepInfo:
+    step: int  # 1-based pass number just completed
+    total: int
+    video_t: float
+    audio_t: float
+    evaluated: bool  # the model ran (False: reused velocity)
+    seconds: float  # wall time of this pass
+
+
+@dataclass
+class GenerationResult:
+    settings: GenerationSettings
+    seed: int
+    frames: np.ndarray  # uint8 (F, H, W, 3) at the output size
+    audio: torch.Tensor  # float32 (2, S) stereo, in [-1, 1]
+    sample_rate: int
+    layout: Any  # h3lab.layout.PackedLayout
+    latents: torch.Tensor  # final target video latents, normalised, (C, T, h, w) float32 CPU
+    audio_latents: torch.Tensor  # final target audio rows, normalised, (2A, C) float32 CPU
+    trajectory: Any  # the recorder the loop fed
+    trajectory_hash: str
+    timings: dict[str, float]
+    cached: dict[str, bool]
+    peak_memory: int  # bytes
+    memory_kind: str
+    trace: Any = None  # runtime Trace of the last forward
+    outputs: list[Path] = field(default_factory=list)
+    evaluations: int = 0  # transformer forwards run
+    arm: Any = field(default=None, repr=False)  # how the loop ran (inputs, schedule, factors): `Session.drift`
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.timings.values())
+
+    @property
+    def duration(self) -> float:
+        return self.frames.shape[0] / FPS
+
+    def timing_lines(self) -> list[str]:
+        lines = []
+        for phase in ("load", "cache_lookup") + PHASES:
+            if phase == "cache_lookup" and phase not in self.timings:
+                continue
+            value = self.timings.get(phase, 0.0)
+            note = ""
+            if phase == "text_encode" and self.cached.get("text"):
+                note = " (cached)"
+            if phase == "condition_encode" and self.cached.get("conditions"):
+                note = " (cached)"
+            lines.append(f"  {phase:<16} {value:8.3f} s{note}")
+        lines.append(f"  {'total':<16} {self.total_seconds:8.3f} s")
+        lines.append(f"  peak memory      {self.peak_memory / 2**20:8.1f} MiB ({self.memory_kind})")
+        lines.append(f"  forwards         {self.evaluations:8d}")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "settings": self.settings.to_dict(),
+            "seed": self.seed,
+            "frames": list(self.frames.shape),
+            "audio": list(self.audio.shape),
+            "sample_rate": self.sample_rate,
+            "trajectory_hash": self.trajectory_hash,
+            "trajectory_format": self.trajectory.manifest.get("format"),
+            "timings": dict(self.timings),
+            "cached": dict(self.cached),
+            "peak_memory_bytes": self.peak_memory,
+            "memory_kind": self.memory_kind,
+            "evaluations": self.evaluations,
+            "outputs": [str(p) for p in self.outputs],
+        }
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def upscale_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 (F, h, w, 3) -> uint8 (F, height, width, 3), bicubic (torch, align_corners=False), clamped, rounded."""
+    if frames.shape[1:3] == (height, width):
+        return frames
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).to(torch.float32)
+    y = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", align_corners=False)
+    return y.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+class _Timer:
+    """Wall time of one phase, CUDA-synchronised, minus the component loading it triggered (booked as "load")."""
+
+    def __init__(self, session: "Session", timings: dict[str, float], phase: str):
+        self.device, self.session, self.timings, self.phase = session.device, session, timings, phase
+
+    def __enter__(self):
+        self._sync()
+        self.t0 = time.perf_counter()
+        self.load0 = self.session.load_seconds
+        return self
+
+    def __exit__(self, *exc):
+        self._sync()
+        loading = self.session.load_seconds - self.load0
+        self.timings[self.phase] = self.timings.get(self.phase, 0.0) + time.perf_counter() - self.t0 - loading
+        self.timings["load"] = self.timings.get("load", 0.0) + loading
+        return False
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ------------------------------------------------------------------------------------------------ session
+@dataclass
+class _Media:
+    """A request's conditioning media, decoded and normalised (numpy, CPU)."""
+
+    keyframes: list  # [components.references.Keyframe] on the canvas, packed order
+    references: list  # [ImageRef | VideoRef | AudioRef], normalised, request order
+
+
+class _LRU(dict):
+    """A small insertion-ordered cache: the oldest entry goes when `limit` is exceeded; a hit moves to the end."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def hit(self, key: str) -> Any:
+        value = self.pop(key, None)
+        if value is not None:
+            self[key] = value
+        return value
+
+    def put(self, key: str, value: Any) -> None:
+        self.pop(key, None)
+        self[key] = value
+        while len(self) > self.limit:
+            self.pop(next(iter(self)))
+
+
+@dataclass
+class _TextEntry:
+    embeds: torch.Tensor  # (1, L, text_dim) on the session device
+    tags: torch.Tensor  # (L,) int64 CPU
+    summary: str
+
+
+@dataclass
+class _CondEntry:
+    """One encoded keyframe or reference."""
+
+    video: torch.Tensor | None  # (C, T, h, w) float32 CPU, normalised (keyframe, image or video reference)
+    audio: torch.Tensor | None  # (2A, C) float32 CPU clean soundtrack rows (audio-bearing reference)
+    summary: str
+
+
+@dataclass
+class _CondSet:
+    """The conditioning latents of one request, in packed order."""
+
+    video: list  # [(C, T, h, w)]
+    audio: list  # [(2A, C)]
+
+
+COND_SALT = "h3lab-condition-latents"
+
+
+class Session:
+    """A resident MiniMax-H3 workbench (see the module docstring)."""
+
+    CACHE_LIMIT = 16
+
+    def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
+                 residency: str = "resident", dtype_policy: str = "released",
+                 pipeline_config: dict[str, int] | None = None):
+        if residency not in RESIDENCIES:
+            raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
+        if path is None:
+            from .checkpoint.tiny import default_snapshot
+
+            path = default_snapshot()
+            self.model_name = "h3-tiny"
+        else:
+            self.model_name = Path(path).resolve().name or str(path)
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"snapshot {str(self.path)!r}: not a directory")
+        try:
+            self.device = torch.device(device) if device is not None else default_device()
+        except RuntimeError as err:
+            raise ValidationError(f"device={device!r}: {err}") from None
+        self.residency = residency
+        self.dtype_policy = dtype_policy
+        self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
+        self._components: dict[str, Any] = {}
+        self.load_seconds = 0.0  # cumulative component loading time
+        self._lock = threading.RLock()  # one generation at a time
+        self._text_cache = _LRU(self.CACHE_LIMIT)
+        self._cond_cache = _LRU(4 * self.CACHE_LIMIT)
+        self.video_shift, self.audio_shift = self._read_shifts()
+        self.pipeline_config = self._read_pipeline_config(pipeline_config or {})
+
+    # -------------------------------------------------------------------------------------- snapshot
+    def _read_shifts(self) -> tuple[float, float]:
+        from .sampler import AUDIO_SHIFT, VIDEO_SHIFT
+
+        shifts = []
+        for folder, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):
+            cfg = self.path / folder / "scheduler_config.json"
+            if cfg.is_file():
+                try:
+                    shifts.append(float(json.loads(cfg.read_text(encoding="utf-8"))["shift"]))
+                    continue
+                except (ValueError, KeyError, TypeError) as err:
+                    raise CheckpointError(f"{cfg}: cannot read 'shift' ({err})") from None
+            shifts.append(default)
+        return shifts[0], shifts[1]
+
+    def _read_pipeline_config(self, overrides: dict[str, int]) -> dict[str, int]:
+        """The pipeline's ConfigSpecs that shape reference media (canvas_short_edge, canvas_max_pixels,
+        reference_image_short_edge): the released values, replaced by the snapshot's `modular_model_index.json`
+        (or, without one, `model_index.json`, as Diffusers' modular loader reads them), then by `overrides`."""
+        from .components import references as refs
+
+        out = {
+            "canvas_short_edge": refs.CANVAS_SHORT_EDGE,
+            "canvas_max_pixels": refs.CANVAS_MAX_PIXELS,
+            "reference_image_short_edge": refs.IMAGE_SHORT_EDGE,
+        }
+        for name in ("modular_model_index.json", "model_index.json"):
+            index = self.path / name
+            if not index.is_file():
+                continue
+            try:
+                data = json.loads(index.read_text(encoding="utf-8"))
+            except ValueError as err:
+                raise CheckpointError(f"{index}: not JSON ({err})") from None
+            out.update({k: int(data[k]) for k in out if isinstance(data.get(k), int)})
+            break
+        for key, value in overrides.items():
+            if key not in out:
+                raise ValidationError(f"pipeline_config key {key!r}: must be one of {', '.join(out)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 32:
+                raise ValidationError(f"pipeline_config {key}={value!r}: must be an integer >= 32")
+            out[key] = value
+        return out
+
+    # -------------------------------------------------------------------------------------- components
+    def _load(self, name: str) -> Any:
+        comp = self._components.get(name)
+        if comp is not None:
+            return comp
+        t0 = time.perf_counter()
+        try:
+            comp = self._load_component(name)
+        finally:
+            self.load_seconds += time.perf_counter() - t0
+        self._components[name] = comp
+        return comp
+
+    def _load_component(self, name: str) -> Any:
+        if name in ("transformer", "transformer_ref"):
+            # Two 33B partitions do not share a GPU: loading one variant releases the other.
+            self.release("transformer_ref" if name == "transformer" else "transformer")
+            from .model import H3Transformer
+
+            comp = H3Transformer.from_pretrained(
+                self.path, subfolder=name, device=self.device, dtype_policy=self.dtype_policy
+            )
+            comp.eval().requires_grad_(False)
+        elif name == "text_encoder":
+            from .components.text_encoder import TextEncoder
+
+            comp = TextEncoder.from_pretrained(self.path, device=self.device)
+        elif name == "vae":
+            from .components.video_vae import VideoVAE
+
+            comp = VideoVAE.from_pretrained(self.path, device=self.device)
+        elif name == "audio_vae":
+            from .components.audio_vae import AudioVAE
+
+            comp = AudioVAE.from_pretrained(self.path, device=self.device)
+        else:  # pragma: no cover - internal names only
+            raise KeyError(name)
+        return comp
+
+    def release(self, *names: str) -> None:
+        """Drop components (all when no name is given); they reload on next use. Caches are kept."""
+        dropped = False
+        for name in names or tuple(self._components):
+            dropped |= self._components.pop(name, None) is not None
+        if dropped:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _phase_done(self, *names: str) -> None:
+        if self.residency == "phased":
+            self.release(*names)
+
+    @property
+    def loaded(self) -> list[str]:
+        return sorted(self._components)
+
+    def transformer(self, variant: str = "transformer"):
+        """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
+        if variant not in ("transformer", "transformer_ref"):
+            raise ValidationError(f"variant={variant!r}: must be 'transformer' or 'transformer_ref'")
+        return self._load(variant)
+
+    @staticmethod
+    def variant_for(task: str) -> str:
+        return "transformer_ref" if task == "ref2va" else "transformer"
+
+    # -------------------------------------------------------------------------------------- status / cache
+    def status(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "snapshot": str(self.path),
+            "device": str(self.device),
+            "residency": self.residency,
+            "loaded": self.loaded,
+            "cache_entries": len(self._text_cache) + len(self._cond_cache),
+        }
+
+    def cache_info(self) -> list[dict[str, str]]:
+        out = [{"kind": "text", "key": k, "summary": v.summary} for k, v in self._text_cache.items()]
+        out += [{"kind": "condition", "key": k, "summary": v.summary} for k, v in self._cond_cache.items()]
+        return out
+
+    def clear_cache(self) -> int:
+        n = len(self._text_cache) + len(self._cond_cache)
+        self._text_cache.clear()
+        self._cond_cache.clear()
+        return n
+
+    # -------------------------------------------------------------------------------------- validation
+    def settings(self, request: str | GenerationSettings | None = None, **overrides: Any) -> GenerationSettings:
+        """Validated settings from a prompt or a settings object plus overrides (no file is read)."""
+        if isinstance(request, GenerationSettings):
+            return request.replace(**overrides) if overrides else request
+        if request is not None:
+            overrides["prompt"] = request
+        return GenerationSettings(**overrides)
+
+    def check_request(self, settings: GenerationSettings) -> GenerationSettings:
+        """Check every input file of a request by decoding and normalising it (kinds, streams, reference counts,
+        audio 2-15 s each and 15 s in total, video length) without encoding anything. Returns the settings with
+        validated paths."""
+        settings = settings.checked_paths()
+        self._load_media(settings)
+        return settings
+
+    def _load_media(self, s: GenerationSettings) -> _Media:
+        from .components import conditioning, media
+        from .components import references as refmod
+
+        width, height = s.canvas
+        keyframes = []
+        if s.anchors:
+            first = media.read_image(s.first) if s.first is not None else None
+            last = media.read_image(s.last) if s.last is not None else None
+            keyframes = conditioning.prepare_keyframes(first, last, height, width)
+        refs = []
+        for r in s.references:
+            flag = "--" + REFERENCE_KINDS[r.kind]
+            if r.kind == "image":
+                refs.append(refmod.ImageRef(media.read_image(r.path), source=r.path))
+                continue
+            if r.kind == "audio":
+                refs.append(refmod.AudioRef(media.read_audio(r.path), AUDIO_SAMPLE_RATE, source=r.path))
+                continue
+            info = media.probe(r.path, count_frames=False)
+            if info.video is None or not info.video.fps:
+                raise ValidationError(f"{flag} {r.path!r}: has no video stream with a frame rate")
+            if r.kind == "video" and info.audio is None:
+                raise ValidationError(
+                    f"--ref-video {r.path!r}: has no audio stream (use --ref-silent-video, or --ref-video-audio "
+                    "VIDEO AUDIO)"
+                )
+            # Decode only what the 24 fps resampling and the truncation to num_frames can use.
+            bound = math.ceil(s.num_frames * info.video.fps / FPS) + 2
+            frames, fps = media.read_video(r.path, max_frames=bound)
+            audio = media.read_audio(r.audio_path) if r.audio_path is not None else None
+            refs.append(refmod.VideoRef(frames, fps, audio, AUDIO_SAMPLE_RATE, source=r.path))
+        if refs:
+            cfg = self.pipeline_config
+            refs = refmod.normalize_references(
+                refs,
+                s.num_frames,
+                image_short_edge=cfg["reference_image_short_edge"],
+                canvas_short_edge=cfg["canvas_short_edge"],
+                canvas_max_pixels=cfg["canvas_max_pixels"],
+            )
+        return _Media(keyframes, refs)
+
+    # -------------------------------------------------------------------------------------- generate
+    def generate(
+        self,
+        request: str | GenerationSettings | None = None,
+        *,
+        progress: Callable[[StepInfo], None] | None = None,
+        cancel: threading.Event | None = None,
+        preview: Callable[[np.ndarray, int, int], Any] | None = None,
+        output: str | os.PathLike | None = None,
+        frames_dir: str | os.PathLike | None = None,
+        wav: str | os.PathLike | None = None,
+        **overrides: Any,
+    ) -> GenerationResult:
+        """Generate one clip with sound (see the module docstring). `output` (MP4), `frames_dir` (PNG per frame)
+        and `wav` are written atomically after decoding, in the `write` phase."""
+        s = self.settings(request, **overrides).checked_paths()
+        if not s.prompt.strip():
+            raise ValidationError("prompt='': empty prompt, describe the clip to generate")
+        for target, suffix in ((output, ".mp4"), (wav, ".wav")):
+            if target and Path(target).suffix.lower() != suffix:
+                raise ValidationError(f"output {str(target)!r}: must end in {suffix}")
+        if s.ablations:
+            unknown = [n for n in s.ablations if n not in ablation_factors()]
+            if unknown:  # fail before any work
+                raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(ablation_factors())}")
+        with self._lock:
+            media = self._load_media(s)  # every input decoded and validated before anything is encoded
+            return self._generate(s, media, progress, cancel, preview, output, frames_dir, wav)
+
+    def _generate(self, s, media, progress, cancel, preview, output, frames_dir, wav) -> GenerationResult:
+        from .sampler import DualSchedule
+
+        timings = {phase: 0.0 for phase in ("load",) + PHASES}
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_peak_rss()
+        schedule = DualSchedule.from_passes(s.steps, self.video_shift, self.audio_shift)
+        if schedule.num_passes != s.steps:
+            raise ValidationError(
+                f"steps={s.steps}: the shifted sigma grid collapses to {schedule.num_passes} distinct passes"
+            )
+
+        with _Timer(self, timings, "text_encode"):
+            text, text_cached = self._encode_text(s, media)
+        _book_cache_hit(timings, "text_encode", text_cached)
+        self._phase_done("text_encoder")
+
+        with _Timer(self, timings, "condition_encode"):
+            cond, cond_cached = self._encode_conditions(media)
+        _book_cache_hit(timings, "condition_encode", cond_cached)
+        self._phase_done("vae", "audio_vae")
+
+        with _Timer(self, timings, "denoise"):
+            loop = self._denoise(s, schedule, media, text, cond, progress, cancel, preview)
+        self._phase_done("transformer", "transformer_ref")
+
+        with _Timer(self, timings, "decode_video"):
+            frames = self._load("vae").decode(loop["latents"])
+            if frames.shape[0] != s.num_frames:
+                raise RuntimeError(f"video VAE decoded {frames.shape[0]} frames for {s.num_frames} requested")
+            if s.render_width is not None:
+                frames = upscale_frames(frames, s.width, s.height)
+        self._phase_done("vae")
+        with _Timer(self, timings, "decode_audio"):
+            audio = self._load("audio_vae").decode(loop["audio_rows"])
+        self._phase_done("audio_vae")
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else _peak_rss()
+        trajectory = loop["trajectory"]
+        result = GenerationResult(
+            settings=s,
+            seed=s.seed,
+            frames=frames,
+            audio=audio,
+            sample_rate=AUDIO_SAMPLE_RATE,
+            layout=loop["layout"],
+            latents=loop["latents"],
+            audio_latents=loop["audio_rows"],
+            trajectory=trajectory,
+            trajectory_hash=trajectory.digest,
+            timings=timings,
+            cached={"text": text_cached, "conditions": cond_cached},
+            peak_memory=int(peak),
+            memory_kind="cuda max allocated" if cuda else "process peak RSS",
+            trace=loop["trace"],
+            evaluations=loop["evaluations"],
+            arm=loop["arm"],
+        )
+        with _Timer(self, timings, "write"):
+            if output:
+                result.outputs.append(self.save(result, output).resolve())
+            if wav:
+                result.outputs.append(self.save(result, wav).resolve())
+            if frames_dir:
+                from .components import media as media_io
+
+                media_io.write_png_frames(frames_dir, frames)
+                result.outputs.append(Path(frames_dir).resolve())
+        return result
+
+    # -------------------------------------------------------------------------------------- phases
+    def _encode_text(self, s: GenerationSettings, media: _Media) -> tuple[_TextEntry, bool]:
+        """Prompt (+ presented keyframes / references) -> layer-50 embeddings and row tags, cached by content."""
+        from .components.text_encoder import cache_key
+
+        key = cache_key(s.prompt, media.keyframes, media.references)
+        hit = self._text_cache.hit(key)
+        if hit is not None:
+            return hit, True
+        enc = self._load("text_encoder").encode(s.prompt, media.keyframes, media.references)
+        summary = f"{len(enc.token_ids)} rows: {s.prompt[:40]!r}" + (
+            f" + {len(media.keyframes)} anchors" if media.keyframes else ""
+        ) + (f" + {len(media.references)} refs" if media.references else "")
+        entry = _TextEntry(enc.embeds.detach(), enc.tags.cpu(), summary)
+        self._text_cache.put(key, entry)
+        return entry, False
+
+    def _encode_conditions(self, media: _Media) -> tuple[_CondSet, bool | None]:
+        """VAE encodes of anchors / references, cached per item by content (the normalised media bytes, so the
+        canvas and the truncation are part of the key): adding a reference encodes only the new one. Returns
+        (latents in packed order, cached) with cached None when the request has no conditioning, True when every
+        item came from the cache."""
+        from .components import conditioning
+        from .components.text_encoder import cache_key
+
+        items = [("keyframe", k) for k in media.keyframes] + [("reference", r) for r in media.references]
+        if not items:
+            return _CondSet([], []), None
+        video, audio, all_cached = [], [], True
+        for kind, item in items:
+            key = (
+                cache_key("", [item], (), salt=COND_SALT) if kind == "keyframe"
+                else cache_key("", (), [item], salt=COND_SALT)
+            )
+            entry = self._cond_cache.hit(key)
+            if entry is None:
+                all_cached = False
+                if kind == "keyframe":
+                    v = conditioning.encode_keyframes(self._load("vae"), [item])[0]
+                    entry = _CondEntry(v, None, f"{item.anchor} keyframe -> {tuple(v.shape)}")
+                else:
+                    vae = self._load("vae") if item.kind != "audio" else None
+                    audio_vae = self._load("audio_vae") if item.has_audio else None
+                    lat = conditioning.encode_references(vae, audio_vae, [item])
+                    v = lat.video[0] if lat.video else None
+                    a = lat.audio[0] if lat.audio else None
+                    shapes = " + ".join(str(tuple(x.shape)) for x in (v, a) if x is not None)
+                    entry = _CondEntry(v, a, f"{item.kind} reference {item.source} -> {shapes}")
+                self._cond_cache.put(key, entry)
+            if entry.video is not None:
+                video.append(entry.video)
+            if entry.audio is not None:
+                audio.append(entry.audio)
+        return _CondSet(video, audio), all_cached
+
+    def _layout(self, s: GenerationSettings, media: _Media, text: _TextEntry, cond: _CondSet, patch):
+        from . import layout as L
+
+        refs = []
+        video_iter, audio_iter = iter(cond.video), iter(cond.audio)
+        for ref in media.references:
+            if ref.kind == "image":
+                lat = next(video_iter)
+                refs.append(L.Reference.image(lat.shape[2], lat.shape[3]))
+            elif ref.kind == "video":
+                lat = next(video_iter)
+                sound = next(audio_iter).shape[0] // 2 if ref.has_audio else 0
+                refs.append(L.Reference.video(lat.shape[1], lat.shape[2], lat.shape[3], sound))
+            else:
+                refs.append(L.Reference.audio(next(audio_iter).shape[0] // 2))
+        return L.build_layout(
+            s.task,
+            text.tags,
+            s.num_latent_frames,
+            s.latent_height,
+            s.latent_width,
+            s.num_audio_latents,
+            anchors=tuple(k.anchor for k in media.keyframes),
+            references=refs,
+            patch_size=patch,
+        )
+
+    def _denoise(self, s, schedule, media, text, cond, progress, cancel, preview) -> dict[str, Any]:
+        """Layout, the request's noise in the released order, and the loop (`h3lab.trajectory.denoise`)."""
+        from . import trajectory as T
+        from .components import conditioning
+        from .components.video_vae import patchify, unpatchify
+        from .sampler import draw_noise
+
+        model = self._load(self.variant_for(s.task))
+        cfg = model.config
+        patch = tuple(cfg.patch_size)
+        layout = self._layout(s, media, text, cond, patch)
+
+        # Draw order on the one CPU generator: conditions, target video latents, target audio rows.
+        generator = torch.Generator().manual_seed(s.seed)
+        noised = conditioning.augment_conditions(cond.video, generator)
+        video_noise = draw_noise((1, cfg.in_channels, s.num_latent_frames, s.latent_height, s.latent_width), generator)
+        audio_noise = draw_noise((2 * s.num_audio_latents, cfg.audio_in_channels), generator)
+        video_rows = torch.cat([patchify(c, patch) for c in noised] + [patchify(video_noise[0], patch)])
+        audio_rows = torch.cat([a.to(torch.float32) for a in cond.audio] + [audio_noise])
+        inputs = T.DenoiseInputs.from_layout(
+            layout, schedule, text=text.embeds.to(self.device), video=video_rows, audio=audio_rows,
+            seeds={"request": s.seed, "condition_encode": 42},
+        ).to(self.device)
+        arm = self._arm(s, model, layout, schedule, inputs)
+        schedule, inputs = arm.schedule, arm.inputs
+        nv = inputs.num_condition_video_rows
+        recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": _settings_meta(s)})
+
+        state = {"prev": inputs.video, "t0": time.perf_counter(), "evaluations": 0, "trace": None}
+
+        def callback(rec) -> None:
+            now = time.perf_counter()
+            state["evaluations"] += int(rec.evaluated)
+            if rec.trace is not None:
+                state["trace"] = rec.trace
+            if preview is not None:
+                # x0 estimate of the pass: x_t + (1 - t) * v on the target rows (float32).
+                t = torch.tensor(rec.t_video, dtype=torch.float32)
+                x0 = state["prev"][0, nv:] + (1 - t) * rec.velocity_video[0, nv:].float()
+                latents = unpatchify(x0.cpu(), s.num_latent_frames, s.latent_height, s.latent_width, patch)
+                preview(self.preview_frame(latents), rec.index + 1, schedule.num_passes)
+            state["prev"] = rec.video
+            if progress is not None:
+                progress(StepInfo(rec.index + 1, schedule.num_passes, rec.t_video, rec.t_audio, rec.evaluated,
+                                  now - state["t0"]))
+            state["t0"] = time.perf_counter()
+
+        run_model = self._arm_model(arm, model)
+        handles = [run_model.add_hook(h) for h in arm.hooks]
+        try:
+            with runtime.use_mode(s.mode), runtime.use_overrides(arm.overrides):
+                video, audio = T.denoise(
+                    run_model, inputs, schedule, recorder, callback, cancel, stepper=arm.stepper, reuse=s.reuse
+                )
+        except T.DenoiseCancelled as err:
+            raise GenerationCancelled(f"{err}; the session is unchanged") from None
+        finally:
+            for h in handles:
+                h.remove()
+        final_video = video[0, nv:].float().cpu()
+        latents = unpatchify(final_video, s.num_latent_frames, s.latent_height, s.latent_width, patch)
+        audio_rows = audio[0, inputs.num_condition_audio_rows:].float().cpu()
+        return {
+            "layout": layout,
+            "latents": latents,
+            "audio_rows": audio_rows,
+            "trajectory": recorder.finish(),
+            "trace": state["trace"],
+            "evaluations": state["evaluations"],
+            "arm": arm,
+        }
+
+    # -------------------------------------------------------------------------------------- ablations
+    def _other_variant(self, variant: str):
+        """The other transformer partition, loaded beside the resident one without registering it (H16 only)."""
+        from .model import H3Transformer
+
+        other = "transformer" if variant == "transformer_ref" else "transformer_ref"
+        t0 = time.perf_counter()
+        model = H3Transformer.from_pretrained(self.path, subfolder=other, device=self.device,
+                                              dtype_policy=self.dtype_policy)
+        self.load_seconds += time.perf_counter() - t0
+        return model.eval().requires_grad_(False)
+
+    def _arm_model(self, arm: "_Arm", model):
+        return model if arm.model is None else arm.model
+
+    def _arm(self, s: GenerationSettings, model, layout, schedule, inputs) -> "_Arm":
+        """How the loop runs: the plain request, or the request with its ablation factors applied. A factor is a row
+        of the RFC matrix (`h3lab.ablation.ROWS`) whose probe arm is taken over from the ablation bench with this
+        request's model, layout, schedule and inputs in place of the bench's (see `ablation_factors`)."""
+        variant = self.variant_for(s.task)
+        arm = _Arm(variant=variant, inputs=inputs, schedule=schedule, mode=s.mode, label=s.mode)
+        if not s.ablations:
+            return arm
+        ablation = _ablation_module()
+        factors = ablation_factors()
+        unknown = [n for n in s.ablations if n not in factors]
+        if unknown:
+            raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(factors)}")
+        if "H1" in s.ablations and len(s.ablations) > 1:
+            raise ValidationError("ablation H1 permutes the packed rows: switch it on alone")
+        other = self._other_variant(variant) if "H16" in s.ablations else None
+        for name in s.ablations:
+            row = ablation.ROWS[name]
+            bench = ablation.Bench(
+                model=self._arm_model(arm, model), variant=other, layout=layout, schedule=arm.schedule,
+                inputs=arm.inputs, parts={"seed": s.seed}, snapshot=self.path,
+            )
+            _, probe = row.probe(bench, s.mode)
+            clash = sorted(set(arm.overrides) & set(probe.overrides))
+            if clash:
+                raise ValidationError(f"ablation {name}: overrides op(s) {clash} another switched-on factor overrides")
+            if probe.stepper is not None and arm.stepper is not None:
+                raise ValidationError(f"ablation {name}: changes the Euler step another switched-on factor changes")
+            arm = dataclasses.replace(
+                arm,
+                model=probe.model if probe.model is not bench.model else arm.model,
+                inputs=probe.inputs.to(self.device),
+                schedule=probe.schedule,
+                overrides={**arm.overrides, **probe.overrides},
+                hooks=tuple(arm.hooks) + tuple(probe.hooks),
+                stepper=probe.stepper or arm.stepper,
+                row_map=probe.row_map or arm.row_map,
+                label=f"{arm.label}+{name}",
+            )
+        return arm
+
+    # -------------------------------------------------------------------------------------- preview
+    def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
+        """The preview of a latent clip (C, T, h, w): the smallest window of middle latent frames the video VAE can
+        decode (`VideoVAE.min_decode_frames`, 3 as released: its temporal chunking yields nothing for fewer),
+        decoded, and the middle pixel frame of that window: uint8 (H, W, 3) at the render canvas. It is the
+        cheapest honest decode of the clip's middle; it is close to, not identical with, the middle frame of a full
+        decode (the decoder's temporal windows see less context)."""
+        vae = self._load("vae")
+        n = min(max(2, vae.min_decode_frames), latents.shape[1])
+        start = max(0, min(latents.shape[1] // 2 - n // 2, latents.shape[1] - n))
+        frames = vae.decode(latents[:, start : start + n])
+        return frames[frames.shape[0] // 2]
+
+    # ---------------------------------------------------------------------------------------- save
+    def save(self, result: GenerationResult, path: str | os.PathLike) -> Path:
+        """Write a result: `.mp4` (H.264 + AAC 32 kHz stereo) or `.wav` (float32 stereo 32 kHz), atomically."""
+        from .components import media
+
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix == ".mp4":
+            return media.write_mp4(path, result.frames, fps=FPS, audio=result.audio)
+        if suffix == ".wav":
+            return media.write_wav(path, result.audio, result.sample_rate)
+        raise ValidationError(f"output {str(path)!r}: extension must be .mp4 (video + audio) or .wav (audio)")
+
+    def drift(self, a: GenerationResult, b: GenerationResult):
+        """First drift between two generations of this session (`drift.compare`): both loops are re-run exactly as
+        they ran -- sealed inputs, schedule, mode and ablation factors -- with every operator boundary hashed."""
+        from . import drift
+
+        variants = {r.arm.variant for r in (a, b)}
+        if len(variants) != 1:
+            raise ValidationError(
+                f"drift between a {a.settings.task} and a {b.settings.task} run: they use different transformers "
+                f"({', '.join(sorted(variants))}); compare two runs of one variant"
+            )
+        with self._lock:
+            model = self._load(variants.pop())
+            arms = []
+            for r in (a, b):
+                arm = r.arm
+                arms.append(drift.Execution(
+                    self._arm_model(arm, model), arm.inputs, arm.schedule, mode=arm.mode,
+                    label=f"{arm.label}:{r.trajectory_hash[:12]}", overrides=dict(arm.overrides),
+                    hooks=tuple(arm.hooks), stepper=arm.stepper, row_map=arm.row_map,
+                ))
+            return drift.compare(*arms)
+
+    def drift_lines(self, a: GenerationResult, b: GenerationResult) -> list[str]:
+        return _drift_lines(self.drift(a, b))
+
+    def verify(self, path: str | os.PathLike):
+        """Replay a sealed trajectory with this session's DiT of the trajectory's variant (`trajectory.verify`)."""
+        from . import trajectory as T
+
+        traj = T.load(path)
+        model = self._load(self.variant_for(traj.inputs.task))
+        return T.verify(traj, model, device=self.device)
+
+
+def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:
+    """A phase served entirely from the cache encoded nothing: it reports 0, and the key hashing it took is booked
+    under "cache_lookup"."""
+    if cached:
+        timings["cache_lookup"] = timings.get("cache_lookup", 0.0) + timings[phase]
+        timings[phase] = 0.0
+
+
+def _drift_lines(report) -> list[str]:
+    lines = [report.summary()]
+    if report.first is not None and report.first_in_block is not None and report.first_in_block != report.first:
+        lines.append(f"first drift inside a block: {report.first_in_block}")
+    if report.a_repeatable is False:
+        lines.append("warning: the reference run did not repeat its own hashes (non-deterministic arithmetic)")
+    for note in report.metadata[:3]:
+        lines.append(f"layout differs: {note}")
+    return lines
+
+
+def _settings_meta(s: GenerationSettings) -> dict[str, Any]:
+    """What a trajectory manifest records about the request (no file paths: they differ between machines)."""
+    return {
+        "task": s.task, "seed": s.seed, "width": s.width, "height": s.height, "canvas": list(s.canvas),
+        "num_frames": s.num_frames, "steps": s.steps, "mode": s.mode, "reuse": s.reuse,
+        "ablations": list(s.ablations), "references": [r.kind for r in s.references],
+        "anchors": [name for name, _ in s.anchors],
+    }
+
+
+def _ablation_module():
+    try:
+        from . import ablation
+    except ImportError:
+        raise ValidationError("ablation factors are not available yet (h3lab.ablation is missing)") from None
+    return ablation
+
+
+# Rows of the matrix that are not factors of a generation: H15 redraws every bench input (text included) at random.
+NOT_SESSION_FACTORS = ("H15",)
+
+
+def ablation_factors() -> dict[str, str]:
+    """The ablation factors a generation can switch on: the perturbation rows of `h3lab.ablation.ROWS` (expected
+    signature DRIFT, trajectory scope, a probe arm), name -> "factor: description". Controls and invariance rows
+    (PASS, N/A, distributed) compare executions rather than change one and are run with `h3lab.ablation`."""
+    ablation = _ablation_module()
+    return {
+        name: f"{row.factor}: {row.description}"
+        for name, row in ablation.ROWS.items()
+        if row.probe is not None and row.scope == "trajectory" and row.expected.kind == "DRIFT"
+        and name not in NOT_SESSION_FACTORS
+    }
+
+
+@dataclass(frozen=True)
+class _Arm:
+    """How one generation's loop ran, enough to re-run it for `Session.drift`: the transformer partition, the loop
+    inputs and schedule (after input/sampler factors), the mode, and the op overrides, hooks, stepper and packed-row
+    map of its ablation factors. `model` is set only when a factor swaps the transformer (H16)."""
+
+    variant: str
+    inputs: Any
+    schedule: Any
+    mode: str
+    label: str
+    overrides: dict = field(default_factory=dict)
+    hooks: tuple = ()
+    stepper: Any = None
+    row_map: Any = None
+    model: Any = None

@@ -1,0 +1,96 @@
+"""Scripted replays: every shipped `sessions/*.h3` passes its `# expect` lines; mismatches fail the CLI with exit 1;
+`--update` rewrites expect lines atomically; malformed replays stop with file:line."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from h3lab import cli, commands
+from session_helpers import REPO
+
+SESSIONS = sorted((REPO / "sessions").glob("*.h3"))
+
+
+def replay(state_factory, path, update=False):
+    out: list[str] = []
+    report = commands.run_replay(state_factory(path), path, update=update, echo=out.append)
+    return report, out
+
+
+@pytest.fixture
+def replay_state(session):
+    def make(path):
+        return commands.SessionState(session=session, base_dir=Path(path).resolve().parent)
+
+    return make
+
+
+def test_shipped_replays_exist():
+    assert {p.stem for p in SESSIONS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
+
+
+@pytest.mark.parametrize("path", SESSIONS, ids=[p.stem for p in SESSIONS])
+def test_shipped_replay_passes(path, replay_state):
+    report, out = replay(replay_state, path)
+    assert report.generations > 0
+    assert report.ok, report.mismatches
+    assert report.checked == report.generations and not report.unchecked and report.skipped == 0
+    text = "\n".join(out)
+    if path.stem == "ablation":
+        assert re.search(r"off:\w{12} vs off\+H9:\w{12}: first drift at pass 0 scheduler\.video", text)
+        assert re.search(r"off:\w{12} vs off\+H5:\w{12}: first drift at pass 0 blocks\.0\.q_rope", text)
+    if path.stem == "strict_vs_off":
+        assert re.search(r"off:\w{12} vs strict:\w{12}: first drift at pass 0 ", text)
+    if path.stem == "t2va":
+        assert "text_encode         0.000 s (cached)" in text  # the second seed encoded no text
+
+
+def test_cli_replay_mismatch_exits_1_and_update_rewrites(tmp_path, snapshot, replay_state, capsys):
+    original = (REPO / "sessions" / "t2va.h3").read_text()
+    path = tmp_path / "t2va.h3"
+    lines = original.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("# expect"))
+    lines[first] = "# expect[cpu] " + "0" * 64
+    path.write_text("\n".join(lines) + "\n")
+    assert cli.main(["-d", str(snapshot), "--replay", str(path)]) == 1
+    captured = capsys.readouterr().out
+    assert "MISMATCH" in captured and "1 mismatches" in captured
+    report, _ = replay(replay_state, path, update=True)
+    assert report.updated and path.read_text() == original
+    report, _ = replay(replay_state, path)
+    assert report.ok and report.checked == 2
+
+
+def test_update_inserts_missing_expect_lines(tmp_path, replay_state):
+    path = tmp_path / "bare.h3"
+    path.write_text("!size 64x64\n!frames 22\n!steps 2\n!mode off\na fox\n\n# a comment\n!seed 3\na fox\n")
+    report, _ = replay(replay_state, path)
+    assert report.ok and report.unchecked == [5, 9] and report.checked == 0
+    report, _ = replay(replay_state, path, update=True)
+    text = path.read_text().splitlines()
+    assert text[5].startswith("# expect[cpu] ") and text[10].startswith("# expect[cpu] ")
+    assert text[4] == "a fox" and text[6] == "" and text[7] == "# a comment"
+    report, _ = replay(replay_state, path)
+    assert report.ok and report.checked == 2 and not report.unchecked
+
+
+def test_other_device_expectations_are_skipped(tmp_path, replay_state):
+    path = tmp_path / "dev.h3"
+    path.write_text("!size 64x64\n!frames 22\n!steps 2\n!mode off\na fox\n# expect[cuda] " + "f" * 64 + "\n")
+    report, _ = replay(replay_state, path)
+    assert report.ok and report.skipped == 1 and report.unchecked == [5]
+
+
+def test_malformed_replays_stop_with_file_and_line(tmp_path, replay_state):
+    bad = tmp_path / "bad.h3"
+    bad.write_text("# expect " + "a" * 64 + "\n")
+    with pytest.raises(commands.ReplayError, match="bad.h3:1: '# expect' without a generation line"):
+        replay(replay_state, bad)
+    bad.write_text("!size 64x64\n!frames 9999\n")
+    with pytest.raises(commands.ReplayError, match="bad.h3:2: .*362-frame"):
+        replay(replay_state, bad)
+    bad.write_text("!first does-not-exist.png\n")
+    with pytest.raises(commands.ReplayError, match="bad.h3:1: .*no such file"):
+        replay(replay_state, bad)
+    assert cli.main(["--replay", str(tmp_path / "missing.h3")]) == 2
