@@ -230,30 +230,8 @@ def tiny_bench(snapshot: str | None = None, num_points: int = 3, seed: int = 0) 
 
 
 # ============================================================================================= perturbations
-def _mode_op(name: str) -> Callable[..., Any]:
-    """The op the current runtime mode would dispatch `name` to (for overrides that change only some calls)."""
-    mode = runtime.current_mode()
-    ref = runtime.REFERENCE_OPS[name]
-    if mode in ("off", "audit"):
-        return ref
-    from h3kernels import registry
-
-    kernel = registry.STRICT_OPS.get(name)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if kernel is not None:
-            try:
-                kernel.check(*args, **kwargs)
-            except Exception as exc:
-                if mode == "strict":
-                    raise runtime.StrictError(f"strict mode cannot run overridden op {name!r}: {exc}") from None
-            else:
-                return kernel.run(*args, **kwargs)
-        elif mode == "strict":
-            raise runtime.StrictError(f"strict mode cannot run op {name!r}: no strict kernel is registered")
-        return ref(*args, **kwargs)
-
-    return call
+# The op the current runtime mode would dispatch to (for overrides that change only some calls).
+_mode_op = runtime.mode_op
 
 
 def _param_ids(params) -> set[int]:

@@ -295,11 +295,11 @@ class Ops:
     """The op table of one forward. `ops.linear(x, w, b, point="blocks.3.to_q")`: every op takes its reference
     signature plus a keyword `point` (the hook point it serves, recorded in the trace)."""
 
-    def __init__(self, mode: str, trace: Trace, record: bool = True):
+    def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True):
         self.mode = check_mode(mode)
         self.trace = trace
         self.record = record
-        self._overrides = _overrides.get()
+        self._overrides = _overrides.get() if overrides else {}
         self._strict = _strict_registry() if mode in ("strict", "auto") else {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -359,6 +359,13 @@ def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool 
     trace = Trace(mode=mode, device=str(device), fingerprint=fingerprint, versions=versions())
     _last_trace.set(trace)
     return Ops(mode, trace, record=record)
+
+
+def mode_op(name: str) -> Callable[..., Any]:
+    """Op `name` exactly as the current mode dispatches it (strict fails closed, auto falls back), ignoring overrides
+    and recording nothing: what an override that perturbs only some calls delegates the others to."""
+    mode = current_mode()
+    return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False), name)
 
 
 def _strict_registry() -> dict[str, Any]:
