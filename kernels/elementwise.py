@@ -163,18 +163,20 @@ def _exp_name() -> str:
 
 def check_add(a, b) -> dict:
     _validate_add(a, b)
-    return {"kernel_id": "h3.add.v1", "tile": f"BLOCK={BLOCK}", "acc_dtype": "float32"}
+    return {"kernel_id": "h3kernels.elementwise.add.v1", "tile": f"BLOCK={BLOCK}", "acc_dtype": "float32"}
 
 
 def check_silu(x) -> dict:
     _validate_silu(x)
-    return {"kernel_id": f"h3.silu.v1[{_exp_name()} exp]", "tile": f"BLOCK={BLOCK}", "acc_dtype": "float32"}
+    return {
+        "kernel_id": f"h3kernels.elementwise.silu.v1[{_exp_name()} exp]", "tile": f"BLOCK={BLOCK}", "acc_dtype": "float32"
+    }
 
 
 def check_swiglu(h) -> dict:
     f = _validate_swiglu(h)
     return {
-        "kernel_id": f"h3.swiglu.v1[{_exp_name()} exp]",
+        "kernel_id": f"h3kernels.elementwise.swiglu.v1[{_exp_name()} exp]",
         "tile": f"BLOCK_F={min(BLOCK, triton.next_power_of_2(f))},ROWS={max(1, min(64, 2048 // min(BLOCK, triton.next_power_of_2(f))))}",
         "acc_dtype": "float32",
     }

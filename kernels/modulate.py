@@ -257,7 +257,7 @@ def _validate_gated(residual, gate, index, y) -> dict:
 
 def _info(name: str) -> dict:
     return {
-        "kernel_id": f"h3.{name}.v1",
+        "kernel_id": f"h3kernels.modulate.{name}.v1",
         "tile": f"ROWS*BLOCK_D=2048,BLOCK_D<={BLOCK_FWD},bwd:BLOCK_D<={BLOCK_TABLE},CHUNK={CHUNK},GROUP={GROUP}",
         "acc_dtype": "float32",
     }

@@ -233,12 +233,19 @@ def _validate_select(x, index):
 def check_pack_rows(seq_len, text, video, audio) -> dict:
     parts, _ = _validate_pack(seq_len, text, video, audio)
     d = parts[0][2].shape[2]
-    return {"kernel_id": "h3.pack_rows.v1", "tile": f"BLOCK_D={_block(d)},ROWS={_rows(d)}", "acc_dtype": "none(copy)"}
+    return {
+        "kernel_id": "h3kernels.packing.pack_rows.v1", "tile": f"BLOCK_D={_block(d)},ROWS={_rows(d)}",
+        "acc_dtype": "none(copy)",
+    }
 
 
 def check_select_rows(x, index) -> dict:
     _validate_select(x, index)
-    return {"kernel_id": "h3.select_rows.v1", "tile": f"BLOCK_D={_block(x.shape[2])},ROWS={_rows(x.shape[2])}", "acc_dtype": "none(copy)"}
+    d = x.shape[2]
+    return {
+        "kernel_id": "h3kernels.packing.select_rows.v1", "tile": f"BLOCK_D={_block(d)},ROWS={_rows(d)}",
+        "acc_dtype": "none(copy)",
+    }
 
 
 # ------------------------------------------------------------------------------------------- autograd + runs

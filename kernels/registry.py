@@ -3,7 +3,9 @@
 A kernel file registers an entry with `register(op_name, run=fn, check=fn)`:
 - `check(*args, **kwargs)` validates a call without running it and returns the provenance dict
   `{"kernel_id": str, "tile": str, "acc_dtype": str}`; it raises `StrictUnsupported` (message naming the value and
-  the rule) for any shape, dtype, device or layout the kernel does not serve.
+  the rule) for any shape, dtype, device or layout the kernel does not serve. Kernel ids follow one scheme,
+  `h3kernels.<file>.<kernel>` plus qualifiers (version, dtype, math library), e.g. `h3kernels.rope.rope.v1`,
+  `h3kernels.gemm.linear.kloop.bfloat16`.
 - `run(*args, **kwargs)` computes the op (autograd-aware) with the same signature and semantics as the reference op.
 
 `STRICT_OPS` is filled by importing `OP_MODULES` in order; a module that is missing simply leaves its ops

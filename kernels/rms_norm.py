@@ -43,7 +43,7 @@ import triton.language as tl
 from h3kernels import registry
 from h3kernels._strict_math import round_to
 
-KERNEL_ID = "h3.rms_norm.v1"
+KERNEL_ID = "h3kernels.rms_norm.rms_norm.v1"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_D = 16384
 GROUP = 64  # partials added per `tl.sum` step of the second weight-gradient stage

@@ -135,7 +135,10 @@ def _validate_table(position_ids, inv_freq) -> int:
 def check_rope_table(position_ids, inv_freq) -> dict:
     f = _validate_table(position_ids, inv_freq)
     fn = "libdevice" if libdevice_enabled() else "numpy(interpreter)"
-    return {"kernel_id": f"h3.rope_table.v1[{fn} cos/sin]", "tile": f"BLOCK={triton.next_power_of_2(6 * f)}", "acc_dtype": "float32"}
+    return {
+        "kernel_id": f"h3kernels.rope.rope_table.v1[{fn} cos/sin]", "tile": f"BLOCK={triton.next_power_of_2(6 * f)}",
+        "acc_dtype": "float32",
+    }
 
 
 def rope_table(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +187,9 @@ def _validate_rope(x, cos, sin) -> tuple[int, int]:
 def check_rope(x, cos, sin) -> dict:
     r, d = _validate_rope(x, cos, sin)
     block_d, rows = _rows_tile(d)
-    return {"kernel_id": "h3.rope.v1", "tile": f"BLOCK_D={block_d},ROWS={rows},R={r}", "acc_dtype": "float32"}
+    return {
+        "kernel_id": "h3kernels.rope.rope.v1", "tile": f"BLOCK_D={block_d},ROWS={rows},R={r}", "acc_dtype": "float32"
+    }
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:

@@ -70,7 +70,7 @@ def check(t, dim) -> dict:
     half = _validate(t, dim)
     fn = "libdevice" if libdevice_enabled() else "numpy(interpreter)"
     return {
-        "kernel_id": f"h3.timestep_embedding.v1[{fn} exp/cos/sin]",
+        "kernel_id": f"h3kernels.timestep.timestep_embedding.v1[{fn} exp/cos/sin]",
         "tile": f"BLOCK={triton.next_power_of_2(half)}",
         "acc_dtype": "float32",
     }

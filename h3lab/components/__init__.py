@@ -3,6 +3,7 @@
 - `text_encoder`: `TextEncoder` (Qwen3-VL, layer 50 pre-norm, the released presentation), `cache_key`.
 - `video_vae`: `VideoVAE` (conditioning encode, decode to uint8 frames), `patchify` / `unpatchify`.
 - `audio_vae`: `AudioVAE` (posterior-mean encode to channel-major rows, decode to a stereo waveform).
+- `_vae_common`: the snapshot loading and latent-statistics reading both VAE wrappers share.
 - `references`: `Keyframe`, `ImageRef`, `VideoRef`, `AudioRef`; validation and normalisation of a request's media.
 - `conditioning`: keyframes onto the canvas, VAE encodes of anchors/references, condition augmentation.
 - `media`: ffmpeg-backed MP4/WAV/PNG writers and video/audio/image readers, `probe`.

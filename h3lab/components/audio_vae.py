@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ValidationError
+from ..errors import ValidationError
+from ._vae_common import latent_stats, load_vae
 
 CHANNELS = 2
 
@@ -49,16 +50,8 @@ class AudioVAE:
         self.sample_rate = int(cfg.sampling_rate)
         self.hop_length = int(vae.hop_length)
         self.latent_channels = int(cfg.latent_channels)
-        if cfg.latents_mean is None or cfg.latents_std is None:
-            raise CheckpointError("audio_vae config has no latents_mean/latents_std: the pipeline normalises with them")
         # (1, 1, C) float32 CPU statistics for (batch, time, channel) latents, as the pipeline builds them.
-        self.latents_mean = torch.tensor(cfg.latents_mean).view(1, 1, -1)
-        self.latents_std = torch.tensor(cfg.latents_std).view(1, 1, -1)
-        if self.latents_mean.numel() != self.latent_channels or self.latents_std.numel() != self.latent_channels:
-            raise CheckpointError(
-                f"audio_vae config latents_mean/std have {self.latents_mean.numel()}/{self.latents_std.numel()} "
-                f"values: must have latent_channels={self.latent_channels}"
-            )
+        self.latents_mean, self.latents_std = latent_stats(cfg, "audio_vae", self.latent_channels, (1, 1, -1))
 
     @classmethod
     def from_pretrained(
@@ -71,16 +64,7 @@ class AudioVAE:
         """Load `<snapshot>/<subfolder>` (safetensors only, offline)."""
         from diffusers import AutoencoderKLMiniMaxH3Audio
 
-        path = Path(snapshot) / subfolder
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"audio VAE folder {str(path)!r} has no config.json")
-        kwargs: dict[str, Any] = {"use_safetensors": True, "local_files_only": True}
-        if dtype is not None:
-            kwargs["torch_dtype"] = dtype
-        vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(path), **kwargs)
-        if device is not None:
-            vae = vae.to(device)
-        return cls(vae)
+        return cls(load_vae(AutoencoderKLMiniMaxH3Audio, snapshot, subfolder, "audio VAE", device, dtype))
 
     @property
     def device(self) -> torch.device:

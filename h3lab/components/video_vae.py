@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ValidationError
+from ..errors import ValidationError
+from ._vae_common import latent_stats, load_vae
 
 PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
@@ -103,13 +104,7 @@ class VideoVAE:
         # _decode makes ceil((T + drop) / chunk) - 1 chunks when drop > 0: none below this many latent frames.
         self.min_decode_frames = self.latents_per_chunk - drop + 1 if drop > 0 else 1
         # (1, C, 1, 1, 1) float32 CPU statistics, exactly as the pipeline builds them from the config lists.
-        self.latents_mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
-        self.latents_std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
-        if self.latents_mean.numel() != self.latent_channels or self.latents_std.numel() != self.latent_channels:
-            raise CheckpointError(
-                f"vae config latents_mean/std have {self.latents_mean.numel()}/{self.latents_std.numel()} values: "
-                f"must have latent_channels={self.latent_channels}"
-            )
+        self.latents_mean, self.latents_std = latent_stats(cfg, "vae", self.latent_channels, (1, -1, 1, 1, 1))
 
     @classmethod
     def from_pretrained(
@@ -123,16 +118,7 @@ class VideoVAE:
         """Load `<snapshot>/<subfolder>` (safetensors only, offline)."""
         from diffusers import AutoencoderKLMiniMaxH3
 
-        path = Path(snapshot) / subfolder
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"video VAE folder {str(path)!r} has no config.json")
-        kwargs: dict[str, Any] = {"use_safetensors": True, "local_files_only": True}
-        if dtype is not None:
-            kwargs["torch_dtype"] = dtype
-        vae = AutoencoderKLMiniMaxH3.from_pretrained(str(path), **kwargs)
-        if device is not None:
-            vae = vae.to(device)
-        return cls(vae, tiling=tiling)
+        return cls(load_vae(AutoencoderKLMiniMaxH3, snapshot, subfolder, "video VAE", device, dtype), tiling=tiling)
 
     @property
     def device(self) -> torch.device:

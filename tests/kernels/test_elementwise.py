@@ -92,7 +92,7 @@ def test_check_and_dispatch():
     h = randn(2, 5, 80, dtype=torch.bfloat16, seed=12)
     assert K.check_swiglu(h)["tile"] == "BLOCK_F=64,ROWS=32"
     assert "numpy(interpreter) exp" in K.check_silu(h)["kernel_id"]
-    assert K.check_add(h, h)["kernel_id"] == "h3.add.v1"
+    assert K.check_add(h, h)["kernel_id"] == "h3kernels.elementwise.add.v1"
     with runtime.use_mode("strict"):
         ops = runtime.ops()
         out = ops.swiglu(h, point="blocks.0.swiglu")

@@ -149,7 +149,7 @@ def test_check_and_dispatch():
     x = randn(B, S, D, dtype=torch.bfloat16, seed=29)
     scale, shift = _tables(torch.bfloat16)
     idx = _index()
-    assert K.check_modulate(x, scale, shift, idx)["kernel_id"] == "h3.modulate.v1"
+    assert K.check_modulate(x, scale, shift, idx)["kernel_id"] == "h3kernels.modulate.modulate.v1"
     assert K.check_gated_residual(x, scale, idx, x)["acc_dtype"] == "float32"
     with runtime.use_mode("strict"):
         ops = runtime.ops()

@@ -86,13 +86,13 @@ def test_select_rows_bf16_and_strided():
 
 def test_check_and_dispatch():
     t, v, a = _parts()
-    assert K.check_pack_rows(S, t, v, a)["kernel_id"] == "h3.pack_rows.v1"
+    assert K.check_pack_rows(S, t, v, a)["kernel_id"] == "h3kernels.packing.pack_rows.v1"
     with runtime.use_mode("strict"):
         ops = runtime.ops()
         x = ops.pack_rows(S, t, v, a, point="pack")
         y = ops.select_rows(x, v[0], point="video_out")
     assert torch.equal(y, runtime.select_rows(runtime.pack_rows(S, t, v, a), v[0]))
-    assert [r.kernel_id for r in runtime.last_trace().records] == ["h3.pack_rows.v1", "h3.select_rows.v1"]
+    assert [r.kernel_id for r in runtime.last_trace().records] == ["h3kernels.packing.pack_rows.v1", "h3kernels.packing.select_rows.v1"]
 
 
 def _bad_pack_cases():

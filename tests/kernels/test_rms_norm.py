@@ -108,7 +108,7 @@ def test_check_reports_provenance_and_dispatch():
     x = randn(2, 3, 24, dtype=torch.bfloat16, seed=13)
     w = _weight(24, torch.bfloat16)
     info = K.check(x, w, EPS)
-    assert info["kernel_id"] == "h3.rms_norm.v1" and info["acc_dtype"] == "float32"
+    assert info["kernel_id"] == "h3kernels.rms_norm.rms_norm.v1" and info["acc_dtype"] == "float32"
     assert "BLOCK_D=32" in info["tile"]
     assert registry.STRICT_OPS["rms_norm"].run is K.rms_norm
     with runtime.use_mode("strict"):
@@ -116,7 +116,7 @@ def test_check_reports_provenance_and_dispatch():
         out = ops.rms_norm(x, w, EPS, point="blocks.0.norm1")
     assert torch.equal(out, K.rms_norm(x, w, EPS))
     rec = runtime.last_trace().records[-1]
-    assert (rec.op, rec.actual, rec.kernel_id) == ("rms_norm", "strict", "h3.rms_norm.v1")
+    assert (rec.op, rec.actual, rec.kernel_id) == ("rms_norm", "strict", "h3kernels.rms_norm.rms_norm.v1")
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ def test_check_and_dispatch():
         cos, sin = ops.rope_table(pos, inv, point="rope_cos")
         q = ops.rope(x, cos, sin, point="blocks.0.q_rope")
     assert torch.equal(q, runtime.rope(x, cos, sin))
-    assert [r.kernel_id for r in runtime.last_trace().records][1] == "h3.rope.v1"
+    assert [r.kernel_id for r in runtime.last_trace().records][1] == "h3kernels.rope.rope.v1"
 
 
 def _bad_rope_cases():
