@@ -7,6 +7,17 @@ Contract
   `transformer_ref/` for ref2va; switching variants releases the other, two 33B partitions do not share a GPU), the
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
   encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist.
+- `set_transformer(model, variant="transformer")` gives the session an already-built `H3Transformer` for a variant
+  instead of the snapshot's weights (a full-size random DiT built on the GPU, an edited model). It is checked against
+  the snapshot's interface -- `text_dim` = the text encoder's hidden width, `in_channels` = the video VAE's latent
+  channels, `audio_in_channels` = the audio VAE's, `patch_size` = the snapshot variant's when it has one -- and must
+  live on the session device with the session's dtype policy (one-line `ValidationError`; an unreadable snapshot
+  config is a `CheckpointError`). It is served by the normal loading path (`_load`, booked under "load" at ~0 s).
+  An injected model is **pinned**: `release`, phased residency and a variant switch keep it resident, because
+  dropping the session's reference frees nothing while the caller holds the model and a reload would silently swap
+  in the snapshot's weights. `set_transformer(None, variant)` unpins it; the snapshot's weights load on next use. A
+  model whose `fingerprint` is empty gets its weights digest (`trajectory.model_fingerprint`) once, at injection, so
+  trajectories record what ran without rehashing every parameter on every request.
 - `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting is validated and every
   input file decoded and checked (kinds, streams, reference rules, audio durations) before anything is encoded, so a
   rejected request leaves the session exactly as it was. Text conditioning is cached by the text encoder's
@@ -54,6 +65,7 @@ from . import runtime
 from .errors import CheckpointError, H3Error, ValidationError
 from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings
 
+VARIANTS = ("transformer", "transformer_ref")
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
 RESIDENCIES = ("resident", "phased")
 
@@ -280,6 +292,7 @@ class Session:
         self.dtype_policy = dtype_policy
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
         self._components: dict[str, Any] = {}
+        self._injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
         self.load_seconds = 0.0  # cumulative component loading time
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = _LRU(self.CACHE_LIMIT)
@@ -349,12 +362,14 @@ class Session:
         if name in ("transformer", "transformer_ref"):
             # Two 33B partitions do not share a GPU: loading one variant releases the other.
             self.release("transformer_ref" if name == "transformer" else "transformer")
-            from .model import H3Transformer
+            comp = self._injected.get(name)  # pinned by set_transformer: no disk read
+            if comp is None:
+                from .model import H3Transformer
 
-            comp = H3Transformer.from_pretrained(
-                self.path, subfolder=name, device=self.device, dtype_policy=self.dtype_policy
-            )
-            comp.eval().requires_grad_(False)
+                comp = H3Transformer.from_pretrained(
+                    self.path, subfolder=name, device=self.device, dtype_policy=self.dtype_policy
+                )
+                comp.eval().requires_grad_(False)
         elif name == "text_encoder":
             from .components.text_encoder import TextEncoder
 
@@ -372,9 +387,12 @@ class Session:
         return comp
 
     def release(self, *names: str) -> None:
-        """Drop components (all when no name is given); they reload on next use. Caches are kept."""
+        """Drop components (all when no name is given); they reload on next use. Caches are kept. A transformer
+        injected with `set_transformer` is pinned and stays (see the module docstring)."""
         dropped = False
         for name in names or tuple(self._components):
+            if name in self._injected:
+                continue
             dropped |= self._components.pop(name, None) is not None
         if dropped:
             gc.collect()
@@ -388,6 +406,82 @@ class Session:
     @property
     def loaded(self) -> list[str]:
         return sorted(self._components)
+
+    @property
+    def injected(self) -> list[str]:
+        """Variants served by a model given with `set_transformer` (pinned)."""
+        return sorted(self._injected)
+
+    def set_transformer(self, model: Any, variant: str = "transformer") -> None:
+        """Serve `variant` ("transformer" or "transformer_ref") with `model`, an `H3Transformer` on the session
+        device, instead of the snapshot's weights; `model=None` goes back to the snapshot's. Checked against the
+        snapshot's interface before anything changes; the model is pinned (module docstring)."""
+        if variant not in VARIANTS:
+            raise ValidationError(f"variant={variant!r}: must be 'transformer' or 'transformer_ref'")
+        with self._lock:
+            if model is None:
+                if self._injected.pop(variant, None) is not None:
+                    self._components.pop(variant, None)
+                return
+            self._check_interface(model, variant)
+            if isinstance(getattr(model, "fingerprint", None), str) and not model.fingerprint:
+                from .trajectory import model_fingerprint
+
+                model.fingerprint = model_fingerprint(model)
+            model.eval().requires_grad_(False)
+            self._components.pop(variant, None)  # the variant's previous model, if any; `_load` installs this one
+            self._injected[variant] = model
+
+    def _check_interface(self, model: Any, variant: str) -> None:
+        """The rules of `set_transformer`: an H3Transformer whose interface widths are the snapshot's, on the
+        session device, in the session's dtype policy, with no meta tensors."""
+        from .model import H3Transformer
+
+        where = f"set_transformer({variant})"
+        if not isinstance(model, H3Transformer):
+            raise ValidationError(f"{where}: model is a {type(model).__name__}; must be an h3lab H3Transformer")
+        c = model.config
+        text_cfg = self._component_config("text_encoder")
+        text_width = text_cfg.get("text_config", text_cfg).get("hidden_size")
+        wants: list[tuple[str, Any, Any, str]] = [
+            ("text_dim", c.text_dim, text_width, "the text encoder's hidden width (text_encoder/config.json)"),
+            ("in_channels", c.in_channels, self._component_config("vae").get("latent_channels"),
+             "the video VAE's latent channels (vae/config.json)"),
+            ("audio_in_channels", c.audio_in_channels, self._component_config("audio_vae").get("latent_channels"),
+             "the audio VAE's latent channels (audio_vae/config.json)"),
+        ]
+        if (self.path / variant / "config.json").is_file():
+            patch = self._component_config(variant).get("patch_size")
+            wants.append(("patch_size", c.patch_size, patch, f"the snapshot's {variant}/config.json patch_size"))
+        for key, got, want, rule in wants:
+            want = tuple(want) if isinstance(want, list) else want  # patch_size is a JSON list
+            if want is None:
+                raise CheckpointError(f"{self.path}: the snapshot does not state {rule}")
+            if got != want:
+                raise ValidationError(f"{where}: {key}={got!r} must equal {rule}, {want!r}")
+        if model.dtype_policy != self.dtype_policy:
+            raise ValidationError(
+                f"{where}: dtype_policy={model.dtype_policy!r} must be the session's, {self.dtype_policy!r}"
+            )
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta:
+                raise ValidationError(f"{where}: {name} is a meta tensor; materialise the model first")
+            if t.device.type != self.device.type or (
+                self.device.index is not None and t.device.index not in (None, self.device.index)
+            ):
+                raise ValidationError(f"{where}: {name} is on {t.device}; must be on the session device {self.device}")
+
+    def _component_config(self, folder: str) -> dict[str, Any]:
+        path = self.path / folder / "config.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
+        except ValueError as err:
+            raise CheckpointError(f"{path}: not JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: must hold a JSON object")
+        return data
 
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
@@ -742,6 +836,8 @@ class Session:
         from .model import H3Transformer
 
         other = "transformer" if variant == "transformer_ref" else "transformer_ref"
+        if other in self._injected:
+            return self._injected[other]
         t0 = time.perf_counter()
         model = H3Transformer.from_pretrained(self.path, subfolder=other, device=self.device,
                                               dtype_policy=self.dtype_policy)

@@ -23,6 +23,13 @@ Contract
   get a fixed gain (`OUTPUT_GAINS`) so the audio waveform is not clamped flat. Buffers (resampling
   filters, masks) are kept as constructed. Forwards of every component are finite and depend on their inputs
   (tests/checkpoint/test_tiny.py checks it, including the VAE decoder's dependence on the latents).
+- `make_tiny_snapshot(root, seed=0, preset="interface")`: the same snapshot with the **released interface widths**
+  and tiny internals, so a full-size DiT built elsewhere (e.g. on a GPU, `Session.set_transformer`) interlocks with
+  its text encoder and VAEs: Qwen3-VL text hidden 5120 (1 attention head of width 8, intermediate 16, 51 layers;
+  vision tower merging to 5120), video VAE with 24 latent channels, audio VAE with 32 latent channels (latent_dim
+  32), and `transformer/` / `transformer_ref/` = `INTERFACE_CONFIG` (text_dim 5120, in_channels 24 x patch (1,2,2),
+  audio 32; the tiny blocks inside). About 20 M parameters, ~40 MB. Its manifest records `"preset": "interface"`.
+  The default preset ("tiny") is byte-for-byte what it was before presets existed.
 - `default_snapshot() -> Path`: `$H3LAB_CACHE` (default `~/.cache/h3lab`) / `tiny-v1-seed0`, built on first use and
   reused while its manifest verifies (a missing, extra or altered file, or another maker_id, triggers a rebuild).
   Builds go to a temp folder
@@ -59,6 +66,25 @@ AUDIO_VAE_CONFIG = dict(
     resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),),
 )
 TEXT_LAYERS = 51  # the pipeline reads hidden_states[50] and rejects an encoder with <= 50 layers
+# The Qwen3-VL text decoder of the default tiny snapshot (text hidden = H3Config.tiny().text_dim).
+TEXT_CONFIG = dict(hidden_size=H3Config.tiny().text_dim, intermediate_size=32, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8)
+
+# The "interface" preset: the widths where components meet are the release's, everything inside stays tiny.
+INTERFACE_CONFIG = H3Config(**{**H3Config.tiny().to_diffusers(), "text_dim": 5120, "in_channels": 24,
+                               "audio_in_channels": 32})
+INTERFACE_VAE_CONFIG = {**VAE_CONFIG, "latent_channels": INTERFACE_CONFIG.in_channels}
+INTERFACE_AUDIO_VAE_CONFIG = {
+    **AUDIO_VAE_CONFIG, "latent_dim": 32, "latent_channels": INTERFACE_CONFIG.audio_in_channels
+}
+# 1 head of width 8 and a 16-wide MLP keep 51 layers at 5120 to ~0.4 M parameters each.
+INTERFACE_TEXT_CONFIG = dict(hidden_size=INTERFACE_CONFIG.text_dim, intermediate_size=16, num_attention_heads=1,
+                             num_key_value_heads=1, head_dim=8)
+# preset -> (transformer config, video VAE kwargs, audio VAE kwargs, Qwen3-VL text kwargs)
+PRESETS = {
+    "tiny": (H3Config.tiny(), VAE_CONFIG, AUDIO_VAE_CONFIG, TEXT_CONFIG),
+    "interface": (INTERFACE_CONFIG, INTERFACE_VAE_CONFIG, INTERFACE_AUDIO_VAE_CONFIG, INTERFACE_TEXT_CONFIG),
+}
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
     "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
@@ -129,32 +155,32 @@ def _latent_stats(seed: int, name: str, n: int) -> tuple[list[float], list[float
 
 
 # --------------------------------------------------------------------------------------------- components
-def _save_transformer(folder: Path, seed: int, component: str) -> None:
+def _save_transformer(folder: Path, seed: int, component: str, config: H3Config) -> None:
     import torch
     from diffusers import MiniMaxH3Transformer3DModel
 
     from .loader import released_dtype
 
-    model = randomize_(MiniMaxH3Transformer3DModel(**H3Config.tiny().to_diffusers()), seed, component)
+    model = randomize_(MiniMaxH3Transformer3DModel(**config.to_diffusers()), seed, component)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data = p.data.to(released_dtype(name))
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=TRANSFORMER_SHARD_BYTES)
 
 
-def _save_vae(folder: Path, seed: int) -> None:
+def _save_vae(folder: Path, seed: int, config: dict) -> None:
     from diffusers import AutoencoderKLMiniMaxH3
 
-    mean, std = _latent_stats(seed, "vae", VAE_CONFIG["latent_channels"])
-    vae = AutoencoderKLMiniMaxH3(**VAE_CONFIG, latents_mean=mean, latents_std=std)
+    mean, std = _latent_stats(seed, "vae", config["latent_channels"])
+    vae = AutoencoderKLMiniMaxH3(**config, latents_mean=mean, latents_std=std)
     randomize_(vae, seed, "vae").save_pretrained(folder, safe_serialization=True)
 
 
-def _save_audio_vae(folder: Path, seed: int) -> None:
+def _save_audio_vae(folder: Path, seed: int, config: dict) -> None:
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
-    mean, std = _latent_stats(seed, "audio_vae", AUDIO_VAE_CONFIG["latent_channels"])
-    vae = AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE_CONFIG, latents_mean=mean, latents_std=std)
+    mean, std = _latent_stats(seed, "audio_vae", config["latent_channels"])
+    vae = AutoencoderKLMiniMaxH3Audio(**config, latents_mean=mean, latents_std=std)
     randomize_(vae, seed, "audio_vae").save_pretrained(folder, safe_serialization=True)
 
 
@@ -186,23 +212,22 @@ def build_tokenizer():
     )
 
 
-def _save_text_encoder(folder: Path, seed: int, tokenizer) -> None:
+def _save_text_encoder(folder: Path, seed: int, tokenizer, text: dict) -> None:
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=H3Config.tiny().text_dim, intermediate_size=32,
-            num_hidden_layers=TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-            max_position_embeddings=4096, rms_norm_eps=1e-6,
+            vocab_size=len(tokenizer), **text, num_hidden_layers=TEXT_LAYERS, max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
             rope_parameters=dict(
                 rope_type="default", rope_theta=5_000_000.0, mrope_section=[2, 1, 1], mrope_interleaved=True
             ),
         ),
         vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
-            temporal_patch_size=2, out_hidden_size=H3Config.tiny().text_dim, deepstack_visual_indexes=[0],
+            temporal_patch_size=2, out_hidden_size=text["hidden_size"], deepstack_visual_indexes=[0],
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -302,10 +327,14 @@ def verify_snapshot(root: str | os.PathLike) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- build
-def make_tiny_snapshot(root: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny snapshot for `seed` at `root` (which must not exist or be an empty folder)."""
+def make_tiny_snapshot(root: str | os.PathLike, seed: int = 0, preset: str = "tiny") -> Path:
+    """Write the tiny snapshot for `seed` at `root` (which must not exist or be an empty folder); `preset` "tiny"
+    (default) or "interface" (released interface widths, see the module docstring)."""
     import torch
 
+    if preset not in PRESETS:
+        raise CheckpointError(f"preset={preset!r}: must be one of {', '.join(PRESETS)}")
+    transformer, vae, audio_vae, text = PRESETS[preset]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise CheckpointError(f"seed={seed!r}: must be a non-negative integer")
     root = Path(root).expanduser()
@@ -316,17 +345,19 @@ def make_tiny_snapshot(root: str | os.PathLike, seed: int = 0) -> Path:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # construction-time init is overwritten, but keep the caller's RNG untouched
-            _save_transformer(tmp / "transformer", seed, "transformer")
-            _save_transformer(tmp / "transformer_ref", seed, "transformer_ref")
-            _save_vae(tmp / "vae", seed)
-            _save_audio_vae(tmp / "audio_vae", seed)
+            _save_transformer(tmp / "transformer", seed, "transformer", transformer)
+            _save_transformer(tmp / "transformer_ref", seed, "transformer_ref", transformer)
+            _save_vae(tmp / "vae", seed, vae)
+            _save_audio_vae(tmp / "audio_vae", seed, audio_vae)
             tokenizer = build_tokenizer()
             tokenizer.save_pretrained(tmp / "tokenizer")
             _save_processor(tmp / "processor", tokenizer)
-            _save_text_encoder(tmp / "text_encoder", seed, tokenizer)
+            _save_text_encoder(tmp / "text_encoder", seed, tokenizer, text)
             _save_schedulers(tmp)
         (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2, sort_keys=True) + "\n")
         manifest = {"version": TINY_VERSION, "seed": seed, "maker": maker_id(), "files": _file_hashes(tmp)}
+        if preset != "tiny":  # the default manifest keeps its original keys
+            manifest["preset"] = preset
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         tmp.chmod(0o755)  # mkdtemp made it 0700; the snapshot is an ordinary readable folder
         if root.exists():
