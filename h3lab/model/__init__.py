@@ -5,14 +5,16 @@
 - `hooks.py`        `HookPoint`, the hook-point list, the hook registry
 - `precision.py`    the `released` / `float32` dtype policies
 - `inputs.py`       forward input validation (`ModelInputError`)
+- `random_init.py`  `random_state_dict(config, seed)`: seeded random weights for studies without a checkpoint
 """
 
 from .hooks import HookError, HookPoint, hook_points
 from .inputs import ModelInputError
 from .precision import POLICIES, DtypePolicyError, policy_dtype
+from .random_init import random_state_dict
 from .transformer import H3Transformer
 
 __all__ = [
     "H3Transformer", "HookPoint", "HookError", "hook_points", "ModelInputError", "POLICIES", "DtypePolicyError",
-    "policy_dtype",
+    "policy_dtype", "random_state_dict",
 ]

@@ -3,7 +3,6 @@ built by Diffusers' own layout steps (t2va and fl2va)."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
@@ -14,6 +13,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
 
 from h3lab import H3Config, H3Transformer
 from h3lab.config import AUDIO, TEXT, VIDEO
+from h3lab.model.random_init import random_state_dict  # noqa: F401 - the tests import it from here
 
 # Structural variety: inner width != hidden (and one ==), partial and full rotary, 1-3 refiner layers, 0-3 blocks,
 # different patches and channel counts.
@@ -36,22 +36,6 @@ CONFIGS = {
         time_embed_hidden_dim=10, time_embed_dim=8, rope_freq_dim=1,
     ),
 }
-
-
-def random_state_dict(config: H3Config, seed: int) -> dict[str, torch.Tensor]:
-    """float32 weights with every tensor random (norm weights around 1, biases non-zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in H3Transformer(config, dtype_policy="float32").state_dict().items()}
-    out = {}
-    for key, shape in shapes.items():
-        if len(shape) == 1 and key.endswith(".weight"):  # RMSNorm weights
-            out[key] = 1.0 + 0.2 * torch.randn(shape, generator=g)
-        elif key.endswith(".bias"):
-            out[key] = 0.3 * torch.randn(shape, generator=g)
-        else:
-            out[key] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-    return out
 
 
 def model_pair(config: H3Config, policy: str, seed: int, tmp_path) -> tuple[H3Transformer, MiniMaxH3Transformer3DModel]:

@@ -8,7 +8,6 @@ Sizes are tiny because the Triton interpreter runs every program in Python: one 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch
 
 from h3lab import H3Config, H3Transformer, runtime
 from h3lab.layout import PackedLayout, Reference, build_layout
+from h3lab.model.random_init import random_state_dict  # noqa: F401 - the tests import it from here
 
 # Two structures: `tiny` (inner 2x16 = 32 wider than hidden 24, rotary 12 of 16, 2 refiner + 2 blocks) and `h3d8`
 # (3 heads x 8 = 24 narrower than hidden 28, rotary 6 of 8, odd widths 28/14/18/10 that exercise tile tails). Every
@@ -47,22 +47,6 @@ def make_layout(task: str, patch_size=(1, 2, 2)) -> PackedLayout:
         refs = (Reference.image(2, 4), Reference.video(2, 2, 2, soundtrack_latents=2), Reference.audio(2))
         return build_layout("ref2va", [1] * 5, 2, 4, 4, 3, references=refs, patch_size=patch_size)
     raise ValueError(f"task {task!r}")
-
-
-def random_state_dict(config: H3Config, seed: int) -> dict[str, torch.Tensor]:
-    """float32 weights, every tensor random: norm weights 1 + 0.2 N(0,1), biases 0.3 N(0,1), matrices N(0,1)/sqrt(K)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in H3Transformer(config, dtype_policy="float32").state_dict().items()}
-    out = {}
-    for key, shape in shapes.items():
-        if len(shape) == 1 and key.endswith(".weight"):
-            out[key] = 1.0 + 0.2 * torch.randn(shape, generator=g)
-        elif key.endswith(".bias"):
-            out[key] = 0.3 * torch.randn(shape, generator=g)
-        else:
-            out[key] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-    return out
 
 
 def build_model(config: H3Config, policy: str, seed: int) -> H3Transformer:
