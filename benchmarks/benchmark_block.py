@@ -19,21 +19,15 @@ import statistics
 import torch
 from _common import header, prepare, sync, timed, write
 
-SHAPES = {"512x512x22f": (7, 32, 32, 37, 200), "864x480x56f": (17, 30, 54, 93, 201), "tiny": (2, 4, 4, 3, 5)}
+from benchmark_forward import SHAPES, init_random_  # noqa: E402 - the shapes and weight law of the forward benchmark
 
 
 def build(config, device: str, seed: int):
     from h3lab.model.layers import TransformerBlock
 
-    torch.manual_seed(seed)
-    block = TransformerBlock(config, 0)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            else:
-                p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.02)
-    return block.to(device=device, dtype=torch.bfloat16)  # every block weight is bfloat16 in the release
+    block = TransformerBlock(config, 0).to(device=device, dtype=torch.bfloat16)  # all block weights are bf16
+    init_random_(block, seed)
+    return block
 
 
 def main(argv=None) -> dict:
@@ -50,7 +44,7 @@ def main(argv=None) -> dict:
     from h3lab.model.layers import Run
 
     config = H3Config.tiny() if args.tiny else H3Config.full()
-    shapes = ["tiny"] if args.tiny else ["512x512x22f", "864x480x56f"]
+    shapes = ["tiny-64x64x22f"] if args.tiny else ["512x512x22f", "864x480x56f"]
     block = build(config, device, seed=0)
     doc = header("block", __file__, argv, device, config={"hidden": config.hidden_size, "heads": config.num_attention_heads})
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, 2 * config.rope_freq_dim, 2, dtype=torch.float32)
