@@ -64,6 +64,15 @@ def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, index: t
     return x * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
 
 
+def norm_modulate(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """The AdaLN pre-norm as one op: `modulate(rms_norm(x, weight, eps), scale, shift, index)`, exactly the two
+    reference ops in sequence (so `off` stays bit-equal to Diffusers). The model calls it when no hook observes the
+    intermediate norm and neither op is overridden; the strict kernel reproduces the two strict kernels' bytes."""
+    return modulate(rms_norm(x, weight, eps), scale, shift, index)
+
+
 def gated_residual(residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """residual + gate[index] * y, in that order (RFC: residual gates applied in the declared order)."""
     return residual + gate.index_select(0, index) * y
@@ -158,8 +167,8 @@ def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (
-        linear, linear_tree, rms_norm, modulate, gated_residual, add, rope_table, rope, attention, swiglu, silu,
-        timestep_embedding, pack_rows, select_rows,
+        linear, linear_tree, rms_norm, modulate, norm_modulate, gated_residual, add, rope_table, rope, attention,
+        swiglu, silu, timestep_embedding, pack_rows, select_rows,
     )
 }
 OP_NAMES = tuple(REFERENCE_OPS)
@@ -301,6 +310,11 @@ class Ops:
         self.record = record
         self._overrides = _overrides.get() if overrides else {}
         self._strict = _strict_registry() if mode in ("strict", "auto") else {}
+
+    def fusable(self, *names: str) -> bool:
+        """True when no override replaces any of the ops `names`: a fused op may then stand for their sequence
+        (an override of one of them, e.g. an ablation's planted perturbation, keeps them apart)."""
+        return not any(name in self._overrides for name in names)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in REFERENCE_OPS:

@@ -64,6 +64,16 @@ def _gather_tile(index_ptr, rows, row_ok, S, R, cols, D: tl.constexpr):
 
 
 @triton.jit
+def _modulate_tile(x, scale_ptr, shift_ptr, t, scale_stride, shift_stride, cols, mask, DT: tl.constexpr):
+    """round(round(x * round(1 + scale[t])) + shift[t]) of a float32 tile x whose rows read table rows t (from
+    `_gather_tile`): the contract's rounding sequence, shared with the fused `norm_modulate`."""
+    sc = tl.load(scale_ptr + t * scale_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + t * shift_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = round_to(x * round_to(1.0 + sc, DT), DT)  # x * (1 + scale[i])
+    return round_to(y + sh, DT)  # ... + shift[i]
+
+
+@triton.jit
 def _modulate_fwd_kernel(
     x_ptr, scale_ptr, shift_ptr, index_ptr, out_ptr, n_rows, S, R, scale_stride, shift_stride,
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -73,10 +83,7 @@ def _modulate_fwd_kernel(
     offs, t, mask = _gather_tile(index_ptr, rows, rows < n_rows, S, R, cols, D)
     DT = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + t * scale_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + t * shift_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = round_to(x * round_to(1.0 + sc, DT), DT)  # x * (1 + scale[i])
-    y = round_to(y + sh, DT)  # ... + shift[i]
+    y = _modulate_tile(x, scale_ptr, shift_ptr, t, scale_stride, shift_stride, cols, mask, DT)
     tl.store(out_ptr + offs, y.to(DT), mask=mask)
 
 
@@ -231,8 +238,8 @@ def _check_table(op: str, name: str, t, dtype, d: int) -> None:
         raise registry.StrictUnsupported(f"{op}: {name} column stride {t.stride(1)} must be 1")
 
 
-def _validate_modulate(x, scale, shift, index) -> dict:
-    op = "modulate"
+def _validate_modulate(x, scale, shift, index, op: str = "modulate") -> dict:
+    """The index cache entry, or StrictUnsupported; `op` names the caller in messages (the fused norm_modulate)."""
     tensors = [t for t in (x, scale, shift, index) if isinstance(t, torch.Tensor)]
     registry.check_device(*tensors, op=op)
     _check_rows(op, "x", x)

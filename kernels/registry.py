@@ -63,6 +63,7 @@ OP_MODULES = (
     "attention",
     "rms_norm",
     "modulate",
+    "norm_modulate",
     "rope",
     "elementwise",
     "timestep",

@@ -52,6 +52,20 @@ BLOCK_SUM = 64  # columns per program of the second stage
 
 # ---------------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _normalize_rows(x, w_ptr, cols, eps, D: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(y, rstd) of a float32 (ROWS, BLOCK_D) tile of whole rows, zero past D: y = (x * rstd) * w, float32, not yet
+    rounded. The forward math of the contract, shared with the fused `norm_modulate` so both compute the same bytes
+    (one `tl.sum` tree per row, fixed by the tile shape and num_warps)."""
+    ms = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)  # (ROWS,)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    return y, rstd
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, eps,
     D: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -63,12 +77,7 @@ def _rms_norm_fwd_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
-    ms = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)  # (ROWS,) one fixed tree per row
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    y = x * rstd[:, None]
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y = y * w[None, :]
+    y, rstd = _normalize_rows(x, w_ptr, cols, eps, D, HAS_WEIGHT)
     out_ty = y_ptr.dtype.element_ty
     tl.store(y_ptr + offs, round_to(y, out_ty).to(out_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
@@ -143,8 +152,8 @@ def _tile_str(t: dict) -> str:
     )
 
 
-def _validate(x, weight, eps) -> dict:
-    op = "rms_norm"
+def _validate(x, weight, eps, op: str = "rms_norm") -> dict:
+    """The tile for this call, or StrictUnsupported; `op` names the caller in messages (the fused norm_modulate)."""
     if not isinstance(x, torch.Tensor):
         raise registry.StrictUnsupported(f"{op}: x must be a tensor, got {type(x).__name__}")
     registry.check_device(x, weight, op=op)

@@ -37,7 +37,7 @@ from .. import runtime
 from ..config import NUM_MODALITIES, H3Config
 from .hooks import HookFn, HookPoint, HookRegistry, hook_points
 from .inputs import ModelInputError, check_inputs, check_key_order
-from .layers import AdaLNOut, Linear, RotaryTable, Run, TimestepMLP, TokenRefiner, TransformerBlock
+from .layers import AdaLNOut, Linear, RotaryTable, Run, TimestepMLP, TokenRefiner, TransformerBlock, norm_modulate
 from .precision import check_policy, policy_dtype
 
 
@@ -224,12 +224,7 @@ class H3Transformer(nn.Module):
         if hooks:
             table = hooks.fire("final_table", table)
         shift, scale = table.chunk(2, dim=-1)
-        x = ops.rms_norm(x, out.norm.weight, out.norm.eps, point="final_norm")
-        if hooks:
-            x = hooks.fire("final_norm", x)
-        x = ops.modulate(x, scale, shift, timestep_indices, point="final_modulate")
-        if hooks:
-            x = hooks.fire("final_modulate", x)
+        x = norm_modulate(run, x, out.norm, scale, shift, timestep_indices, "final_norm", "final_modulate")
 
         # 8. Both heads over every packed row (float32 in the release: cast to proj_out's dtype), then row selection.
         x = x.to(self.proj_out.weight.dtype)

@@ -26,8 +26,9 @@ def documented_names(config):
     return names
 
 
-def documented_trace(config):
-    """(op, point) of every op call of one forward, in order."""
+def documented_trace(config, fused=True):
+    """(op, point) of every op call of one forward, in order. `fused`: no hook registered, so each AdaLN pre-norm
+    (norm1+modulate1, norm2+modulate2, final_norm+final_modulate) is one `norm_modulate` call at the modulate point."""
     out = [("linear", "video_proj_in"), ("linear", "audio_proj_in"), ("linear", "text_proj_in")]
     attn = ["linear", "linear", "linear", "rms_norm", "rms_norm"]
     for i in range(config.num_refiner_layers):
@@ -46,6 +47,9 @@ def documented_trace(config):
     out += [("silu", "final_table"), ("linear", "final_table"), ("rms_norm", "final_norm"),
             ("modulate", "final_modulate"), ("linear", "video_head"), ("linear", "audio_head"),
             ("select_rows", "video_out"), ("select_rows", "audio_out")]
+    if fused:
+        norms = {f"blocks.{i}.{n}" for i in range(config.num_layers) for n in ("norm1", "norm2")} | {"final_norm"}
+        out = [("norm_modulate", pt) if op == "modulate" else (op, pt) for op, pt in out if pt not in norms]
     return out
 
 
@@ -161,7 +165,15 @@ def test_trace_lists_every_op_call_with_its_point(policy):
     assert [(r.op, r.point) for r in trace.records] == documented_trace(config)
     assert all(r.actual == "torch" and r.requested == "off" and r.shapes for r in trace.records)
     names = {p.name for p in model.hook_points()}
-    assert {r.point for r in trace.records} == names - {"rope_sin"}
+    fused_away = {f"blocks.{i}.{n}" for i in range(config.num_layers) for n in ("norm1", "norm2")} | {"final_norm"}
+    assert {r.point for r in trace.records} == names - {"rope_sin"} - fused_away
+    # An observing hook keeps every point apart: the unfused sequence, every point traced.
+    handle = model.add_hook(lambda point, tensor: None)
+    with torch.no_grad(), runtime.use_mode("off"):
+        model(**small_case(config, batch=1))
+    handle.remove()
+    assert [(r.op, r.point) for r in runtime.last_trace().records] == documented_trace(config, fused=False)
+    assert {r.point for r in runtime.last_trace().records} == names - {"rope_sin"}
     # Released cast points are visible in the recorded dtypes.
     by_point = {r.point: r for r in trace.records}
     assert by_point["video_proj_in"].dtypes[0] == "float32"
