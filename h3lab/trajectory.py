@@ -48,7 +48,8 @@ one buffer hash alike). Schemes:
   reduced on the device to two lanes L_k = sum_i (w_i * c_k(i) mod p) mod p, p = 2^31 - 1, with pseudo-random
   coefficients c_k(i) in [0, 2^31) from a splitmix-style integer mix of (i, k) (int64 wrap-around arithmetic). Every
   term is an exact integer, so the sum does not depend on the reduction order; chunks of 2^22 words bound the
-  temporaries. Only the two lanes (16 bytes) go to the host, where SHA-256 over `dtype|nbytes|device-v1|` and the
+  temporaries. On CUDA one Triton pass computes them (`h3kernels.digest`, exact integers, so the same lanes as the
+  torch formulation). Only the two lanes (16 bytes) go to the host, where SHA-256 over `dtype|nbytes|device-v1|` and the
   lanes gives the digest. Two different byte strings collide with probability ~2^-62 per pair (non-adversarial).
 - ``auto`` is ``sha256`` on CPU and ``device`` on CUDA.
 Digests of different schemes are not comparable; the manifest records the scheme.
@@ -93,16 +94,6 @@ class DenoiseCancelled(Exception):
 
 
 # ================================================================================================= hashing
-_P = (1 << 31) - 1
-_MASK31 = (1 << 31) - 1
-_CHUNK = 1 << 22
-# splitmix64 constants as signed int64 (torch int64 multiply wraps modulo 2^64).
-_M1 = 0x9E3779B97F4A7C15 - (1 << 64)
-_M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_M3 = 0x94D049BB133111EB - (1 << 64)
-_LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)
-
-
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a 1-D uint8 tensor (a view when already contiguous)."""
     t = t.detach()
@@ -122,32 +113,23 @@ def _sha256_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _coefficients(index: torch.Tensor, lane: int) -> torch.Tensor:
-    """c_k(i) in [0, 2^31): splitmix64 finaliser of i + seed_k, low 31 bits (int64 wrap-around arithmetic)."""
-    x = index + (_LANE_SEEDS[lane] & ((1 << 62) - 1))
-    x = x * _M1
-    x = x ^ (x >> 30)
-    x = x * _M2
-    x = x ^ (x >> 27)
-    x = x * _M3
-    x = x ^ (x >> 31)
-    return x & _MASK31
+def device_lanes(t: torch.Tensor, impl: str = "auto") -> tuple[int, int]:
+    """The two mod-p lanes of the `device` scheme, computed where `t` lives (see the module docstring).
+    impl: "kernel" (one Triton pass, `h3kernels.digest`), "torch" (plain integer ops), "auto" (the kernel on CUDA,
+    torch elsewhere). Both give the same integers: the formula is exact."""
+    from h3kernels import digest
 
-
-def device_lanes(t: torch.Tensor) -> tuple[int, int]:
-    """The two mod-p lanes of the `device` scheme, computed where `t` lives (see the module docstring)."""
     raw = _bytes_view(t)
     if raw.numel() % 2:
         raw = torch.cat([raw, raw.new_zeros(1)])
     words = raw.view(torch.int16)
-    lanes = [torch.zeros((), dtype=torch.int64, device=raw.device) for _ in _LANE_SEEDS]
-    for start in range(0, words.numel(), _CHUNK):
-        w = words[start : start + _CHUNK].to(torch.int64) & 0xFFFF  # (n,) unsigned 16-bit words
-        index = torch.arange(start, start + w.numel(), dtype=torch.int64, device=raw.device)
-        for k in range(len(lanes)):
-            # w < 2^16, c < 2^31: each product < 2^47; each reduced term < 2^31, and a chunk sums < 2^22 terms.
-            lanes[k] = (lanes[k] + ((w * _coefficients(index, k)) % _P).sum()) % _P
-    return tuple(int(v) for v in torch.stack(lanes).cpu().tolist())  # the only device -> host transfer
+    if impl == "auto":
+        impl = "kernel" if words.is_cuda else "torch"
+    if impl == "kernel":
+        return digest.lanes(words)
+    if impl == "torch":
+        return digest.reference_lanes(words)
+    raise TrajectoryError(f"device_lanes impl {impl!r}: must be auto, kernel or torch")
 
 
 def _device_digest(t: torch.Tensor) -> str:

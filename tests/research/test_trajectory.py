@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from h3kernels import digest
 from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 from safetensors.torch import load_file, save_file
@@ -159,7 +160,7 @@ def test_device_lanes_follow_the_documented_formula():
     M = (1 << 64) - 1
 
     def coeff(i: int, k: int) -> int:
-        x = (i + (T._LANE_SEEDS[k] & ((1 << 62) - 1))) & M
+        x = (i + (digest.LANE_SEEDS[k] & ((1 << 62) - 1))) & M
         for mul, shift in ((0x9E3779B97F4A7C15, 30), (0xBF58476D1CE4E5B9, 27), (0x94D049BB133111EB, 31)):
             x = (x * mul) & M
             signed = x - (1 << 64) if x >> 63 else x
@@ -177,7 +178,33 @@ def test_device_lanes_follow_the_documented_formula():
     lanes = T.device_lanes(big)
     w = big.to(torch.int64) & 0xFFFF
     idx = torch.arange(w.numel())
-    assert lanes == tuple(int(((w * T._coefficients(idx, k)) % p).sum() % p) for k in range(2))
+    assert lanes == tuple(int(((w * digest._reference_coefficients(idx, k)) % p).sum() % p) for k in range(2))
+
+
+@pytest.mark.parametrize("dtype, numel", [(torch.bfloat16, 3), (torch.float32, 16384), (torch.float16, 40001),
+                                          (torch.int64, 9000), (torch.bool, 33)])
+def test_device_lanes_kernel_equals_the_torch_formulation(dtype, numel):
+    """The Triton pass (interpreted here) returns the exact integers of the torch formulation: sizes below one
+    tile, exactly one program's span, several programs with a ragged end, and an odd byte count (bool)."""
+    g = torch.Generator().manual_seed(numel)
+    if dtype == torch.bool:
+        t = torch.rand(numel, generator=g) > 0.5
+    elif dtype == torch.int64:
+        t = torch.randint(-(2**62), 2**62, (numel,), generator=g)
+    else:
+        t = torch.randn(numel, generator=g).to(dtype)
+    assert T.device_lanes(t, impl="kernel") == T.device_lanes(t, impl="torch")
+    flipped = t.clone().view(torch.uint8)
+    flipped[-1] ^= 1
+    assert T.device_lanes(flipped.view(t.dtype), impl="kernel") != T.device_lanes(t, impl="kernel")
+
+
+def test_device_lanes_kernel_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="1-D int16"):
+        digest.lanes(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(T.TrajectoryError, match="impl"):
+        T.device_lanes(torch.ones(3), impl="numpy")
+    assert digest.lanes(torch.empty(0, dtype=torch.int16)) == (0, 0)
 
 
 def test_cancel_callback_and_reuse(bench):
