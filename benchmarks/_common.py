@@ -14,8 +14,8 @@ A kernel benchmark's main reads (forward / trajectory build their own parser and
   imports as `h3kernels`), turns the Triton interpreter on for a CPU run, and returns "cpu" or "cuda" (refusing
   through `parser.error`, exit status 2, when CUDA is asked for and absent).
 - `header` gives {name, date, gpu, torch, triton, git_rev, command, results: []} plus any extra keys; `git_rev` is
-  the checkout's HEAD ("-dirty" when the tree has changes), else `$H3LAB_GIT_REV` (set by gpu_env.sh on a machine
-  without git), else "unknown". `command` is `python benchmarks/<script> <args>`, the way to run it again.
+  `$H3LAB_GIT_REV` when set (gpu_env.sh sets it from the carried .git_rev: the device copy's own .git can be stale),
+  else the checkout's HEAD ("-dirty" when the tree has changes), else "unknown". `command` is `python benchmarks/<script> <args>`, the way to run it again.
 - `write` writes the document atomically (sorted keys, indent 2) and says where; nothing without a path.
 - Timers: `measure` (do_bench median, L2 flushed, for kernels), `measure_gpu` (device time of calls queued behind a
   GPU sleep, for launch-bound ops), `timed` (CUDA-event seconds of each whole call, for a forward), `sync`,
@@ -87,6 +87,8 @@ def prepare(parser: argparse.ArgumentParser, cpu: bool, flag: str) -> str:
 
 # ------------------------------------------------------------------------------------------- provenance, output
 def git_rev() -> str:
+    if os.environ.get("H3LAB_GIT_REV"):
+        return os.environ["H3LAB_GIT_REV"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode == 0:
@@ -96,7 +98,7 @@ def git_rev() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("H3LAB_GIT_REV", "unknown")
+    return "unknown"
 
 
 def header(name: str, script: str, argv: Sequence[str] | None, device: str, **extra: Any) -> dict:
@@ -224,6 +226,36 @@ def timed(fn: Callable[[], Any], runs: int, device: str) -> tuple[list[float], f
             fn()
             times.append(time.perf_counter() - t0)
     return times, peak_mem_gib(device)
+
+
+def timed_interleaved(fns: dict[str, Callable[[], Any]], runs: int, device: str) -> dict[str, tuple[list[float], float]]:
+    """`timed` for several implementations at once, their calls interleaved (a, b, a, b, ...) so a drift of the
+    GPU's clocks over the measurement hits every implementation alike: name -> (seconds of each run, peak GiB)."""
+    import torch
+
+    cuda = device == "cuda"
+    for fn in fns.values():  # warm-up of each (compilation, allocator)
+        fn()
+    sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    peaks: dict[str, float] = {name: 0.0 for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+                peaks[name] = max(peaks[name], peak_mem_gib(device))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+                peaks[name] = float("nan")
+    return {name: (times[name], peaks[name]) for name in fns}
 
 
 # -------------------------------------------------------------------------------------------------- comparisons

@@ -42,7 +42,7 @@ def cases(m: int, device: str, dims: dict):
     and which args get gradients."""
     import torch
 
-    from h3kernels import elementwise, modulate, packing, rms_norm, rope, timestep
+    from h3kernels import elementwise, modulate, norm_modulate, packing, rms_norm, rope, timestep
     from h3lab import runtime
 
     hid, heads, hd, rot, ffn, fdim = (dims[k] for k in ("HIDDEN", "HEADS", "HEAD_DIM", "ROTARY", "FFN", "FREQ_DIM"))
@@ -86,6 +86,12 @@ def cases(m: int, device: str, dims: dict):
 
     case("modulate", "modulate", (x_h, tables[1], tables[0], index), lambda a: modulate.reference_modulate(*a),
          4 * m * hid + 8 * m, "2*(M*D read + M*D write) + 8*M index", sl_index, grads=(0, 1, 2))
+    # the fused AdaLN pre-norm; `chain` is the two strict kernels apart, whose bytes the fused kernel must give
+    case("norm_modulate", "norm_modulate", (x_h, w_h, 1e-5, tables[1], tables[0], index),
+         lambda a: norm_modulate.reference(*a), 4 * m * hid + 2 * hid + 8 * m,
+         "2*(M*D read + M*D write) + 8*M index (fused: the normalised rows never reach memory)",
+         lambda sl: lambda a: (a[0][:, sl].contiguous(), *a[1:5], a[5][sl].contiguous()), grads=(0, 1, 3, 4))
+    out[-1]["chain"] = lambda x, w, eps, sc, sh, i: modulate.modulate(rms_norm.rms_norm(x, w, eps), sc, sh, i)
     y_h = rnd(1, m, hid)
     case("gated_residual", "gated_residual", (x_h, tables[2], index, y_h),
          lambda a: modulate.reference_gated_residual(*a), 6 * m * hid + 8 * m, "2*3*M*D + 8*M",
@@ -144,6 +150,9 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
         if impl == "h3lab-strict":
             row.update(kernel_id=info["kernel_id"], tile=info["tile"], acc_dtype=info["acc_dtype"])
             row["ref_equal"] = equal(ys, yr)
+            if "chain" in c:
+                row["unfused_strict_equal"] = equal(ys, c["chain"](*args))
+                row["unfused_strict_gpu_s"] = measure_gpu(lambda: c["chain"](*args), device)
             row["repeat_equal"] = equal(strict.run(*args), ys)
             if c["rows"] is not None:
                 # first row alone, first half, and rows 7.. (shifts every row's position inside its tile)
@@ -165,6 +174,12 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
             g1, g2 = grads(), grads()
             row = {"shape": c["shape"], "rows": m, "impl": impl, "op": c["op"], "case": c["name"], "pass": "backward",
                    "bwd_repeat_equal": equal(g1, g2), **measure(grads, device), "gpu_s": measure_gpu(grads, device)}
+            if impl == "h3lab-strict" and "chain" in c:
+                chain_leaves = [a.detach().clone().requires_grad_() if i in c["grads"] else a for i, a in enumerate(args)]
+                yc = c["chain"](*chain_leaves)
+                gc = torch.autograd.grad(yc, [chain_leaves[i] for i in c["grads"]], dy)
+                row["unfused_strict_grads_equal"] = equal(g1, gc)
+                del yc, gc
             bwd.append(row)
             del y, g1, g2
         _ratios(bwd)
@@ -174,7 +189,7 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
 
 def ptx_audit() -> dict:
     """kernel name -> counts of approximate / contracted instructions in every compiled variant (CUDA only)."""
-    from h3kernels import elementwise, modulate, packing, rms_norm, rope, timestep
+    from h3kernels import elementwise, modulate, norm_modulate, packing, rms_norm, rope, timestep
 
     pat = {"approx": r"\.approx", "div_full": r"div\.full", "fma": r"\bfma\.", "ex2": r"\bex2\."}
     out = {}
@@ -259,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_case(c, m, device, backward=not args.no_backward)
             doc["results"] += rows
             s, t = rows[0], rows[1]
-            checks = " ".join(f"{k}={s[k]}" for k in ("ref_equal", "rows_equal", "repeat_equal") if k in s)
+            checks = " ".join(f"{k}={s[k]}" for k in ("ref_equal", "rows_equal", "repeat_equal", "unfused_strict_equal")
+                              if k in s)
             bwd = next((r for r in rows if r["pass"] == "backward" and r["impl"] == "h3lab-strict"), None)
             btxt = f" | bwd x{bwd['ratio']:.2f} det={bwd['bwd_repeat_equal']}" if bwd else ""
             us = lambda r: (r["gpu_s"] or r["median_s"]) * 1e6  # noqa: E731

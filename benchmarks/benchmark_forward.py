@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import header, prepare, rel_l2, timed, write
+from _common import header, prepare, rel_l2, timed_interleaved, write
 
 SHAPES = {
     # name: (latent frames, latent h, latent w, audio latents per channel, text rows) -> rows
@@ -99,14 +99,29 @@ def make_inputs(config, shape: str, batch: int, device, seed: int):
     return layout, inputs
 
 
+def kernel_profile(fn, top: int = 25) -> list[dict]:
+    """GPU time of one call of fn() per kernel name (torch.profiler, self device time), largest first:
+    [{name, ms, calls}]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="512x512x22f,864x480x56f")
     ap.add_argument("--impls", default="diffusers,h3lab-off,h3lab-strict")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--batches", default="1,2,4", help="batch sizes for the strict batch-invariance check")
     ap.add_argument("--accuracy-layers", type=int, default=4)
     ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the config's)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also record each impl's GPU time per kernel family (torch.profiler, one forward per shape)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -140,23 +155,26 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             ref_v, ref_a = dm(**inputs, return_dict=False)
         base = {}
+        fns = {}
         for impl in impls:
             if impl == "diffusers":
-                fn = lambda: dm(**inputs, return_dict=False)  # noqa: E731
-                with torch.no_grad():
-                    times, peak = timed(fn, args.runs, device)
+                fns[impl] = lambda: dm(**inputs, return_dict=False)  # noqa: E731
             else:
                 mode = impl.split("-", 1)[1]
                 try:
-                    times, peak = timed(lambda: h3(mode, inputs), args.runs, device)
-                except Exception as exc:  # a strict failure is a result to record, not a crash of the benchmark
+                    h3(mode, inputs)  # a strict failure is a result to record, not a crash of the benchmark
+                except Exception as exc:
                     results.append({"shape": shape, "rows": rows, "impl": impl, "error": f"{type(exc).__name__}: {exc}"})
                     print(f"{shape} {impl}: FAILED {exc}", flush=True)
                     continue
+                fns[impl] = lambda mode=mode: h3(mode, inputs)
+        with torch.no_grad():
+            measured = timed_interleaved(fns, args.runs, device)  # a, b, a, b, ...: clock drift hits all alike
+        for impl, (times, peak) in measured.items():
             med = statistics.median(times)
             base[impl] = med
             entry = {"shape": shape, "rows": rows, "impl": impl, "median_s": med, "runs": len(times),
-                     "times_s": times, "peak_mem_gib": peak, "layers": config.num_layers}
+                     "times_s": times, "peak_mem_gib": peak, "layers": config.num_layers, "timing": "interleaved"}
             if impl != "diffusers" and "diffusers" in base:
                 entry["ratio_vs_diffusers"] = med / base["diffusers"]
             if impl == "h3lab-off":
@@ -171,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
             results.append(entry)
             print(f"{shape} rows={rows} {impl}: median {med*1e3:.2f} ms peak {peak:.1f} GiB "
                   + (f"ratio {entry.get('ratio_vs_diffusers', 1):.3f}" if impl != 'diffusers' else ''), flush=True)
+
+        if args.profile and device == "cuda":
+            for impl, fn in fns.items():
+                checks.append({"shape": shape, "impl": impl, "check": "kernel_profile", "kernels": kernel_profile(fn)})
+                print(f"{shape} {impl} top kernels: " + ", ".join(
+                    f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in checks[-1]["kernels"][:6]), flush=True)
 
         # Batch invariance: every item of batch N equals the batch-1 forward of the same request.
         for impl in [i for i in impls if i in ("diffusers", "h3lab-strict") and i in base]:

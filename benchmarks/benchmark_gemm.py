@@ -104,8 +104,11 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
     T = gemm.Tile
     linear_candidates = [T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 3, False),
                          T(128, 128, 64, 8, 4, 4, True)]
+    # BLOCK_M / BLOCK_N / stages / warps only (BLOCK_K = 64 keeps the reduction order, hence the bytes)
     tree_candidates = [T(128, 128, 64, 8, 8, 4, True), T(128, 128, 64, 8, 8, 3, True),
-                       T(128, 128, 64, 8, 8, 3, False)]
+                       T(128, 128, 64, 8, 8, 3, False), T(128, 128, 64, 8, 8, 5, True), T(128, 64, 64, 8, 4, 4, True),
+                       T(64, 128, 64, 8, 4, 4, True), T(128, 256, 64, 8, 8, 3, True), T(256, 128, 64, 8, 8, 3, True),
+                       T(128, 128, 64, 4, 8, 4, True)]
     out = []
 
     def run(label, fn, flops, **keys):

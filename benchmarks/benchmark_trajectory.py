@@ -81,6 +81,49 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"strict 10-pass loop: plain {statistics.median(plain_times):.3f} s, recorded {statistics.median(rec_times):.3f} s,"
           f" overhead {overhead*100:.2f}%; digests equal: {len(set(digests)) == 1}", flush=True)
 
+    # Where the recorder's time goes: the weight fingerprint (device scheme over every parameter, once per run),
+    # the device checksum's throughput (Triton kernel vs the torch formulation), and one forward with every hook
+    # point captured (drift's hash-only pass) against a plain strict forward.
+    from h3lab.drift import Execution, capture
+    from h3lab.trajectory import device_lanes, model_fingerprint
+
+    sync(device)
+    t0 = time.perf_counter()
+    model_fingerprint(hm)
+    sync(device)
+    fingerprint_s = time.perf_counter() - t0
+    probe = torch.randn(1 << 28 if device == "cuda" else 1 << 16, device=device).to(torch.bfloat16)  # 512 MiB on GPU
+    digest_rates = {}
+    for impl in ("kernel", "torch"):
+        device_lanes(probe, impl=impl)  # warm-up / compilation
+        sync(device)
+        t0 = time.perf_counter()
+        lanes = device_lanes(probe, impl=impl)
+        sync(device)
+        digest_rates[impl] = {"seconds": time.perf_counter() - t0, "gb": probe.numel() * 2 / 1e9, "lanes": list(lanes)}
+    digest_rates["equal"] = digest_rates["kernel"]["lanes"] == digest_rates["torch"]["lanes"]
+    ex = Execution(hm, inputs, schedule, mode="strict", scope="forward", forward_pass=0, label="capture")
+    capture(ex)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    cap = capture(ex)
+    sync(device)
+    capture_s = time.perf_counter() - t0
+    with runtime.use_mode("strict"), torch.no_grad():
+        from h3lab.trajectory import model_forward
+
+        sync(device)
+        t0 = time.perf_counter()
+        model_forward(hm, inputs, inputs.video, inputs.audio, 0)
+        sync(device)
+        forward_s = time.perf_counter() - t0
+    costs = {"fingerprint_s": fingerprint_s, "params": sum(p.numel() for p in hm.parameters()),
+             "digest": digest_rates, "captured_forward_s": capture_s, "plain_forward_s": forward_s,
+             "captured_points": len(cap.digests)}
+    print(f"fingerprint {fingerprint_s:.3f} s; digest kernel {digest_rates['kernel']['gb'] / digest_rates['kernel']['seconds']:.1f}"
+          f" GB/s vs torch {digest_rates['torch']['gb'] / digest_rates['torch']['seconds']:.1f} GB/s (equal {digest_rates['equal']});"
+          f" captured forward {capture_s:.3f} s ({len(cap.digests)} points) vs plain {forward_s:.3f} s", flush=True)
+
     sd = sides(hm, dm)
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -130,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
             {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass rollout (R side, kept tensors)",
              "median_s": t_r, "runs": 1, "peak_mem_gib": float("nan")},
         ],
+        "recorder_costs": costs,
         "strict_digests": digests,
         "strict_repeat_bit_equal": len(set(digests)) == 1,
         "r_vs_p_rollout": steps,

@@ -114,10 +114,12 @@ def rollout(side: Side, inputs: DenoiseInputs, schedule: DualSchedule) -> Trajec
 
 
 def _entering(traj: Trajectory, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (video, audio) rows that entered pass i of a recorded trajectory."""
+    """The (video, audio) rows that entered pass i of a recorded trajectory, on the sealed inputs' device (the
+    recorder keeps its tensors on the host)."""
     if i == 0:
         return traj.inputs.video, traj.inputs.audio
-    return traj.kept[f"video.{i - 1:04d}"], traj.kept[f"audio.{i - 1:04d}"]
+    device = traj.inputs.video.device
+    return traj.kept[f"video.{i - 1:04d}"].to(device), traj.kept[f"audio.{i - 1:04d}"].to(device)
 
 
 def _drift(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
