@@ -295,7 +295,8 @@ def _replay(args) -> int:
     )
     print(summary)
     if report.unchecked and not args.update:
-        print(f"note: generations on lines {report.unchecked} have no '# expect' line (run with --update)")
+        print(f"note: generations on lines {report.unchecked} have no '# expect[{report.tag}]' line for this machine's "
+              f"arithmetic class (run with --update to record them)")
     return 0 if report.ok or args.update else 1
 
 

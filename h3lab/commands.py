@@ -653,17 +653,34 @@ assert set(_HANDLERS) == set(COMMANDS) | {"noop", "generate"}
 
 
 # ------------------------------------------------------------------------------------------------ replays
-# `# expect <sha256>` checks on every device; `# expect[cpu] <sha256>` / `# expect[cuda] <sha256>` only on a session
-# of that device type (the torch arithmetic outside strict kernels -- text encoder, VAEs, `off` mode -- differs
-# between devices, so a hash is a claim about one device class). `--update` writes device-tagged lines.
+# `# expect <sha256>` checks on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class TAG
+# (`arithmetic_class()`): "cuda", or on a CPU "cpu_<torch's CPU capability>[_amx]" -- torch's CPU kernels (the
+# text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
+# an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
+# `--update` writes lines tagged with this machine's class.
 EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<device>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
+
+
+def arithmetic_class(device: str) -> str:
+    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or "cpu_avx512_amx", "cpu_avx2", ..."""
+    if device != "cpu":
+        return device
+    import torch
+
+    tag = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        flags = ""
+    return tag + ("_amx" if re.search(r"\bamx_bf16\b", flags) else "")
 
 
 @dataclass
 class ReplayReport:
     generations: int = 0
     checked: int = 0
-    skipped: int = 0  # expect lines for another device type
+    skipped: int = 0  # expect lines for another arithmetic class
+    tag: str = ""  # this machine's arithmetic class (`arithmetic_class`)
     mismatches: list[str] = field(default_factory=list)
     unchecked: list[int] = field(default_factory=list)  # line numbers of generations without an expect line
     hashes: list[str] = field(default_factory=list)  # trajectory digest of every generation, in order
@@ -705,6 +722,7 @@ def run_replay(
     session = state.get_session()
     session.clear_cache()  # a replay starts from nothing the session computed before (same bytes as a fresh run)
     device = session.device.type
+    tag = arithmetic_class(device)
     import torch
 
     # A replay's hashes must not depend on the machine's core count or on autotuning: torch's CPU kernels reduce in
@@ -718,16 +736,17 @@ def run_replay(
     else:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        return _run_replay(state, path, text, lines, update, echo, device)
+        return _run_replay(state, path, text, lines, update, echo, tag)
     finally:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
 
 
 def _run_replay(state, path, text, lines, update, echo, device) -> ReplayReport:
+    """`run_replay`'s loop; `device` is the machine's arithmetic class, the tag its expect lines carry."""
     from .io_utils import atomic_write_text
 
-    report = ReplayReport()
+    report = ReplayReport(tag=device)
     out: list[str] = []
     pending: _Pending | None = None
 
