@@ -78,6 +78,17 @@ def main(argv: list[str] | None = None) -> dict:
         rec_times.append(t)
         digests.append(traj.digest)
     overhead = statistics.median(rec_times) / statistics.median(plain_times) - 1.0
+    # the recorder's deferred side-stream copies must hash the bytes a synchronous copy hashes
+    from h3lab.trajectory import TrajectoryRecorder
+
+    class _Synchronous(TrajectoryRecorder):
+        deferred = False
+
+    sync_rec = _Synchronous()
+    with runtime.use_mode("strict"), torch.no_grad():
+        denoise(hm, inputs, schedule, sync_rec)
+    deferred_equal = sync_rec.finish().digest == digests[0]
+    print(f"deferred recorder digest equals the synchronous one: {deferred_equal}", flush=True)
     print(f"strict 10-pass loop: plain {statistics.median(plain_times):.3f} s, recorded {statistics.median(rec_times):.3f} s,"
           f" overhead {overhead*100:.2f}%; digests equal: {len(set(digests)) == 1}", flush=True)
 
@@ -176,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "recorder_costs": costs,
         "strict_digests": digests,
         "strict_repeat_bit_equal": len(set(digests)) == 1,
+        "deferred_recorder_equals_synchronous": deferred_equal,
         "r_vs_p_rollout": steps,
         "arms": arms,
     })

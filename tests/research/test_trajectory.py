@@ -207,6 +207,40 @@ def test_device_lanes_kernel_refuses_what_it_cannot_read():
     assert digest.lanes(torch.empty(0, dtype=torch.int16)) == (0, 0)
 
 
+def test_weights_fingerprint_is_cached_until_a_weight_changes():
+    """A model without a loader fingerprint is hashed over its weights; the digest is reused while no tensor changed
+    and recomputed after an in-place update (version counter) or a replaced tensor (storage)."""
+    from h3lab import H3Config, H3Transformer
+
+    torch.manual_seed(3)
+    model = H3Transformer(H3Config.tiny())
+    calls = []
+    real = T.tensor_digest
+
+    def counting(t, scheme="sha256"):
+        calls.append(1)
+        return real(t, scheme)
+
+    T.tensor_digest = counting
+    try:
+        first = T.model_fingerprint(model)
+        n = len(calls)
+        assert n == len(model.state_dict()) and T.model_fingerprint(model) == first and len(calls) == n
+        weight = model.transformer_blocks[0].attn.to_q.weight
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.add_(1.0)
+        second = T.model_fingerprint(model)
+        assert second != first and len(calls) == 2 * n
+        with torch.no_grad():
+            weight.copy_(saved)  # the same bytes again: the same digest, recomputed
+        assert T.model_fingerprint(model) == first
+        model.transformer_blocks[0].attn.to_q.weight = torch.nn.Parameter(weight.detach().clone() * 2)
+        assert T.model_fingerprint(model) not in (first, second)
+    finally:
+        T.tensor_digest = real
+
+
 def test_cancel_callback_and_reuse(bench):
     seen = []
 
