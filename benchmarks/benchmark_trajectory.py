@@ -70,17 +70,42 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         return time.perf_counter() - t0, traj
 
+    from h3lab.trajectory import STEP_FIELDS, TrajectoryRecorder
+
+    class _Hollow(TrajectoryRecorder):
+        """begin/finish of the recorder, every pass only counted: what the per-pass hashing costs is the rest."""
+
+        def record(self, rec) -> None:
+            self.steps.append({"index": rec.index, **{name: "" for name in STEP_FIELDS}})
+
+        def finish(self):
+            return None
+
+    def hollow() -> tuple[float, float]:
+        sync(device)
+        t0 = time.perf_counter()
+        rec = _Hollow()
+        with runtime.use_mode("strict"), torch.no_grad():
+            denoise(hm, inputs, schedule, rec)
+        sync(device)
+        t1 = time.perf_counter()
+        TrajectoryRecorder.finish(rec)  # the manifest of a real run (hashes of nothing per pass)
+        return t1 - t0, time.perf_counter() - t1
+
     plain()  # warm-up: kernel compilation
-    plain_times, rec_times, digests = [], [], []
+    plain_times, rec_times, digests, hollow_times, finish_times = [], [], [], [], []
     for _ in range(args.repeats):  # interleaved so drift in clocks hits both equally
         plain_times.append(plain())
         t, traj = recorded()
         rec_times.append(t)
         digests.append(traj.digest)
+        loop_s, finish_s = hollow()
+        hollow_times.append(loop_s)
+        finish_times.append(finish_s)
+    print(f"recorder breakdown: loop with begin + counted passes {statistics.median(hollow_times):.3f} s, "
+          f"finish {statistics.median(finish_times):.3f} s", flush=True)
     overhead = statistics.median(rec_times) / statistics.median(plain_times) - 1.0
     # the recorder's deferred side-stream copies must hash the bytes a synchronous copy hashes
-    from h3lab.trajectory import TrajectoryRecorder
-
     class _Synchronous(TrajectoryRecorder):
         deferred = False
 
@@ -184,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
             {"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "what": "10-pass rollout (R side, kept tensors)",
              "median_s": t_r, "runs": 1, "peak_mem_gib": float("nan")},
         ],
-        "recorder_costs": costs,
+        "recorder_costs": {**costs, "hollow_loop_s": hollow_times, "finish_s": finish_times},
         "strict_digests": digests,
         "strict_repeat_bit_equal": len(set(digests)) == 1,
         "deferred_recorder_equals_synchronous": deferred_equal,
