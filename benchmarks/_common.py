@@ -204,28 +204,8 @@ def measure_gpu(fn: Callable[[], Any], device: str, reps: int = 20, trials: int 
 
 def timed(fn: Callable[[], Any], runs: int, device: str) -> tuple[list[float], float]:
     """Seconds of each of `runs` calls after one warm-up (CUDA events on GPU, perf_counter on CPU) and the peak
-    GiB over them (NaN on CPU)."""
-    import torch
-
-    cuda = device == "cuda"
-    fn()  # warm-up (compilation, autotune-free kernels, allocator)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(runs):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times, peak_mem_gib(device)
+    GiB over them (NaN on CPU): `timed_interleaved` of one implementation."""
+    return timed_interleaved({"fn": fn}, runs, device)["fn"]
 
 
 def timed_interleaved(fns: dict[str, Callable[[], Any]], runs: int, device: str) -> dict[str, tuple[list[float], float]]:

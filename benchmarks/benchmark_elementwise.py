@@ -193,7 +193,7 @@ def ptx_audit() -> dict:
 
     pat = {"approx": r"\.approx", "div_full": r"div\.full", "fma": r"\bfma\.", "ex2": r"\bex2\."}
     out = {}
-    for mod in (rms_norm, modulate, rope, elementwise, timestep, packing):
+    for mod in (rms_norm, modulate, norm_modulate, rope, elementwise, timestep, packing):
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)

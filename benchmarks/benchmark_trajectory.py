@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> dict:
     from h3lab.config import H3Config
     from h3lab.layout import build_layout
     from h3lab.sampler import DualSchedule
-    from h3lab.trajectory import DenoiseInputs, denoise, run_trajectory
+    from h3lab.trajectory import (
+        STEP_FIELDS, DenoiseInputs, TrajectoryRecorder, denoise, device_lanes, model_fingerprint, model_forward,
+        run_trajectory,
+    )
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = H3Config.tiny() if args.tiny else H3Config.full()
@@ -70,16 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         return time.perf_counter() - t0, traj
 
-    from h3lab.trajectory import STEP_FIELDS, TrajectoryRecorder
-
     class _Hollow(TrajectoryRecorder):
         """begin/finish of the recorder, every pass only counted: what the per-pass hashing costs is the rest."""
 
         def record(self, rec) -> None:
             self.steps.append({"index": rec.index, **{name: "" for name in STEP_FIELDS}})
-
-        def finish(self):
-            return None
 
     def hollow() -> tuple[float, float]:
         sync(device)
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
             denoise(hm, inputs, schedule, rec)
         sync(device)
         t1 = time.perf_counter()
-        TrajectoryRecorder.finish(rec)  # the manifest of a real run (hashes of nothing per pass)
+        rec.finish()  # the manifest of a real run (hashes of nothing per pass)
         return t1 - t0, time.perf_counter() - t1
 
     plain()  # warm-up: kernel compilation
@@ -121,7 +119,6 @@ def main(argv: list[str] | None = None) -> dict:
     # the device checksum's throughput (Triton kernel vs the torch formulation), and one forward with every hook
     # point captured (drift's hash-only pass) against a plain strict forward.
     from h3lab.drift import Execution, capture
-    from h3lab.trajectory import device_lanes, model_fingerprint
 
     sync(device)
     t0 = time.perf_counter()
@@ -146,8 +143,6 @@ def main(argv: list[str] | None = None) -> dict:
     sync(device)
     capture_s = time.perf_counter() - t0
     with runtime.use_mode("strict"), torch.no_grad():
-        from h3lab.trajectory import model_forward
-
         sync(device)
         t0 = time.perf_counter()
         model_forward(hm, inputs, inputs.video, inputs.audio, 0)

@@ -658,7 +658,7 @@ assert set(_HANDLERS) == set(COMMANDS) | {"noop", "generate"}
 # text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
 # an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
 # `--update` writes lines tagged with this machine's class.
-EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<device>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
+EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
 
 
 def arithmetic_class(device: str) -> str:
@@ -709,8 +709,8 @@ def run_replay(
     echo: Callable[[str], None] = print,
 ) -> ReplayReport:
     """Run a `.h3` replay: every line through `parse`/`execute`. `# expect` lines after a generation line check its
-    trajectory digest (see `EXPECT_RE` for device tags); a generation without one is reported as unchecked. Any
-    command error stops the replay (`ReplayError` naming file:line). With `update`, this device's expect lines are
+    trajectory digest (see `EXPECT_RE` for arithmetic-class tags); a generation without one is reported as unchecked.
+    Any command error stops the replay (`ReplayError` naming file:line). With `update`, this class's expect lines are
     rewritten (or inserted under their generation line) and the file is replaced atomically. On the CPU the replay
     runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
     path = Path(path)
@@ -742,11 +742,11 @@ def run_replay(
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
 
 
-def _run_replay(state, path, text, lines, update, echo, device) -> ReplayReport:
-    """`run_replay`'s loop; `device` is the machine's arithmetic class, the tag its expect lines carry."""
+def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
+    """`run_replay`'s loop; `tag` is the machine's arithmetic class, the tag its expect lines carry."""
     from .io_utils import atomic_write_text
 
-    report = ReplayReport(tag=device)
+    report = ReplayReport(tag=tag)
     out: list[str] = []
     pending: _Pending | None = None
 
@@ -755,7 +755,7 @@ def _run_replay(state, path, text, lines, update, echo, device) -> ReplayReport:
         if pending is not None and not pending.matched:
             report.unchecked.append(pending.number)
             if update:
-                out.insert(pending.last_index + 1, f"# expect[{device}] {pending.digest}")
+                out.insert(pending.last_index + 1, f"# expect[{tag}] {pending.digest}")
         pending = None
 
     consumed = 0
@@ -765,15 +765,15 @@ def _run_replay(state, path, text, lines, update, echo, device) -> ReplayReport:
         if m:
             if pending is None:
                 raise ReplayError(f"{path}:{number}: '# expect' without a generation line before it")
-            tag, expected = m.group("device"), m.group("hash")
-            if tag is not None and tag != device:
+            line_tag, expected = m.group("tag"), m.group("hash")
+            if line_tag is not None and line_tag != tag:
                 report.skipped += 1
                 out.append(line)
                 pending.last_index = len(out) - 1
                 continue
             report.checked += 1
             pending.matched = True
-            out.append(f"# expect[{device}] {pending.digest}" if update else line)
+            out.append(f"# expect[{tag}] {pending.digest}" if update else line)
             pending.last_index = len(out) - 1
             if expected != pending.digest:
                 report.mismatches.append(f"{path}:{number}: expected {expected}, got {pending.digest}")

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-KERNEL_ID = "h3kernels.digest.lanes.v1"
+from h3kernels import registry
+
 P = (1 << 31) - 1
 LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)
 # splitmix64 multipliers as signed int64 (int64 multiplication wraps modulo 2^64).
@@ -82,6 +83,7 @@ def lanes(words: torch.Tensor) -> tuple[int, int]:
     """(L_0, L_1) of the 1-D int16 word view `words` (see the module contract); one device -> host transfer."""
     if not isinstance(words, torch.Tensor) or words.dtype != torch.int16 or words.dim() != 1:
         raise ValueError(f"digest.lanes: words must be a 1-D int16 tensor, got {getattr(words, 'dtype', type(words))}")
+    registry.check_device(words, op="digest.lanes")
     n = words.numel()
     if n == 0:
         return (0, 0)

@@ -204,6 +204,8 @@ def test_device_lanes_kernel_refuses_what_it_cannot_read():
         digest.lanes(torch.zeros(4, dtype=torch.int32))
     with pytest.raises(T.TrajectoryError, match="impl"):
         T.device_lanes(torch.ones(3), impl="numpy")
+    with pytest.raises(ValueError, match="digest.lanes: device meta"):
+        digest.lanes(torch.empty(4, dtype=torch.int16, device="meta"))
     assert digest.lanes(torch.empty(0, dtype=torch.int16)) == (0, 0)
 
 
