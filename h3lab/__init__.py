@@ -1,7 +1,8 @@
 """h3lab: a research workbench for MiniMax-H3 (see README.md and docs/ARCHITECTURE.md).
 
 Public names: `H3Config`, `H3Transformer`, `Session`, and the modules `runtime`, `checkpoint`, `sampler`,
-`layout`, `trajectory`, `drift`, `ablation`. Heavy components load lazily.
+`layout`, `trajectory`, `drift`, `ablation`. `H3Transformer` and `Session` are lazy attributes (PEP 562):
+`import h3lab` loads only the config, so a submodule may import `__version__` from the package without a cycle.
 """
 
 from __future__ import annotations

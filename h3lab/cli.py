@@ -10,6 +10,10 @@ Reference flags (`--ref-image`, `--ref-video`, `--ref-silent-video`, `--ref-vide
 `--ref-audio`) may repeat; their command-line order is the reference order. Settings flags map one to one onto
 `h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands.
 
+The CLI parses flags and prints; the work is elsewhere: `--info` is `h3lab.diagnostics.info_report`, `--replay` is
+`h3lab.replay.run_replay`, the REPL is `h3lab.repl.run_repl` given a session factory (`session_from_args`), and a
+generation is `Session.generate`. `settings_from_args` is the one flag -> `GenerationSettings` conversion.
+
 Exit status: 0 success; 1 a replay hash mismatch; 2 any error (one line on stderr, no traceback; set
 `H3LAB_DEBUG=1` for the traceback); 130 cancelled with Ctrl-C.
 """
@@ -173,7 +177,9 @@ def quiet_libraries() -> None:
         pass
 
 
-def _session(args):
+def session_from_args(args: argparse.Namespace):
+    """The `Session` the flags ask for (`-d`, `--device`, `--residency`); what the REPL's and the replay's session
+    factories call."""
     from .session import Session
 
     quiet_libraries()
@@ -181,63 +187,22 @@ def _session(args):
 
 
 def _info(args) -> int:
-    from .checkpoint import info as ckpt_info
-    from .checkpoint.tiny import default_snapshot
+    from .checkpoint.info import format_info
+    from .diagnostics import info_report
 
-    path = Path(args.model) if args.model else default_snapshot()
-    report = ckpt_info.snapshot_info(path)
-    forward = None
-    if args.prompt is None:
-        forward = one_forward_report(path, args.device)
+    report = info_report(args.model, args.device, forward=args.prompt is None)
     if args.json:
-        out = dict(report)
-        if forward is not None:
-            out["forward"] = forward
-        print(json.dumps(out, indent=2, sort_keys=True, default=str))
-    else:
-        print(ckpt_info.format_info(report))
-        if forward is not None:
-            print(
-                f"one forward ({forward['variant']}, {forward['mode']}, {forward['rows']} rows): video "
-                f"{forward['video_out']}, audio {forward['audio_out']} in {forward['seconds']:.4f} s on "
-                f"{forward['device']}"
-            )
-    return 0
-
-
-def one_forward_report(path: Path, device: str | None = None) -> dict[str, Any]:
-    """H3Transformer forward on a small random t2va layout of the snapshot's own geometry: shapes and time."""
-    import torch
-
-    from .layout import build_layout
-    from .model import H3Transformer
-    from .session import default_device
-
-    dev = torch.device(device) if device else default_device()
-    model = H3Transformer.from_pretrained(path, subfolder="transformer", device=dev)
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    tags = torch.ones(8, dtype=torch.long)
-    layout = build_layout("t2va", tags, 2, 4, 4, 4)
-    x = torch.randn(1, layout.video_indices.numel(), cfg.video_patch_dim, generator=g)
-    a = torch.randn(1, layout.audio_indices.numel(), cfg.audio_in_channels, generator=g)
-    text = torch.randn(1, 8, cfg.text_dim, generator=g)
-    t, idx = layout.row_timesteps(0.25, 0.5)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        video, audio = model(
-            hidden_states=x.to(dev), audio_hidden_states=a.to(dev), encoder_hidden_states=text.to(dev),
-            timestep=t.to(dev), timestep_indices=idx.to(dev), **layout.model_inputs(dev),
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+        return 0
+    print(format_info(report))
+    forward = report.get("forward")
+    if forward is not None:
+        print(
+            f"one forward ({forward['variant']}, {forward['mode']}, {forward['rows']} rows): video "
+            f"{forward['video_out']}, audio {forward['audio_out']} in {forward['seconds']:.4f} s on "
+            f"{forward['device']}"
         )
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - t0
-    from .runtime import current_mode
-
-    return {
-        "variant": "transformer", "mode": current_mode(), "rows": layout.sequence_length, "device": str(dev),
-        "video_out": list(video.shape), "audio_out": list(audio.shape), "seconds": seconds,
-    }
+    return 0
 
 
 def _one_shot(args) -> int:
@@ -245,7 +210,7 @@ def _one_shot(args) -> int:
     from .preview import TerminalPreview
 
     settings = settings_from_args(args)  # validate before loading anything
-    session = _session(args)
+    session = session_from_args(args)
     settings = session.check_request(settings)
     output = "h3lab.mp4" if args.output is None else args.output
     cancel = threading.Event()
@@ -280,15 +245,16 @@ def _one_shot(args) -> int:
 
 def _replay(args) -> int:
     from . import commands
+    from .replay import run_replay
 
     path = Path(args.replay)
     state = commands.SessionState(
-        session=lambda: _session(args),
+        session=lambda: session_from_args(args),
         base_dir=path.resolve().parent,
         out_dir=Path(args.session_dir) if args.session_dir else None,
         profile=args.profile,
     )
-    report = commands.run_replay(state, path, update=args.update)
+    report = run_replay(state, path, update=args.update)
     summary = (
         f"replay {path}: {report.generations} generations, {report.checked} checked, "
         f"{len(report.mismatches)} mismatches" + (", expect lines updated" if report.updated else "")
@@ -312,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompt is None:
             from .repl import run_repl
 
-            base = settings_from_args(args)
-            return run_repl(args, base)
+            return run_repl(lambda: session_from_args(args), settings_from_args(args), session_dir=args.session_dir,
+                            show=args.show, profile=args.profile)
         return _one_shot(args)
     except KeyboardInterrupt:
         print("h3lab: cancelled", file=sys.stderr)

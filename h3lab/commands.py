@@ -1,4 +1,4 @@
-"""The one command grammar every front end shares (REPL, scripted replays, notebook widgets, the CLI's flags).
+"""The one command grammar every front end shares (REPL, scripted replays, notebook widgets), and its registry.
 
 A line is parsed into a `Command` (`parse`), then executed against a `SessionState` (`execute`), which returns the
 output lines. Parsing checks the command name, the arity and the argument types; execution checks everything that
@@ -6,16 +6,26 @@ needs the world (files, the model, earlier results). Both raise `H3Error` subcla
 mutates the state only after every check passed, so a rejected line leaves the session exactly as it was.
 
 Grammar:
-- an empty line, or a line starting with `#`, does nothing (replays use `# expect <sha256>` lines, see
-  `run_replay`);
+- an empty line, or a line starting with `#`, does nothing (replays put `# expect <sha256>` lines there, see
+  `h3lab.replay`);
 - a line starting with `!` is a command, its arguments split like a POSIX shell (quote paths with spaces);
 - any other line is a prompt and generates with the current settings.
 
 Relative paths resolve against `SessionState.base_dir` (the working directory in the REPL, the replay file's folder
 in a replay), so a replay is self-contained.
 
-Replays (`run_replay`): a `.h3` file is REPL lines; `# expect <sha256>` / `# expect[cpu|cuda] <sha256>` after a
-generation line checks that generation's trajectory digest (`trajectory.Trajectory.digest`).
+The registry: `COMMANDS` (name -> `CommandSpec`, in `!help` order) holds each command once -- usage, summary,
+argument parser, handler, completion and aliases -- declared by the `@command(...)` decorator on its handler:
+
+    @command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
+             args=(Arg(("random",)),))
+    def _h_seed(state, value):            # receives the parser's tuple as positional arguments
+        ...
+        return [f"seed {s.seed}"]          # the output lines
+
+`parse(name, words) -> tuple` turns the words after the name into typed values or raises `CommandError`; the
+handler runs them against the state. `help_lines()`, the REPL's completer (`args`, `aliases`, `drain`) and every
+front end that runs lines (`run_line`, the widgets' `command()`) read this one table.
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ import shlex
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from .errors import H3Error, ValidationError
+from .errors import H3Error
 from .runtime import MODES
 from .session import GenerationCancelled  # noqa: F401 - re-exported for front ends
 from .settings import GenerationSettings, Reference, check_path
@@ -39,191 +49,73 @@ class CommandError(H3Error):
     """An unknown command or a bad argument (names the command, the value and the expected form)."""
 
 
-class ReplayError(H3Error):
-    """A replay line failed (prefixed with file:line)."""
-
-
 @dataclass(frozen=True)
 class Command:
-    """A parsed line: `name` is a command name from `COMMANDS` or "generate"; `args` are typed values."""
+    """A parsed line: `name` is a command name from `COMMANDS`, "generate" or "noop"; `args` are typed values."""
 
     name: str
     args: tuple = ()
     line: str = ""
 
 
-# ------------------------------------------------------------------------------------------------ argument parsers
-def _no_args(name: str, args: list[str]) -> tuple:
-    if args:
-        raise CommandError(f"!{name} takes no arguments, got {' '.join(args)!r}")
-    return ()
+# ------------------------------------------------------------------------------------------------ the registry
+@dataclass(frozen=True)
+class Arg:
+    """How one argument position completes in the REPL: keywords (a tuple, or a zero-argument callable that computes
+    them when asked, e.g. the ablation factors) and/or file paths."""
 
+    words: tuple[str, ...] | Callable[[], Iterable[str]] = ()
+    path: bool = False
 
-def _one(name: str, args: list[str], form: str) -> str:
-    if len(args) != 1:
-        raise CommandError(f"!{name} expects {form}, got {' '.join(args)!r}" if args else f"!{name} expects {form}")
-    return args[0]
-
-
-def _int_arg(name: str, text: str, form: str) -> int:
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise CommandError(f"!{name} {text}: expected {form}")
-    return int(text)
-
-
-def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
-    if text not in choices:
-        raise CommandError(f"!{name} {text}: expected one of {'|'.join(choices)}")
-    return text
-
-
-def _p_seed(name, args):
-    text = _one(name, args, "N|random")
-    return ("random",) if text == "random" else (_int_arg(name, text, "an integer seed or 'random'"),)
-
-
-def _p_int(form):
-    def parse(name, args):
-        return (_int_arg(name, _one(name, args, form), form),)
-
-    return parse
-
-
-def _p_seconds(name, args):
-    text = _one(name, args, "X (seconds)")
-    try:
-        value = float(text)
-    except ValueError:
-        raise CommandError(f"!{name} {text}: expected a number of seconds") from None
-    return (value,)
-
-
-def _size(name: str, text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)[xX](\d+)", text)
-    if not m:
-        raise CommandError(f"!{name} {text}: expected WIDTHxHEIGHT, e.g. 512x512")
-    return int(m.group(1)), int(m.group(2))
-
-
-def _p_size(name, args):
-    return _size(name, _one(name, args, "WxH"))
-
-
-def _p_render(name, args):
-    text = _one(name, args, "WxH|off")
-    return ("off",) if text == "off" else _size(name, text)
-
-
-def _p_mode(name, args):
-    return (_choice(name, _one(name, args, "|".join(MODES)), MODES),)
-
-
-def _p_path_or_clear(name, args):
-    return (_one(name, args, "PATH|clear"),)
-
-
-def _p_path(name, args):
-    return (_one(name, args, "PATH"),)
-
-
-def _p_two_paths(name, args):
-    if len(args) != 2:
-        raise CommandError(f"!{name} expects VIDEO AUDIO, got {' '.join(args)!r}")
-    return tuple(args)
-
-
-def _p_refs(name, args):
-    if not args:
-        return ()
-    return (_choice(name, _one(name, args, "[clear]"), ("clear",)),)
-
-
-def _p_on_off(name, args):
-    return (_choice(name, _one(name, args, "on|off"), ("on", "off")),)
-
-
-def _p_show(name, args):
-    return () if not args else _p_on_off(name, args)
-
-
-def _p_ablate(name, args):
-    if not args:
-        return ()
-    if len(args) != 2:
-        raise CommandError(f"!{name} expects FACTOR on|off, got {' '.join(args)!r}")
-    return (args[0], _choice(name, args[1], ("on", "off")))
-
-
-def _p_trajectory(name, args):
-    if len(args) != 2:
-        raise CommandError(f"!{name} expects save|verify PATH, got {' '.join(args)!r}")
-    return (_choice(name, args[0], ("save", "verify")), args[1])
-
-
-def _p_cache(name, args):
-    return _p_refs(name, args)
-
-
-def _p_plot(name, args):
-    from .plots import PLOTS
-
-    if len(args) != 2:
-        raise CommandError(f"!{name} expects KIND PATH.png (KIND: {'|'.join(PLOTS)}), got {' '.join(args)!r}")
-    if not args[1].lower().endswith(".png"):
-        raise CommandError(f"!{name} {args[1]}: the plot path must end in .png")
-    return (_choice(name, args[0], tuple(PLOTS)), args[1])
+    def keywords(self) -> tuple[str, ...]:
+        return tuple(self.words() if callable(self.words) else self.words)
 
 
 @dataclass(frozen=True)
-class Spec:
+class CommandSpec:
+    """One command: `usage` ("!name ARGS") and `summary` for `!help`; `parse(name, words) -> tuple` checks the words
+    after the name (raises `CommandError`); `handler(state, *args) -> list[str]` executes; `args` completes each
+    argument position; `aliases` are other names; `drain`: the REPL lets queued generations finish first (the command
+    reads results or the session)."""
+
+    name: str
     usage: str
     summary: str
     parse: Callable[[str, list[str]], tuple]
-    paths: bool = False  # arguments are file paths (REPL completion)
+    handler: Callable[..., list[str]]
+    args: tuple[Arg, ...] = ()
+    aliases: tuple[str, ...] = ()
+    drain: bool = False
 
 
-COMMANDS: dict[str, Spec] = {
-    "help": Spec("!help", "this list", _no_args),
-    "status": Spec("!status", "model, device, settings, anchors and references", _no_args),
-    "seed": Spec("!seed N|random", "seed of the next generation (default 42)", _p_seed),
-    "seconds": Spec("!seconds X", "duration at 24 fps, rounded up to a legal frame count", _p_seconds),
-    "frames": Spec("!frames N", "frame count, snapped up to 17n+5", _p_int("N")),
-    "size": Spec("!size WxH", "output size (multiples of 32, area <= 768x1344, aspect 1:4-4:1)", _p_size),
-    "render": Spec("!render WxH|off", "internal canvas, same aspect, upscaled to the output size", _p_render),
-    "steps": Spec("!steps N", "denoising passes (default 20)", _p_int("N")),
-    "reuse": Spec("!reuse N", "whole-velocity reuse interval (1 = every pass runs the model)", _p_int("N")),
-    "mode": Spec("!mode strict|audit|auto|off", "arithmetic of the transformer", _p_mode),
-    "first": Spec("!first PATH|clear", "first-frame anchor (fl2va)", _p_path_or_clear, paths=True),
-    "last": Spec("!last PATH|clear", "last-frame anchor (fl2va)", _p_path_or_clear, paths=True),
-    "ref-image": Spec("!ref-image PATH", "append an image reference (<Picture N>)", _p_path, paths=True),
-    "ref-video": Spec("!ref-video PATH", "append a video reference with its soundtrack", _p_path, paths=True),
-    "ref-silent-video": Spec(
-        "!ref-silent-video PATH", "append a video reference, soundtrack ignored", _p_path, paths=True
-    ),
-    "ref-video-audio": Spec(
-        "!ref-video-audio VIDEO AUDIO", "append a video reference with a replacement soundtrack", _p_two_paths,
-        paths=True,
-    ),
-    "ref-audio": Spec(
-        "!ref-audio PATH", "append a standalone audio reference (needs an image/video ref)", _p_path, paths=True
-    ),
-    "refs": Spec("!refs [clear]", "list the references in order, or remove them all", _p_refs),
-    "ref-remove": Spec("!ref-remove N", "remove reference N (1-based)", _p_int("N")),
-    "ablate": Spec("!ablate FACTOR on|off", "switch an ablation factor for the next generations", _p_ablate),
-    "drift": Spec("!drift", "first drift between the last two generations", _no_args),
-    "save": Spec("!save PATH", "write the last generation (.mp4 video+audio, .wav audio)", _p_path, paths=True),
-    "trajectory": Spec(
-        "!trajectory save|verify PATH", "seal the last trajectory in PATH / replay a sealed one and compare",
-        _p_trajectory, paths=True,
-    ),
-    "cache": Spec("!cache [clear]", "conditioning cache entries", _p_cache),
-    "plot": Spec("!plot KIND PATH.png", "latents|norms|drift|ablation|sigmas of the recent generations", _p_plot,
-                 paths=True),
-    "profile": Spec("!profile on|off", "print phase timings and peak memory after each generation", _p_on_off),
-    "show": Spec("!show [on|off]", "preview the middle frame after every denoising pass", _p_show),
-    "quit": Spec("!quit", "leave (also !exit, Ctrl-D)", _no_args),
-}
-ALIASES = {"exit": "quit", "q": "quit", "h": "help", "?": "help"}
+COMMANDS: dict[str, CommandSpec] = {}
+ALIASES: dict[str, str] = {}  # alias -> command name
+
+
+def command(
+    name: str,
+    usage: str,
+    summary: str,
+    *,
+    parse: Callable[[str, list[str]], tuple],
+    args: tuple[Arg, ...] = (),
+    aliases: tuple[str, ...] = (),
+    drain: bool = False,
+) -> Callable[[Callable[..., list[str]]], Callable[..., list[str]]]:
+    """Register the decorated handler as command `name` (see the module docstring). A name or alias taken twice, or
+    a usage that does not start with `!name`, raises at import time."""
+
+    def register(handler: Callable[..., list[str]]) -> Callable[..., list[str]]:
+        taken = [n for n in (name, *aliases) if n in COMMANDS or n in ALIASES or n in ("generate", "noop")]
+        if taken:
+            raise ValueError(f"command !{name}: the name {taken[0]!r} is already registered")
+        if usage.split()[0] != f"!{name}":
+            raise ValueError(f"command !{name}: usage {usage!r} must start with '!{name}'")
+        COMMANDS[name] = CommandSpec(name, usage, summary, parse, handler, tuple(args), tuple(aliases), drain)
+        ALIASES.update({alias: name for alias in aliases})
+        return handler
+
+    return register
 
 
 def parse(line: str) -> Command:
@@ -251,6 +143,23 @@ def help_lines() -> list[str]:
     lines = ["Type a prompt to generate. Commands:"]
     lines += [f"  {s.usage:<{width}}  {s.summary}" for s in COMMANDS.values()]
     return lines
+
+
+def execute(state: SessionState, cmd: Command) -> list[str]:
+    """Run one parsed command; returns output lines. Raises `H3Error` (state unchanged) on any rejected input."""
+    if cmd.name == "noop":
+        return []
+    if cmd.name == "generate":
+        return run_generation(state, state.settings.replace(prompt=cmd.args[0]))
+    spec = COMMANDS.get(cmd.name)
+    if spec is None:
+        raise CommandError(f"unknown command {cmd.name!r}")
+    return spec.handler(state, *cmd.args)
+
+
+def run_line(state: SessionState, line: str) -> list[str]:
+    """parse + execute."""
+    return execute(state, parse(line))
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -323,34 +232,154 @@ class SessionState:
         )
 
 
-# ------------------------------------------------------------------------------------------------ execution
-def execute(state: SessionState, cmd: Command) -> list[str]:
-    """Run one parsed command; returns output lines. Raises `H3Error` (state unchanged) on any rejected input."""
-    handler = _HANDLERS.get(cmd.name)
-    if handler is None:
-        raise CommandError(f"unknown command {cmd.name!r}")
-    return handler(state, *cmd.args)
-
-
-def run_line(state: SessionState, line: str) -> list[str]:
-    """parse + execute."""
-    return execute(state, parse(line))
-
-
 def _set(state: SessionState, **changes: Any) -> GenerationSettings:
     new = state.settings.replace(**changes)  # validates; raises before anything is assigned
     state.settings = new
     return new
 
 
-def _h_noop(state):
-    return []
+# ------------------------------------------------------------------------------------------------ argument parsers
+def no_args(name: str, args: list[str]) -> tuple:
+    """The parser of a command that takes no arguments."""
+    if args:
+        raise CommandError(f"!{name} takes no arguments, got {' '.join(args)!r}")
+    return ()
 
 
+def _one(name: str, args: list[str], form: str) -> str:
+    if len(args) != 1:
+        raise CommandError(f"!{name} expects {form}, got {' '.join(args)!r}" if args else f"!{name} expects {form}")
+    return args[0]
+
+
+def _int_arg(name: str, text: str, form: str) -> int:
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise CommandError(f"!{name} {text}: expected {form}")
+    return int(text)
+
+
+def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
+    if text not in choices:
+        raise CommandError(f"!{name} {text}: expected one of {'|'.join(choices)}")
+    return text
+
+
+def _p_seed(name, args):
+    text = _one(name, args, "N|random")
+    return ("random",) if text == "random" else (_int_arg(name, text, "an integer seed or 'random'"),)
+
+
+def _p_int(name, args):
+    return (_int_arg(name, _one(name, args, "N"), "N"),)
+
+
+def _p_seconds(name, args):
+    text = _one(name, args, "X (seconds)")
+    try:
+        value = float(text)
+    except ValueError:
+        raise CommandError(f"!{name} {text}: expected a number of seconds") from None
+    return (value,)
+
+
+def _size(name: str, text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)[xX](\d+)", text)
+    if not m:
+        raise CommandError(f"!{name} {text}: expected WIDTHxHEIGHT, e.g. 512x512")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _p_size(name, args):
+    return _size(name, _one(name, args, "WxH"))
+
+
+def _p_render(name, args):
+    text = _one(name, args, "WxH|off")
+    return ("off",) if text == "off" else _size(name, text)
+
+
+def _p_mode(name, args):
+    return (_choice(name, _one(name, args, "|".join(MODES)), MODES),)
+
+
+def _p_path_or_clear(name, args):
+    return (_one(name, args, "PATH|clear"),)
+
+
+def _p_path(name, args):
+    return (_one(name, args, "PATH"),)
+
+
+def _p_two_paths(name, args):
+    if len(args) != 2:
+        raise CommandError(f"!{name} expects VIDEO AUDIO, got {' '.join(args)!r}")
+    return tuple(args)
+
+
+def _p_clear(name, args):
+    """No argument, or the word `clear`."""
+    if not args:
+        return ()
+    return (_choice(name, _one(name, args, "[clear]"), ("clear",)),)
+
+
+def _p_on_off(name, args):
+    return (_choice(name, _one(name, args, "on|off"), ("on", "off")),)
+
+
+def _p_show(name, args):
+    return () if not args else _p_on_off(name, args)
+
+
+def _p_ablate(name, args):
+    if not args:
+        return ()
+    if len(args) != 2:
+        raise CommandError(f"!{name} expects FACTOR on|off, got {' '.join(args)!r}")
+    return (args[0], _choice(name, args[1], ("on", "off")))
+
+
+def _p_trajectory(name, args):
+    if len(args) != 2:
+        raise CommandError(f"!{name} expects save|verify PATH, got {' '.join(args)!r}")
+    return (_choice(name, args[0], ("save", "verify")), args[1])
+
+
+def _plot_kinds() -> tuple[str, ...]:
+    from .plots import PLOTS  # matplotlib: loaded when a plot is asked for, not with the grammar
+
+    return tuple(PLOTS)
+
+
+def _p_plot(name, args):
+    kinds = _plot_kinds()
+    if len(args) != 2:
+        raise CommandError(f"!{name} expects KIND PATH.png (KIND: {'|'.join(kinds)}), got {' '.join(args)!r}")
+    if not args[1].lower().endswith(".png"):
+        raise CommandError(f"!{name} {args[1]}: the plot path must end in .png")
+    return (_choice(name, args[0], kinds), args[1])
+
+
+def _ablation_factors() -> tuple[str, ...]:
+    from .session import ablation_factors
+
+    return tuple(ablation_factors())
+
+
+ON_OFF = Arg(("on", "off"))
+PATH = Arg(path=True)
+PATH_OR_CLEAR = Arg(("clear",), path=True)
+CLEAR = Arg(("clear",))
+
+
+# ------------------------------------------------------------------------------------------------ commands
+# Registration order is the `!help` order.
+@command("help", "!help", "this list", parse=no_args, aliases=("h", "?"))
 def _h_help(state):
     return help_lines()
 
 
+@command("status", "!status", "model, device, settings, anchors and references", parse=no_args, drain=True)
 def _h_status(state):
     s = state.settings
     session = state.get_session()
@@ -368,6 +397,8 @@ def _h_status(state):
     return lines
 
 
+@command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
+         args=(Arg(("random",)),))
 def _h_seed(state, value):
     if value == "random":
         value = secrets.randbelow(2**31)
@@ -375,21 +406,26 @@ def _h_seed(state, value):
     return [f"seed {s.seed}"]
 
 
+@command("seconds", "!seconds X", "duration at 24 fps, rounded up to a legal frame count", parse=_p_seconds)
 def _h_seconds(state, value):
     s = _set(state, seconds=value, frames=None)
     return [f"{s.num_frames} frames ({s.duration:.3f} s)"] + list(s.notices)
 
 
+@command("frames", "!frames N", "frame count, snapped up to 17n+5", parse=_p_int)
 def _h_frames(state, value):
     s = _set(state, frames=value, seconds=None)
     return [f"{s.num_frames} frames ({s.duration:.3f} s)"] + list(s.notices)
 
 
+@command("size", "!size WxH", "output size (multiples of 32, area <= 768x1344, aspect 1:4-4:1)", parse=_p_size)
 def _h_size(state, width, height):
     s = _set(state, width=width, height=height)
     return [f"size {s.width}x{s.height}"]
 
 
+@command("render", "!render WxH|off", "internal canvas, same aspect, upscaled to the output size", parse=_p_render,
+         args=(Arg(("off",)),))
 def _h_render(state, *value):
     if value == ("off",):
         _set(state, render_width=None, render_height=None)
@@ -398,16 +434,19 @@ def _h_render(state, *value):
     return [f"render {s.render_width}x{s.render_height}, upscaled to {s.width}x{s.height}"]
 
 
+@command("steps", "!steps N", "denoising passes (default 20)", parse=_p_int)
 def _h_steps(state, value):
     s = _set(state, steps=value)
     return [f"{s.steps} denoising passes ({s.num_points} sigma grid points)"]
 
 
+@command("reuse", "!reuse N", "whole-velocity reuse interval (1 = every pass runs the model)", parse=_p_int)
 def _h_reuse(state, value):
     s = _set(state, reuse=value)
     return [f"reuse {s.reuse}"]
 
 
+@command("mode", "!mode strict|audit|auto|off", "arithmetic of the transformer", parse=_p_mode, args=(Arg(MODES),))
 def _h_mode(state, mode):
     _set(state, mode=mode)
     lines = [f"mode {mode}"]
@@ -432,10 +471,12 @@ def _anchor(state, which, value):
     return [f"{which} anchor {path} ({new.task})"]
 
 
+@command("first", "!first PATH|clear", "first-frame anchor (fl2va)", parse=_p_path_or_clear, args=(PATH_OR_CLEAR,))
 def _h_first(state, value):
     return _anchor(state, "first", value)
 
 
+@command("last", "!last PATH|clear", "last-frame anchor (fl2va)", parse=_p_path_or_clear, args=(PATH_OR_CLEAR,))
 def _h_last(state, value):
     return _anchor(state, "last", value)
 
@@ -453,26 +494,36 @@ def _add_ref(state, kind, path, audio=None):
     return [f"ref {len(new.references)}: {ref.describe()}"]
 
 
+@command("ref-image", "!ref-image PATH", "append an image reference (<Picture N>)", parse=_p_path, args=(PATH,))
 def _h_ref_image(state, path):
     return _add_ref(state, "image", path)
 
 
+@command("ref-video", "!ref-video PATH", "append a video reference with its soundtrack", parse=_p_path,
+         args=(PATH,))
 def _h_ref_video(state, path):
     return _add_ref(state, "video", path)
 
 
+@command("ref-silent-video", "!ref-silent-video PATH", "append a video reference, soundtrack ignored",
+         parse=_p_path, args=(PATH,))
 def _h_ref_silent_video(state, path):
     return _add_ref(state, "silent-video", path)
 
 
+@command("ref-video-audio", "!ref-video-audio VIDEO AUDIO", "append a video reference with a replacement soundtrack",
+         parse=_p_two_paths, args=(PATH, PATH))
 def _h_ref_video_audio(state, video, audio):
     return _add_ref(state, "video-audio", video, audio)
 
 
+@command("ref-audio", "!ref-audio PATH", "append a standalone audio reference (needs an image/video ref)",
+         parse=_p_path, args=(PATH,))
 def _h_ref_audio(state, path):
     return _add_ref(state, "audio", path)
 
 
+@command("refs", "!refs [clear]", "list the references in order, or remove them all", parse=_p_clear, args=(CLEAR,))
 def _h_refs(state, *action):
     if action == ("clear",):
         _set(state, references=())
@@ -483,6 +534,7 @@ def _h_refs(state, *action):
     return [f"{i}: {r.describe()}" for i, r in enumerate(refs, 1)]
 
 
+@command("ref-remove", "!ref-remove N", "remove reference N (1-based)", parse=_p_int)
 def _h_ref_remove(state, index):
     refs = state.settings.references
     if not 1 <= index <= len(refs):
@@ -492,13 +544,12 @@ def _h_ref_remove(state, index):
     return [f"removed ref {index}: {removed.describe()}"]
 
 
+@command("ablate", "!ablate FACTOR on|off", "switch an ablation factor for the next generations", parse=_p_ablate,
+         args=(Arg(_ablation_factors), ON_OFF))
 def _h_ablate(state, *args):
     from .session import ablation_factors
 
-    try:
-        factors = ablation_factors()
-    except ValidationError as err:
-        raise CommandError(f"!ablate: {err}") from None
+    factors = ablation_factors()
     if not args:
         on = set(state.settings.ablations)
         return [f"{name}: {'on ' if name in on else 'off'} {text}" for name, text in factors.items()]
@@ -511,17 +562,20 @@ def _h_ablate(state, *args):
     return [f"ablation {name} {switch}: {factors[name]}"]
 
 
-def _h_drift(state):
-    try:
-        from . import drift  # noqa: F401
-    except ImportError:
-        raise CommandError("!drift: first-drift localisation is not available yet (h3lab.drift is missing)") from None
+def _last_two(state, what: str) -> tuple:
     if len(state.results) < 2:
-        raise CommandError(f"!drift: needs two generations, have {len(state.results)}")
-    a, b = state.results[-2], state.results[-1]
+        raise CommandError(f"{what}: needs two generations, have {len(state.results)}")
+    return state.results[-2], state.results[-1]
+
+
+@command("drift", "!drift", "first drift between the last two generations", parse=no_args, drain=True)
+def _h_drift(state):
+    a, b = _last_two(state, "!drift")
     return state.get_session().drift_lines(a, b)
 
 
+@command("save", "!save PATH", "write the last generation (.mp4 video+audio, .wav audio)", parse=_p_path,
+         args=(PATH,), drain=True)
 def _h_save(state, path):
     result = state.last
     out = state.resolve(path)
@@ -529,6 +583,9 @@ def _h_save(state, path):
     return [f"saved {written}"]
 
 
+@command("trajectory", "!trajectory save|verify PATH",
+         "seal the last trajectory in PATH / replay a sealed one and compare", parse=_p_trajectory,
+         args=(Arg(("save", "verify")), PATH), drain=True)
 def _h_trajectory(state, action, path):
     if action == "save":
         result = state.last
@@ -541,13 +598,7 @@ def _h_trajectory(state, action, path):
     return [str(report)]
 
 
-def _h_plot(state, kind, path):
-    from . import plots
-
-    fig = plots.plot(kind, state.results, state.get_session())
-    return [f"wrote {plots.save(fig, state.resolve(path))}"]
-
-
+@command("cache", "!cache [clear]", "conditioning cache entries", parse=_p_clear, args=(CLEAR,), drain=True)
 def _h_cache(state, *action):
     session = state.get_session()
     if action == ("clear",):
@@ -559,25 +610,40 @@ def _h_cache(state, *action):
     return [f"{e['kind']:<10} {e['key'][:16]}  {e['summary']}" for e in entries]
 
 
+@command("plot", "!plot KIND PATH.png", "latents|norms|drift|ablation|sigmas of the recent generations",
+         parse=_p_plot, args=(Arg(_plot_kinds), PATH), drain=True)
+def _h_plot(state, kind, path):
+    from . import plots
+
+    session = state.get_session()
+    source: Any = state.results
+    if kind == "drift":  # the session re-runs the two generations; the figure only draws its report
+        source = session.drift(*_last_two(state, "!plot drift"))
+    fig = plots.plot(kind, source, session)
+    return [f"wrote {plots.save(fig, state.resolve(path))}"]
+
+
+@command("profile", "!profile on|off", "print phase timings and peak memory after each generation",
+         parse=_p_on_off, args=(ON_OFF,))
 def _h_profile(state, switch):
     state.profile = switch == "on"
     return [f"profile {switch}"]
 
 
+@command("show", "!show [on|off]", "preview the middle frame after every denoising pass", parse=_p_show,
+         args=(ON_OFF,))
 def _h_show(state, *switch):
     state.show = (not state.show) if not switch else switch[0] == "on"
     return [f"show {'on' if state.show else 'off'}"]
 
 
+@command("quit", "!quit", "leave (also !exit, Ctrl-D)", parse=no_args, aliases=("exit", "q"))
 def _h_quit(state):
     state.running = False
     return []
 
 
-def _h_generate(state, prompt):
-    return run_generation(state, state.settings.replace(prompt=prompt))
-
-
+# ------------------------------------------------------------------------------------------------ generation
 def run_generation(state: SessionState, settings: GenerationSettings, cancel: threading.Event | None = None
                    ) -> list[str]:
     """Generate with `settings` (already validated), write the numbered output, keep the result, return lines.
@@ -615,195 +681,3 @@ def generation_lines(result, profile: bool = False) -> list[str]:
     if profile:
         lines += result.timing_lines()
     return lines
-
-
-_HANDLERS: dict[str, Callable[..., list[str]]] = {
-    "noop": _h_noop,
-    "generate": _h_generate,
-    "help": _h_help,
-    "status": _h_status,
-    "seed": _h_seed,
-    "seconds": _h_seconds,
-    "frames": _h_frames,
-    "size": _h_size,
-    "render": _h_render,
-    "steps": _h_steps,
-    "reuse": _h_reuse,
-    "mode": _h_mode,
-    "first": _h_first,
-    "last": _h_last,
-    "ref-image": _h_ref_image,
-    "ref-video": _h_ref_video,
-    "ref-silent-video": _h_ref_silent_video,
-    "ref-video-audio": _h_ref_video_audio,
-    "ref-audio": _h_ref_audio,
-    "refs": _h_refs,
-    "ref-remove": _h_ref_remove,
-    "ablate": _h_ablate,
-    "drift": _h_drift,
-    "save": _h_save,
-    "trajectory": _h_trajectory,
-    "cache": _h_cache,
-    "plot": _h_plot,
-    "profile": _h_profile,
-    "show": _h_show,
-    "quit": _h_quit,
-}
-assert set(_HANDLERS) == set(COMMANDS) | {"noop", "generate"}
-
-
-# ------------------------------------------------------------------------------------------------ replays
-# `# expect <sha256>` checks on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class TAG
-# (`arithmetic_class()`): "cuda", or on a CPU "cpu_<torch's CPU capability>[_amx]" -- torch's CPU kernels (the
-# text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
-# an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
-# `--update` writes lines tagged with this machine's class.
-EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
-
-
-def arithmetic_class(device: str) -> str:
-    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or "cpu_avx512_amx", "cpu_avx2", ..."""
-    if device != "cpu":
-        return device
-    import torch
-
-    tag = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        flags = ""
-    return tag + ("_amx" if re.search(r"\bamx_bf16\b", flags) else "")
-
-
-@dataclass
-class ReplayReport:
-    generations: int = 0
-    checked: int = 0
-    skipped: int = 0  # expect lines for another arithmetic class
-    tag: str = ""  # this machine's arithmetic class (`arithmetic_class`)
-    mismatches: list[str] = field(default_factory=list)
-    unchecked: list[int] = field(default_factory=list)  # line numbers of generations without an expect line
-    hashes: list[str] = field(default_factory=list)  # trajectory digest of every generation, in order
-    updated: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-@dataclass
-class _Pending:
-    """The last generation line of a replay and the expect lines seen after it."""
-
-    number: int  # 1-based line number of the generation
-    digest: str
-    index: int  # position of the generation line in the output lines
-    last_index: int  # position of the last expect line for it (or the generation line)
-    matched: bool = False  # an expect line for this device (or untagged) was seen
-
-
-def run_replay(
-    state: SessionState,
-    path: str | Path,
-    update: bool = False,
-    echo: Callable[[str], None] = print,
-) -> ReplayReport:
-    """Run a `.h3` replay: every line through `parse`/`execute`. `# expect` lines after a generation line check its
-    trajectory digest (see `EXPECT_RE` for arithmetic-class tags); a generation without one is reported as unchecked.
-    Any command error stops the replay (`ReplayError` naming file:line). With `update`, this class's expect lines are
-    rewritten (or inserted under their generation line) and the file is replaced atomically. On the CPU the replay
-    runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ReplayError(f"replay {str(path)!r}: {err.strerror or err}") from None
-    lines = text.splitlines()
-    session = state.get_session()
-    session.clear_cache()  # a replay starts from nothing the session computed before (same bytes as a fresh run)
-    device = session.device.type
-    tag = arithmetic_class(device)
-    import torch
-
-    # A replay's hashes must not depend on the machine's core count or on autotuning: torch's CPU kernels reduce in
-    # a thread-count-dependent order (measured: the audio VAE encode of a reference soundtrack differs between 1 and
-    # 2 threads), so CPU replays run single-threaded; on CUDA cuDNN is held to deterministic, non-benchmarked
-    # algorithms. Both are restored afterwards.
-    threads = torch.get_num_threads()
-    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    if device == "cpu":
-        torch.set_num_threads(1)
-    else:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        return _run_replay(state, path, text, lines, update, echo, tag)
-    finally:
-        torch.set_num_threads(threads)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-
-
-def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
-    """`run_replay`'s loop; `tag` is the machine's arithmetic class, the tag its expect lines carry."""
-    from .io_utils import atomic_write_text
-
-    report = ReplayReport(tag=tag)
-    out: list[str] = []
-    pending: _Pending | None = None
-
-    def close_pending() -> None:
-        nonlocal pending
-        if pending is not None and not pending.matched:
-            report.unchecked.append(pending.number)
-            if update:
-                out.insert(pending.last_index + 1, f"# expect[{tag}] {pending.digest}")
-        pending = None
-
-    consumed = 0
-    for number, line in enumerate(lines, 1):
-        consumed = number
-        m = EXPECT_RE.match(line)
-        if m:
-            if pending is None:
-                raise ReplayError(f"{path}:{number}: '# expect' without a generation line before it")
-            line_tag, expected = m.group("tag"), m.group("hash")
-            if line_tag is not None and line_tag != tag:
-                report.skipped += 1
-                out.append(line)
-                pending.last_index = len(out) - 1
-                continue
-            report.checked += 1
-            pending.matched = True
-            out.append(f"# expect[{tag}] {pending.digest}" if update else line)
-            pending.last_index = len(out) - 1
-            if expected != pending.digest:
-                report.mismatches.append(f"{path}:{number}: expected {expected}, got {pending.digest}")
-                echo(f"MISMATCH {path}:{number}: expected {expected}, got {pending.digest}")
-            else:
-                echo(f"ok {path}:{number}: {pending.digest}")
-            continue
-        try:
-            cmd = parse(line)
-            if cmd.name != "noop":
-                close_pending()
-            out.append(line)
-            if cmd.name == "noop":
-                continue
-            echo(f"h3> {line.strip()}")
-            for text_line in execute(state, cmd):
-                echo(text_line)
-        except H3Error as err:
-            raise ReplayError(f"{path}:{number}: {err}") from None
-        if cmd.name == "generate":
-            digest = state.last.trajectory_hash
-            report.generations += 1
-            report.hashes.append(digest)
-            pending = _Pending(number, digest, len(out) - 1, len(out) - 1)
-        if not state.running:
-            break
-    close_pending()
-    if update:
-        new_text = "\n".join(out + lines[consumed:]) + "\n"
-        if new_text != text:
-            atomic_write_text(path, new_text)
-            report.updated = True
-    return report

@@ -4,19 +4,24 @@
   line is answered immediately with one `error:` line and nothing changes.
 - Generations run on one worker thread, in submission order, with the settings captured when the line was entered;
   the prompt stays live meanwhile, and everything printed (progress lines, previews, results) appears above it
-  (`patch_stdout(raw=True)`, raw so inline-image escapes reach the terminal). Commands that read results (`!save`,
-  `!drift`, `!trajectory`, `!status`) first wait for the queue to drain.
+  (`patch_stdout(raw=True)`, raw so inline-image escapes reach the terminal). Commands whose registry entry says
+  `drain` (they read results or the session: `!save`, `!drift`, `!trajectory`, `!plot`, `!status`, `!cache`) first
+  wait for the queue to drain.
 - Ctrl-C cancels the running generation (and drops queued ones) and keeps the session; at an idle prompt it just
   clears the line. Ctrl-D or `!quit` leave after the queue drains (Ctrl-C while waiting cancels).
-- History lives in `<session dir>/history`; completion covers command names, their keywords and file paths; the
-  bottom toolbar shows model, mode, seed, size, frames, steps, anchors/references and generation progress.
-- Testable without a terminal: `Repl(state, input=create_pipe_input(), output=DummyOutput())`.
+- History lives in `<session dir>/history`; completion covers command names and aliases, then what each argument
+  position of the command declares in the registry (`commands.Arg`: keywords, file paths); the bottom toolbar
+  shows model, mode, seed, size, frames, steps, anchors/references and generation progress.
+- `run_repl(session_factory, settings, session_dir, ...)` is the entry point: the caller says how to get the
+  `Session` (the CLI from its flags; a test or another front end injects one); this module never builds one and
+  imports no other front end.
+- Testable without a terminal: `Repl(state, input=create_pipe_input(), output=DummyOutput())`, or `run_repl` with
+  the same `input` / `output`.
 """
 
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -31,25 +36,13 @@ from prompt_toolkit.patch_stdout import patch_stdout
 
 from . import commands
 from .errors import H3Error
-from .runtime import MODES
-
-WAIT_FOR_RESULTS = {"save", "drift", "trajectory", "status", "cache"}
-KEYWORDS = {
-    "mode": MODES,
-    "first": ("clear",),
-    "last": ("clear",),
-    "refs": ("clear",),
-    "cache": ("clear",),
-    "profile": ("on", "off"),
-    "show": ("on", "off"),
-    "seed": ("random",),
-    "render": ("off",),
-    "trajectory": ("save", "verify"),
-}
+from .preview import TerminalPreview
+from .settings import GenerationSettings
 
 
 class H3Completer(Completer):
-    """Command names after `!`, then each command's keywords, and file paths for path arguments."""
+    """Command names (and aliases) after `!`, then per argument position what the command's registry entry declares
+    (`commands.Arg`: keywords and/or file paths)."""
 
     def __init__(self) -> None:
         self.paths = PathCompleter(expanduser=True)
@@ -66,32 +59,23 @@ class H3Completer(Completer):
                     yield Completion(name, start_position=-len(word), display=f"!{name}")
             return
         name, _, rest = text[1:].partition(" ")
-        name = commands.ALIASES.get(name, name)
-        spec = commands.COMMANDS.get(name)
+        spec = commands.COMMANDS.get(commands.ALIASES.get(name, name))
         if spec is None:
             return
         word = rest.split(" ")[-1]
-        n_before = len(rest.split(" ")) - 1
-        keywords: tuple[str, ...] = KEYWORDS.get(name, ())
-        if name == "ablate" and n_before == 0:
-            keywords = _ablation_factors()
-        elif name == "ablate" and n_before == 1:
-            keywords = ("on", "off")
-        if keywords and (name != "trajectory" or n_before == 0):
-            for kw in keywords:
-                if kw.startswith(word):
-                    yield Completion(kw, start_position=-len(word))
-        if spec.paths and (name != "trajectory" or n_before >= 1):
+        position = len(rest.split(" ")) - 1
+        if position >= len(spec.args):
+            return
+        arg = spec.args[position]
+        try:
+            keywords = arg.keywords()
+        except H3Error:  # e.g. no ablation factors on offer: complete nothing rather than break the prompt
+            keywords = ()
+        for kw in keywords:
+            if kw.startswith(word):
+                yield Completion(kw, start_position=-len(word))
+        if arg.path:
             yield from self.paths.get_completions(Document(word, len(word)), event)
-
-
-def _ablation_factors() -> tuple[str, ...]:
-    from .session import ablation_factors
-
-    try:
-        return tuple(ablation_factors())
-    except H3Error:
-        return ()
 
 
 class Repl:
@@ -224,7 +208,7 @@ class Repl:
             if cmd.name == "generate":
                 self.submit(cmd.args[0])
                 return
-            if cmd.name in WAIT_FOR_RESULTS:
+            if commands.COMMANDS[cmd.name].drain:
                 self.wait_idle()
             for out in commands.execute(self.state, cmd):
                 self.echo(out)
@@ -261,32 +245,40 @@ def _debug() -> bool:
     return bool(os.environ.get("H3LAB_DEBUG"))
 
 
-def run_repl(args, base_settings, input: Any = None, output: Any = None) -> int:
-    """Start the REPL for parsed CLI `args` with `base_settings` (the CLI's flags as initial settings)."""
-    from .cli import _session
-    from .preview import TerminalPreview
+def run_repl(
+    session: Callable[[], Any],
+    settings: GenerationSettings | None = None,
+    session_dir: str | Path | None = None,
+    show: bool = False,
+    profile: bool = False,
+    input: Any = None,
+    output: Any = None,
+    printer: Callable[[str], None] | None = None,
+) -> int:
+    """Run the interactive session until `!quit` / Ctrl-D; returns the exit status (0).
 
-    session_dir = Path(args.session_dir or "h3lab-session").resolve()
+    `session` is a zero-argument factory returning the `Session` (the CLI's builds it from its flags; tests and other
+    front ends inject their own); it is called once, before the prompt, so a bad snapshot fails before any line is
+    read. `settings` are the initial settings (their input paths are checked), `session_dir` holds the numbered
+    outputs, previews and history (default ./h3lab-session); `show` / `profile` are the initial switches;
+    `input` / `output` / `printer` go to `Repl` (a pipe input, a dummy output and a line sink in tests)."""
+    session_dir = Path(session_dir or "h3lab-session").resolve()
     session_dir.mkdir(parents=True, exist_ok=True)
     state = commands.SessionState(
-        session=_session(args),
-        settings=base_settings.checked_paths(),
+        session=session(),
+        settings=(settings or GenerationSettings()).checked_paths(),
         out_dir=session_dir,
         base_dir=Path.cwd(),
-        show=args.show,
-        profile=args.profile,
+        show=show,
+        profile=profile,
     )
     viewer = TerminalPreview(session_dir / "previews")
-    repl = Repl(state, history=session_dir / "history", input=input, output=output)
+    repl = Repl(state, history=session_dir / "history", input=input, output=output, printer=printer)
     state.preview = lambda frame, step, total: repl.echo(viewer.show(frame, f"{state.counter:03d}-step{step:03d}"))
-    session = state.session
+    loaded = state.session
     banner = [
-        f"h3lab {session.model_name} ({session.path}) on {session.device}",
+        f"h3lab {loaded.model_name} ({loaded.path}) on {loaded.device}",
         f"outputs and history in {session_dir}",
         "type a prompt to generate, !help for commands, Ctrl-C cancels a generation, Ctrl-D quits",
     ]
     return repl.run(banner)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(0)

@@ -3,11 +3,13 @@
 - `discovery.py`  snapshot root / component / weight-file resolution, safetensors header reading (no tensor data)
 - `keymap.py`     MiniMax original <-> Diffusers key mapping, fused-QKV split, fc1 half swap, layout detection
 - `loader.py`     `load_state_dict` (any layout -> Diffusers keys, memory-mapped) and `load_transformer`
+- `fingerprint.py` `component_hash` (headers + 64-byte tensor samples), below both `info.py` and `loader.py`
 - `info.py`       `snapshot_info` / `format_info` for `h3lab --info` (headers and configs only)
 - `tiny.py`       `make_tiny_snapshot(root, seed)` and `default_snapshot()` (imports diffusers/transformers lazily)
 - `processor.py`  the Qwen3-VL processor without torchvision (`load_processor`)
 
-Importing this package pulls in torch and safetensors, never diffusers or transformers.
+Importing this package pulls in torch and safetensors, never diffusers or transformers. No import cycle: each
+module imports only modules left of it in: discovery, keymap, fingerprint, loader, processor, tiny, info.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from .discovery import find_weight_files, open_snapshot, read_header, resolve_component
-from .info import HASH_SCHEME, component_hash, format_info, snapshot_info
+from .fingerprint import HASH_SCHEME, component_hash
+from .info import format_info, snapshot_info
 from .loader import DTYPE_POLICIES, StateDict, load_state_dict, load_transformer
 
 __all__ = [

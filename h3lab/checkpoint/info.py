@@ -8,14 +8,9 @@ Contract
   variants present (`transformer` -> t2va/fl2va, `transformer_ref` -> ref2va) and the other components, per component
   the class, file count, bytes, parameter count (from the headers), stored dtypes per module group and the dtype
   policy they make up, a content hash per component and for the snapshot, and the device.
-- Content hash scheme ``HASH_SCHEME``: SHA-256 over the component's files in sorted relative-path order; per file its
-  relative path and size, then for `*.safetensors` the raw JSON header (names, dtypes, shapes, offsets) followed by
-  a **sample** of each tensor: its middle `SAMPLE_BYTES` (64) bytes, or all of it when smaller; for any other file its
-  whole content when <= 32 MiB (configs, tokenizer) else its first and last MiB. Header bytes alone would give two
-  checkpoints of one architecture (e.g. `transformer/` and `transformer_ref/`) the same hash; the per-tensor sample
-  tells them apart. Cost: one header read per shard plus one 64-byte `pread` per tensor (~1,100 for the 33B
-  release), i.e. milliseconds for a 62 GiB snapshot; nothing is memory-mapped. It identifies a checkpoint; it does
-  **not** prove integrity (bytes outside the samples are not read).
+- Content hash per component: `fingerprint.component_hash` (``HASH_SCHEME``: headers, sizes, small files and a
+  64-byte sample per tensor; see `fingerprint.py`), re-exported here; the snapshot hash is SHA-256 over the
+  components' names and hashes.
 - Apart from the samples, no tensor data is read or mapped (tests count the bytes read on a sparse 33B-sized
   snapshot and poison unsampled data bytes of a copy).
 """
@@ -23,7 +18,6 @@ Contract
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -32,59 +26,12 @@ from typing import Any
 from ..config import FP32_MODULES, ConfigError, H3Config
 from ..errors import CheckpointError
 from . import discovery
+from .fingerprint import HASH_SCHEME, SAMPLE_BYTES, component_files, component_hash
 
-HASH_SCHEME = "h3lab-header-sample64-sha256-v1"
-SAMPLE_BYTES = 64
-_FULL_CONTENT_LIMIT = 32 * 1024 * 1024
-_EDGE = 1024 * 1024
+__all__ = ["snapshot_info", "format_info", "component_hash", "HASH_SCHEME", "SAMPLE_BYTES"]
+
 TRANSFORMER_CLASS = "MiniMaxH3Transformer3DModel"
 VARIANT_WORKFLOWS = {"transformer": ("t2va", "fl2va"), "transformer_ref": ("ref2va",)}
-
-
-# ----------------------------------------------------------------------------------------------------- hashing
-def _files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    out = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # skip .cache/ and friends
-        out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-    return sorted(out, key=lambda p: p.relative_to(path).as_posix())
-
-
-def component_hash(path: str | os.PathLike) -> str:
-    """SHA-256 hex of a component folder (or one file) under HASH_SCHEME (headers + 64-byte tensor samples)."""
-    path = Path(path)
-    h = hashlib.sha256(HASH_SCHEME.encode())
-    for file in _files(path):
-        rel = file.name if path.is_file() else file.relative_to(path).as_posix()
-        size = file.stat().st_size
-        h.update(f"\0{rel}\0{size}\0".encode())
-        if file.suffix == ".safetensors":
-            header = discovery.read_header(file)
-            h.update(header.raw)
-            _hash_samples(h, file, header)
-        elif size <= _FULL_CONTENT_LIMIT:
-            h.update(file.read_bytes())
-        else:
-            with open(file, "rb") as f:
-                h.update(f.read(_EDGE))
-                f.seek(size - _EDGE)
-                h.update(f.read(_EDGE))
-    return h.hexdigest()
-
-
-def _hash_samples(h, file: Path, header: discovery.Header) -> None:
-    """Feed the middle SAMPLE_BYTES of every tensor (in file order) to `h`: one pread each, no mapping."""
-    base = 8 + len(header.raw)  # data section start
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        for t in sorted(header.tensors.values(), key=lambda t: t.offsets):
-            begin, end = t.offsets
-            n = min(SAMPLE_BYTES, end - begin)
-            h.update(os.pread(fd, n, base + begin + (end - begin - n) // 2))
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------- dtypes
@@ -174,7 +121,7 @@ def snapshot_info(path: str | os.PathLike | None = None, device: str | None = No
         if config is not None:
             configs[name] = config
             comp["class"] = comp["class"] or TRANSFORMER_CLASS
-        files = _files(folder)
+        files = component_files(folder)
         comp["files"] = len(files)
         comp["bytes"] = sum(f.stat().st_size for f in files)
         weights = _weights(folder)
@@ -324,6 +271,3 @@ def format_info(info: dict[str, Any]) -> str:
                 lines.append(f"  {g:<22} {rep['parameters']:>15,}  {dts}")
     return "\n".join(lines)
 
-
-def info_json(info: dict[str, Any]) -> str:
-    return json.dumps(info, indent=2, sort_keys=True)

@@ -34,6 +34,7 @@ import torch
 from ..config import FP32_MODULES, ConfigError, H3Config
 from ..errors import CheckpointError
 from . import discovery, keymap
+from .fingerprint import component_hash
 
 DTYPE_POLICIES = ("released", "float32")
 
@@ -174,8 +175,6 @@ def load_transformer(
         names = ", ".join(leftover[:4])
         raise CheckpointError(f"{target}: {cls.__name__} still has meta tensors after loading: {names}")
     if hasattr(model, "fingerprint") and isinstance(getattr(model, "fingerprint"), str):
-        from .info import component_hash
-
         model.fingerprint = f"{Path(target).name}:{component_hash(target)[:16]}"
     if hasattr(model, "dtype_policy") and isinstance(getattr(model, "dtype_policy"), str):
         model.dtype_policy = dtype_policy

@@ -116,6 +116,25 @@ def test_info_text_and_json(snapshot, capsys):
     assert report["forward"]["video_out"][0] == 1 and report["forward"]["seconds"] > 0
 
 
+def test_info_report_is_the_snapshot_report_plus_one_forward(snapshot):
+    """`--info`'s model work lives in `h3lab.diagnostics` (the CLI only prints it)."""
+    from h3lab import diagnostics
+    from h3lab.checkpoint.info import snapshot_info
+    from h3lab.config import H3Config
+    from h3lab.runtime import MODES
+
+    report = diagnostics.info_report(snapshot, "cpu")
+    forward = report.pop("forward")
+    cfg = H3Config.tiny()
+    # 8 text rows + 2x(4/2)x(4/2) video rows + 2 channels x 4 audio latents
+    assert forward["rows"] == 24 and forward["device"] == "cpu" and forward["mode"] in MODES
+    assert forward["video_out"] == [1, 8, cfg.video_patch_dim] and forward["audio_out"] == [1, 8, cfg.audio_in_channels]
+    assert forward["seconds"] > 0
+    plain = snapshot_info(snapshot, "cpu")
+    assert {k: v for k, v in report.items() if k != "scan_s"} == {k: v for k, v in plain.items() if k != "scan_s"}
+    assert "forward" not in diagnostics.info_report(snapshot, "cpu", forward=False)
+
+
 def test_progress_bar_draws_on_a_terminal():
     class Tty(io.StringIO):
         def isatty(self):

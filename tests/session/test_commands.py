@@ -99,10 +99,62 @@ def test_parse_errors_are_one_line(line, match):
     assert isinstance(info.value, H3Error) and "\n" not in str(info.value)
 
 
-def test_help_lists_every_command():
-    text = "\n".join(commands.help_lines())
-    for spec in commands.COMMANDS.values():
-        assert spec.usage in text
+def _no_session():
+    raise AssertionError("this line must not load the session")
+
+
+def test_every_registered_command_is_complete_and_in_help():
+    """One registry: each entry carries its usage, summary, parser and handler, and `!help` (run as a line, without
+    loading the session) lists every one of them in registration order."""
+    state = commands.SessionState(session=_no_session)
+    lines = commands.run_line(state, "!help")
+    assert lines == commands.help_lines() and lines[0] == "Type a prompt to generate. Commands:"
+    assert len(lines) == 1 + len(commands.COMMANDS) >= 29
+    for line, (name, spec) in zip(lines[1:], commands.COMMANDS.items()):
+        assert spec.name == name and spec.usage.split()[0] == f"!{name}"
+        assert spec.summary.strip() and callable(spec.parse) and callable(spec.handler)
+        assert all(isinstance(a, commands.Arg) for a in spec.args)
+        assert line.split() == [*spec.usage.split(), *spec.summary.split()]  # "  usage  summary", in order
+    for alias, name in commands.ALIASES.items():
+        assert name in commands.COMMANDS and parse(f"!{alias}").name == name
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """A copy of the registry, so a test may register commands without leaking them."""
+    monkeypatch.setattr(commands, "COMMANDS", dict(commands.COMMANDS))
+    monkeypatch.setattr(commands, "ALIASES", dict(commands.ALIASES))
+
+
+def test_a_command_is_declared_in_one_place(scratch_registry):
+    def p_words(name, words):
+        if not words:
+            raise CommandError(f"!{name} expects WORD...")
+        return tuple(words)
+
+    @commands.command("echo", "!echo WORD...", "say the words back", parse=p_words, args=(commands.Arg(("hi",)),),
+                      aliases=("say",))
+    def h_echo(state, *words):
+        return [" ".join(words)]
+
+    state = commands.SessionState(session=_no_session)
+    assert commands.run_line(state, "!say hello 'big world'") == ["hello big world"]
+    assert any(line.split()[:2] == ["!echo", "WORD..."] for line in commands.run_line(state, "!help"))
+    with pytest.raises(CommandError, match="expects WORD"):
+        parse("!echo")
+    for name, usage, aliases in (("seed", "!seed N", ()), ("echo2", "!echo2", ("q",)), ("generate", "!generate", ())):
+        with pytest.raises(ValueError, match="already registered"):
+            commands.command(name, usage, "x", parse=commands.no_args, aliases=aliases)(h_echo)
+    with pytest.raises(ValueError, match="must start with '!echo3'"):
+        commands.command("echo3", "!echo WORD", "x", parse=commands.no_args)(h_echo)
+    assert "echo2" not in commands.COMMANDS and "echo3" not in commands.COMMANDS
+
+
+def test_parsing_loads_no_session_and_unknown_parsed_commands_are_refused():
+    state = commands.SessionState(session=_no_session)
+    assert commands.run_line(state, "!seed 3") == ["seed 3"] and commands.run_line(state, "# note") == []
+    with pytest.raises(CommandError, match="unknown command 'nosuch'"):
+        commands.execute(state, Command("nosuch"))
 
 
 # ------------------------------------------------------------------------------------------------ execution

@@ -15,7 +15,8 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from h3lab.components import media
-from h3lab.repl import H3Completer, Repl
+from h3lab.repl import H3Completer, Repl, run_repl
+from h3lab.settings import GenerationSettings
 
 from session_helpers import subprocess_env
 
@@ -84,6 +85,35 @@ def test_completer():
     found = words(f"!ref-image {sessions}/as")
     assert found and all(w.startswith("sets") for w in found)  # PathCompleter completes the rest of the name
     assert "clear" in words("!first c")
+    assert words("!plot la") == ["latents"]  # plot kinds at the first position, paths at the second
+    assert words("!ablate H9 on ") == [] and words("!seed 1 ") == []  # nothing past the declared arguments
+    assert words("!ex") == ["exit"] and "q" in words("!q")  # aliases complete as names
+    found = words(f"!ref-video-audio clip.mp4 {sessions}/as")
+    assert found and all(w.startswith("sets") for w in found)
+
+
+def test_run_repl_takes_a_session_factory(session, tmp_path, monkeypatch):
+    """The REPL never builds a session: it calls the factory it is given, once, before the first prompt."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return session
+
+    out: list[str] = []
+    settings = GenerationSettings().replace(width=64, height=64, frames=22, steps=2, mode="off", seed=5)
+    with create_pipe_input() as inp:
+        inp.send_text("!seed\n!status\n!quit\n")
+        rc = run_repl(factory, settings, session_dir=tmp_path / "sess", profile=True, input=inp, output=DummyOutput(),
+                      printer=out.append)
+    assert rc == 0 and calls == [1]
+    assert out[0] == f"h3lab {session.model_name} ({session.path}) on {session.device}"
+    assert out[1] == f"outputs and history in {tmp_path / 'sess'}"
+    assert "error: !seed expects N|random" in out
+    assert "next: t2va seed 5, 64x64, 22 frames (0.917 s), 2 steps, mode off" in out
+    assert "show off, profile on" in out and f"outputs: {tmp_path / 'sess'}" in out
+    assert "!status" in (tmp_path / "sess" / "history").read_text()
 
 
 def test_toolbar_shows_the_session(state, tmp_path):

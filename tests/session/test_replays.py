@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from h3lab import cli, commands
+from h3lab import cli, commands, replay as replays
 from session_helpers import REPO
 
 SESSIONS = sorted((REPO / "sessions").glob("*.h3"))
@@ -14,7 +14,7 @@ SESSIONS = sorted((REPO / "sessions").glob("*.h3"))
 
 def replay(state_factory, path, update=False):
     out: list[str] = []
-    report = commands.run_replay(state_factory(path), path, update=update, echo=out.append)
+    report = replays.run_replay(state_factory(path), path, update=update, echo=out.append)
     return report, out
 
 
@@ -30,7 +30,7 @@ def test_shipped_replays_exist():
     assert {p.stem for p in SESSIONS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
 
 
-TAG = commands.arithmetic_class("cpu")
+TAG = replays.arithmetic_class("cpu")
 
 
 def expect_line(digest: str) -> str:
@@ -94,7 +94,7 @@ def test_update_inserts_missing_expect_lines(tmp_path, replay_state):
 
 def test_arithmetic_class_names_the_cpu_kernels():
     assert re.fullmatch(r"cpu_(default|avx2|avx512|avx512_vnni|sve\d*|zvector|vsx)[a-z0-9_]*", TAG), TAG
-    assert commands.arithmetic_class("cuda") == "cuda"
+    assert replays.arithmetic_class("cuda") == "cuda"
 
 
 def test_other_device_expectations_are_skipped(tmp_path, replay_state):
@@ -109,12 +109,12 @@ def test_other_device_expectations_are_skipped(tmp_path, replay_state):
 def test_malformed_replays_stop_with_file_and_line(tmp_path, replay_state):
     bad = tmp_path / "bad.h3"
     bad.write_text("# expect " + "a" * 64 + "\n")
-    with pytest.raises(commands.ReplayError, match="bad.h3:1: '# expect' without a generation line"):
+    with pytest.raises(replays.ReplayError, match="bad.h3:1: '# expect' without a generation line"):
         replay(replay_state, bad)
     bad.write_text("!size 64x64\n!frames 9999\n")
-    with pytest.raises(commands.ReplayError, match="bad.h3:2: .*362-frame"):
+    with pytest.raises(replays.ReplayError, match="bad.h3:2: .*362-frame"):
         replay(replay_state, bad)
     bad.write_text("!first does-not-exist.png\n")
-    with pytest.raises(commands.ReplayError, match="bad.h3:1: .*no such file"):
+    with pytest.raises(replays.ReplayError, match="bad.h3:1: .*no such file"):
         replay(replay_state, bad)
     assert cli.main(["--replay", str(tmp_path / "missing.h3")]) == 2

@@ -1,0 +1,187 @@
+"""Scripted replays: a `.h3` file is REPL lines run through the command grammar, with its sealed expected hashes.
+
+Contract
+- `run_replay(state, path, update=False, echo=print) -> ReplayReport`: every line goes through `commands.parse` /
+  `commands.execute` against `state` (a `commands.SessionState`; relative paths resolve against its `base_dir`, so
+  a replay is self-contained when `base_dir` is the file's folder). Any rejected line stops the replay with a
+  `ReplayError` naming file:line.
+- `# expect <sha256>` after a generation line checks that generation's trajectory digest
+  (`trajectory.Trajectory.digest`) on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class
+  TAG (`arithmetic_class`). A generation without a line for this class is reported as unchecked.
+- `update=True` rewrites this class's expect lines (or inserts them under their generation line) and replaces the
+  file atomically; lines of other classes are kept.
+- A replay starts from an empty conditioning cache and runs with one torch thread on the CPU, deterministic
+  non-benchmarked cuDNN on CUDA (restored afterwards), so its hashes do not depend on the core count or autotuning.
+
+The grammar itself (`parse`, `execute`, the command registry) is `h3lab.commands`; this module only drives it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .commands import SessionState, execute, parse
+from .errors import H3Error
+from .io_utils import atomic_write_text
+
+
+class ReplayError(H3Error):
+    """A replay line failed (prefixed with file:line)."""
+
+
+# `# expect <sha256>` checks on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class TAG
+# (`arithmetic_class()`): "cuda", or on a CPU "cpu_<torch's CPU capability>[_amx]" -- torch's CPU kernels (the
+# text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
+# an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
+# `--update` writes lines tagged with this machine's class.
+EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
+
+
+def arithmetic_class(device: str) -> str:
+    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or "cpu_avx512_amx", "cpu_avx2", ..."""
+    if device != "cpu":
+        return device
+    tag = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        flags = ""
+    return tag + ("_amx" if re.search(r"\bamx_bf16\b", flags) else "")
+
+
+@dataclass
+class ReplayReport:
+    """What a replay did: generation count, expect lines checked / skipped (other classes), mismatches (file:line
+    messages), unchecked generation lines, every trajectory digest in order, and whether `update` rewrote the file."""
+
+    generations: int = 0
+    checked: int = 0
+    skipped: int = 0  # expect lines for another arithmetic class
+    tag: str = ""  # this machine's arithmetic class (`arithmetic_class`)
+    mismatches: list[str] = field(default_factory=list)
+    unchecked: list[int] = field(default_factory=list)  # line numbers of generations without an expect line
+    hashes: list[str] = field(default_factory=list)  # trajectory digest of every generation, in order
+    updated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+@dataclass
+class _Pending:
+    """The last generation line of a replay and the expect lines seen after it."""
+
+    number: int  # 1-based line number of the generation
+    digest: str
+    index: int  # position of the generation line in the output lines
+    last_index: int  # position of the last expect line for it (or the generation line)
+    matched: bool = False  # an expect line for this device (or untagged) was seen
+
+
+def run_replay(
+    state: SessionState,
+    path: str | Path,
+    update: bool = False,
+    echo: Callable[[str], None] = print,
+) -> ReplayReport:
+    """Run a `.h3` replay: every line through `parse`/`execute`. `# expect` lines after a generation line check its
+    trajectory digest (see `EXPECT_RE` for arithmetic-class tags); a generation without one is reported as unchecked.
+    Any command error stops the replay (`ReplayError` naming file:line). With `update`, this class's expect lines are
+    rewritten (or inserted under their generation line) and the file is replaced atomically. On the CPU the replay
+    runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ReplayError(f"replay {str(path)!r}: {err.strerror or err}") from None
+    lines = text.splitlines()
+    session = state.get_session()
+    session.clear_cache()  # a replay starts from nothing the session computed before (same bytes as a fresh run)
+    device = session.device.type
+    tag = arithmetic_class(device)
+    # A replay's hashes must not depend on the machine's core count or on autotuning: torch's CPU kernels reduce in
+    # a thread-count-dependent order (measured: the audio VAE encode of a reference soundtrack differs between 1 and
+    # 2 threads), so CPU replays run single-threaded; on CUDA cuDNN is held to deterministic, non-benchmarked
+    # algorithms. Both are restored afterwards.
+    threads = torch.get_num_threads()
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    if device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        return _run_replay(state, path, text, lines, update, echo, tag)
+    finally:
+        torch.set_num_threads(threads)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+
+
+def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
+    """`run_replay`'s loop; `tag` is the machine's arithmetic class, the tag its expect lines carry."""
+    report = ReplayReport(tag=tag)
+    out: list[str] = []
+    pending: _Pending | None = None
+
+    def close_pending() -> None:
+        nonlocal pending
+        if pending is not None and not pending.matched:
+            report.unchecked.append(pending.number)
+            if update:
+                out.insert(pending.last_index + 1, f"# expect[{tag}] {pending.digest}")
+        pending = None
+
+    consumed = 0
+    for number, line in enumerate(lines, 1):
+        consumed = number
+        m = EXPECT_RE.match(line)
+        if m:
+            if pending is None:
+                raise ReplayError(f"{path}:{number}: '# expect' without a generation line before it")
+            line_tag, expected = m.group("tag"), m.group("hash")
+            if line_tag is not None and line_tag != tag:
+                report.skipped += 1
+                out.append(line)
+                pending.last_index = len(out) - 1
+                continue
+            report.checked += 1
+            pending.matched = True
+            out.append(f"# expect[{tag}] {pending.digest}" if update else line)
+            pending.last_index = len(out) - 1
+            if expected != pending.digest:
+                report.mismatches.append(f"{path}:{number}: expected {expected}, got {pending.digest}")
+                echo(f"MISMATCH {path}:{number}: expected {expected}, got {pending.digest}")
+            else:
+                echo(f"ok {path}:{number}: {pending.digest}")
+            continue
+        try:
+            cmd = parse(line)
+            if cmd.name != "noop":
+                close_pending()
+            out.append(line)
+            if cmd.name == "noop":
+                continue
+            echo(f"h3> {line.strip()}")
+            for text_line in execute(state, cmd):
+                echo(text_line)
+        except H3Error as err:
+            raise ReplayError(f"{path}:{number}: {err}") from None
+        if cmd.name == "generate":
+            digest = state.last.trajectory_hash
+            report.generations += 1
+            report.hashes.append(digest)
+            pending = _Pending(number, digest, len(out) - 1, len(out) - 1)
+        if not state.running:
+            break
+    close_pending()
+    if update:
+        new_text = "\n".join(out + lines[consumed:]) + "\n"
+        if new_text != text:
+            atomic_write_text(path, new_text)
+            report.updated = True
+    return report
