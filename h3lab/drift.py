@@ -296,6 +296,7 @@ def _execute(ex: Execution, run: ResolvedRun, row_map: RowMap, sink: Sink) -> No
                 user.begin(*args)
 
         def record(self, rec: StepRecord) -> None:
+            state["step"] = rec.index  # a reused pass runs no forward: its step is set here
             emit(SCHEDULER_POINTS[0], rec.video)
             emit(SCHEDULER_POINTS[1], rec.audio)
             if user is not None:
