@@ -196,8 +196,8 @@ class TrainingRun:
     def seal(self, path: str | os.PathLike) -> Path:
         """Write the run directory atomically (module docstring); returns its path."""
         tensors: dict[str, torch.Tensor] = {}
-        for i, request in enumerate(self.dataset):
-            tensors.update(_dataset_entry(i, request)[1])
+        for i, request in enumerate(self.dataset):  # copies: requests may share tensors (one layout, one text)
+            tensors.update({k: v.detach().cpu().clone() for k, v in _dataset_entry(i, request)[1].items()})
 
         def write(tmp: Path) -> None:
             atomic_save_safetensors(tmp / INPUTS_FILE, tensors, metadata={"format": FORMAT})

@@ -65,6 +65,12 @@ def make_clip(config: H3Config, layout: PackedLayout, seed: int, draw_seed: int 
     )
 
 
+def make_dataset() -> list[ClipRequest]:
+    """Three clips over two layouts (fl2va, ref2va, fl2va): the dataset of the sealed-run and data-parallel tests."""
+    fl2va, ref2va = make_layout("fl2va"), make_layout("ref2va")
+    return [make_clip(SMALL, fl2va, seed=1), make_clip(SMALL, ref2va, seed=2), make_clip(SMALL, fl2va, seed=3)]
+
+
 def batched_torch_gradient(model: H3Transformer, requests: list[ClipRequest], objective: Objective,
                            mode: str = "off") -> torch.Tensor:
     """Torch's usual path: the requests (one layout) stacked into one forward, the mean of their losses, one
