@@ -6,6 +6,10 @@ Contract
   kernels, failing closed; `off` is the torch reference). `gradient_checkpointing` (None: leave the model's setting)
   sets `model.gradient_checkpointing` for the step — byte-neutral in strict and off (H-C6). The model is in train
   mode during the step and put back as it was.
+- Requests: encoded clips for fine-tuning (`ClipRequest`: sigmas and noise drawn from the request's seed, noise-mixed,
+  the target velocity `x0 - noise` regressed) and recorded rollout passes for RL (`rollout_request(s)`: the recorded
+  pass latents regressed toward the rollout's own final latents, weighted by the reward). Transition
+  log-probabilities stay absent: the released sampler is an eta = 0 ODE and has none (RFC section 1).
 - Trainable parameters (`trainable_parameters`): `model.named_parameters()` with `requires_grad`, in that order.
   Full-parameter training: all of them. A LoRA wrapper freezes the base weights and leaves its adapter parameters
   trainable; they enter this list, the flat gradient and the optimiser in the same named-parameter order.
@@ -52,7 +56,7 @@ def flat_gradient(params: Sequence[tuple[str, nn.Parameter]]) -> torch.Tensor:
     """(P,) float32: each parameter's `.grad` cast to float32 and flattened, in order (None -> zeros)."""
     parts = [(p.grad.to(torch.float32) if p.grad is not None else torch.zeros(p.shape, device=p.device)).reshape(-1)
              for _, p in params]
-    return torch.cat(parts)
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def split_flat(flat: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:

@@ -71,7 +71,8 @@ def test_seal_load_verify(off_runs, tmp_path):
     assert loaded.digest == run.digest and loaded.config == CONFIG
     assert all(torch.equal(loaded.weights[k], v) for k, v in run.weights.items())
     for x, y in zip(loaded.dataset, run.dataset):
-        assert x.layout == y.layout and all(torch.equal(getattr(x, k), getattr(y, k)) for k in ("text", "video", "audio"))
+        assert x.layout == y.layout
+        assert all(torch.equal(getattr(x, k), getattr(y, k)) for k in ("text", "video", "audio"))
     model = build_model(SMALL, "released", 77)  # other weights: verify puts the run's initial ones in
     before = weights_of(model)
     report = verify(path, model)
