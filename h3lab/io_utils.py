@@ -56,3 +56,34 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def atomic_write_dir(path: str | os.PathLike, writer: Callable[[Path], None]) -> Path:
+    """Call `writer(tmp_dir)` to fill a hidden sibling directory, then rename it onto `path`. An existing directory
+    at `path` is moved aside first and removed only after the rename, so a reader sees the old artifact or the new
+    one, never a mix; on failure the old one is put back. Files inside should be written with the atomic writers
+    above (fsynced), and the one that marks the artifact complete (a manifest) last."""
+    import shutil
+    import time
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{str(target)!r} exists and is not a directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    old = None
+    try:
+        writer(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.replace(old, target)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return target

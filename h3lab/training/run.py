@@ -1,0 +1,468 @@
+"""Sealed training runs: N strict training steps over a sealed dataset, every step hashed, written atomically, and
+re-run by `verify`, which names the first step and tensor that differ.
+
+Contract
+--------
+`train(model, dataset, config)` trains `model` in place for `config.steps` steps and returns a `TrainingRun`:
+
+- dataset: requests (`ClipRequest` for fine-tuning, `SampleRequest` from `rollout_request(s)` for RL), sealed whole.
+- step k uses the requests `[(k * batch_size + j) % len(dataset) for j in range(batch_size)]`, in that order; a
+  clip request at dataset index i draws with seed `request_seed(config.seed, k, i)` (SHA-256 of
+  `h3lab-train-seed|seed|k|i`, 63 bits), so its draws depend on the run seed, the step and the request only.
+- each step is `step.compute_gradients` (or `data_parallel.data_parallel_gradients` with `data_parallel=True`) in
+  `config.mode` with `config.gradient_checkpointing`, then `StrictAdamW.step` built from the config.
+
+A sealed run is a directory (written through `io_utils.atomic_write_dir`, the manifest last):
+
+- `manifest.json`: format, code revision and versions, mode, device, hash scheme, the config (objective, optimiser),
+  the checkpoint fingerprint of the model at the start, the trainable parameters (name, shape, dtype) and their
+  initial digests, per dataset request its kind, metadata (layout for clips) and the SHA-256 of its tensors, per
+  step the requests (dataset index, seed, loss, loss hash, gradient digest), the batch loss and its hash, the digest
+  of every trainable parameter's batch gradient and of every trainable weight after the step, the optimiser state
+  digest, the provenance trace summary, and `digest` (SHA-256 over the canonical JSON of the steps).
+- `inputs.safetensors`: the dataset tensors, keys `<index:04d>.<name>`.
+- `weights.safetensors`: `initial.<param>` (unless `keep_initial=False`), `final.<param>`,
+  `optimizer.<param>.<state>`.
+
+Hashes are `tensor_digest` under the scheme of the model's device ("sha256" on CPU, "device" on accelerators; digests
+of different schemes are not comparable). `load(path)` re-hashes every tensor against the manifest and the digest
+against the steps. `verify(run, model)` puts the run's initial trainable weights into `model` (or checks that it
+already holds them), re-runs the steps and compares, in order, each request's loss and gradient, the batch loss,
+every parameter's gradient, every weight and the optimiser state; it reports the first difference or OK, and leaves
+the model's weights as it found them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import numbers
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ._deps import (
+    PackedLayout,
+    TraceSummary,
+    __version__,
+    atomic_save_safetensors,
+    atomic_write_dir,
+    atomic_write_json,
+    code_revision,
+    model_fingerprint,
+    runtime,
+    tensor_digest,
+)
+from .data_parallel import data_parallel_gradients
+from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample
+from .optim import StrictAdamW
+from .step import StepResult, compute_gradients, model_device, split_flat, trainable_parameters
+
+FORMAT = "h3lab-training/1"
+MANIFEST = "manifest.json"
+INPUTS_FILE = "inputs.safetensors"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+# ================================================================================================== config
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise TrainingError(f"TrainConfig.{name}={value!r}: must be an integer >= {minimum}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run varies: steps, batch size, seed, runtime mode, checkpointing, AdamW, the objective."""
+
+    steps: int
+    batch_size: int
+    seed: int = 0
+    mode: str = "strict"
+    gradient_checkpointing: bool = False
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    master_weights: bool = True
+    objective: Objective = field(default_factory=Objective)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", _int("steps", self.steps, 1))
+        object.__setattr__(self, "batch_size", _int("batch_size", self.batch_size, 1))
+        object.__setattr__(self, "seed", _int("seed", self.seed, 0))
+        if self.mode not in runtime.MODES:
+            raise TrainingError(f"TrainConfig.mode={self.mode!r}: must be one of {', '.join(runtime.MODES)}")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not isinstance(self.objective, Objective):
+            raise TrainingError(f"TrainConfig.objective is a {type(self.objective).__name__}: must be an Objective")
+        StrictAdamW.check_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay)
+
+    def optimizer(self, params: Sequence[tuple[str, nn.Parameter]]) -> StrictAdamW:
+        return StrictAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                           master_weights=self.master_weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        out["objective"] = self.objective.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        data = dict(data)
+        data["objective"] = Objective.from_dict(data["objective"])
+        data["betas"] = tuple(data["betas"])
+        return cls(**data)
+
+
+def step_batch(config: TrainConfig, step: int, dataset_size: int) -> list[int]:
+    """Dataset indices of step `step`'s requests, in batch order."""
+    return [(step * config.batch_size + j) % dataset_size for j in range(config.batch_size)]
+
+
+def request_seed(run_seed: int, step: int, index: int) -> int:
+    """The seed of dataset request `index` at step `step` of a run seeded `run_seed` (63 bits of SHA-256)."""
+    digest = hashlib.sha256(f"h3lab-train-seed|{run_seed}|{step}|{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# ================================================================================================= dataset
+def _dataset_entry(index: int, request: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest entry without hashes, tensors keyed `<index>.<name>`) of one dataset request."""
+    if isinstance(request, ClipRequest):
+        tensors = {"text": request.text, "video": request.video, "audio": request.audio}
+        meta = {"kind": "clip", "weight": request.weight, "layout": request.layout.to_dict()}
+    elif isinstance(request, SampleRequest):
+        tensors = request.fixed.tensors()
+        meta = {"kind": "sample", **request.fixed.meta(), "origin": dict(request.origin)}
+    else:
+        raise TrainingError(f"dataset request {index} is a {type(request).__name__}: must be a ClipRequest or "
+                            "SampleRequest")
+    return meta, {f"{index:04d}.{k}": v for k, v in tensors.items()}
+
+
+def _request_from(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    if meta["kind"] == "clip":
+        return ClipRequest(PackedLayout.from_dict(meta["layout"]), tensors["text"], tensors["video"], tensors["audio"],
+                           weight=meta["weight"])
+    if meta["kind"] == "sample":
+        return SampleRequest(TrainingSample.from_tensors(tensors, meta), dict(meta.get("origin", {})))
+    raise TrainingError(f"dataset request kind {meta['kind']!r}: must be clip or sample")
+
+
+def _named_digests(tensors: dict[str, torch.Tensor], scheme: str) -> dict[str, str]:
+    return {k: tensor_digest(v, scheme) for k, v in tensors.items()}
+
+
+def steps_digest(steps: Sequence[dict]) -> str:
+    """`TrainingRun.digest`: SHA-256 over the canonical JSON (sorted keys) of the step records."""
+    return hashlib.sha256(json.dumps(list(steps), sort_keys=True).encode()).hexdigest()
+
+
+# ==================================================================================================== run
+@dataclass
+class TrainingRun:
+    """A run: the manifest (JSON-ready), the dataset requests, the weights tensors (`initial.*`, `final.*`,
+    `optimizer.*`, host copies) and, once sealed or loaded, its path."""
+
+    manifest: dict[str, Any]
+    dataset: list[Any]
+    weights: dict[str, torch.Tensor]
+    path: Path | None = None
+
+    @property
+    def digest(self) -> str:
+        return self.manifest["digest"]
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.manifest["steps"]
+
+    @property
+    def config(self) -> TrainConfig:
+        return TrainConfig.from_dict(self.manifest["config"])
+
+    def initial_weights(self) -> dict[str, torch.Tensor] | None:
+        out = {k[len("initial."):]: v for k, v in self.weights.items() if k.startswith("initial.")}
+        return out or None
+
+    def seal(self, path: str | os.PathLike) -> Path:
+        """Write the run directory atomically (module docstring); returns its path."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, request in enumerate(self.dataset):  # copies: requests may share tensors (one layout, one text)
+            tensors.update({k: v.detach().cpu().clone() for k, v in _dataset_entry(i, request)[1].items()})
+
+        def write(tmp: Path) -> None:
+            atomic_save_safetensors(tmp / INPUTS_FILE, tensors, metadata={"format": FORMAT})
+            atomic_save_safetensors(tmp / WEIGHTS_FILE, self.weights, metadata={"format": FORMAT})
+            atomic_write_json(tmp / MANIFEST, self.manifest)
+
+        try:
+            self.path = atomic_write_dir(path, write)
+        except FileExistsError as exc:
+            raise TrainingError(str(exc)) from None
+        return self.path
+
+
+def _step_record(step: int, indices: list[int], seeds: list[int | None], result: StepResult,
+                 params: Sequence[tuple[str, nn.Parameter]], optimizer: StrictAdamW, scheme: str) -> dict[str, Any]:
+    requests = [
+        {"index": i, "seed": s, "loss": float(loss), "loss_sha256": tensor_digest(loss, scheme), "gradient": digest}
+        for i, s, loss, digest in zip(indices, seeds, result.request_losses, result.request_digests)
+    ]
+    return {
+        "step": step,
+        "requests": requests,
+        "loss": float(result.loss),
+        "loss_sha256": tensor_digest(result.loss, scheme),
+        "gradient": _named_digests(split_flat(result.gradient, params), scheme),
+        "weights": {name: tensor_digest(p.detach(), scheme) for name, p in params},
+        "optimizer": optimizer.state_digest(),
+    }
+
+
+def _scheme(model: nn.Module) -> str:
+    return "sha256" if model_device(model).type == "cpu" else "device"
+
+
+def _run_steps(model: nn.Module, dataset: Sequence[Any], config: TrainConfig, *, data_parallel: bool, group: Any,
+               trace: TraceSummary, check: Callable[[dict], bool] | None = None,
+               steps: int | None = None) -> tuple[list[dict], StrictAdamW]:
+    """The one loop `train` and `verify` share; `check(record)` returning True stops it."""
+    params = trainable_parameters(model)
+    if not params:
+        raise TrainingError("the model has no trainable parameters (requires_grad): nothing to train")
+    optimizer = config.optimizer(params)
+    scheme = _scheme(model)
+    records: list[dict] = []
+    for k in range(config.steps if steps is None else steps):
+        indices = step_batch(config, k, len(dataset))
+        seeds = [request_seed(config.seed, k, i) if isinstance(dataset[i], ClipRequest) else None for i in indices]
+        requests = [dataset[i].with_seed(s) if s is not None else dataset[i] for i, s in zip(indices, seeds)]
+        kwargs = {"mode": config.mode, "gradient_checkpointing": config.gradient_checkpointing, "trace": trace}
+        if data_parallel:
+            result = data_parallel_gradients(model, requests, config.objective, group=group, **kwargs)
+        else:
+            result = compute_gradients(model, requests, config.objective, **kwargs)
+        optimizer.step(result.gradient)
+        records.append(_step_record(k, indices, seeds, result, params, optimizer, scheme))
+        if check is not None and check(records[-1]):
+            break
+    return records, optimizer
+
+
+def _host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in tensors.items()}
+
+
+def train(
+    model: nn.Module,
+    dataset: Sequence[Any],
+    config: TrainConfig,
+    *,
+    data_parallel: bool = False,
+    group: Any = None,
+    keep_initial: bool = True,
+    meta: dict[str, Any] | None = None,
+) -> TrainingRun:
+    """Train `model` in place (module docstring) and return the in-memory run (`.seal(path)` writes it). With
+    `data_parallel`, every rank of `group` calls this with the same arguments and gets the same run."""
+    dataset = list(dataset)
+    if not dataset:
+        raise TrainingError("the dataset is empty: a run needs at least one request")
+    entries = [_dataset_entry(i, r) for i, r in enumerate(dataset)]  # refuses unknown request kinds first
+    params = trainable_parameters(model)
+    scheme = _scheme(model)
+    initial = _host({name: p for name, p in params})
+    header = {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "code": {"revision": code_revision(), "h3lab": __version__, "versions": runtime.versions()},
+        "mode": config.mode,
+        "device": str(model_device(model)),
+        "hash_scheme": scheme,
+        "data_parallel": bool(data_parallel),
+        "config": config.to_dict(),
+        "checkpoint": {"fingerprint": model_fingerprint(model), "dtype_policy": getattr(model, "dtype_policy", "")},
+        "trainable": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+                      for n, p in params],
+        "initial_weights": _named_digests(initial, scheme),
+        "meta": dict(meta or {}),
+    }
+    weights = {f"initial.{k}": v for k, v in initial.items()} if keep_initial else {}
+    trace = TraceSummary()
+    records, optimizer = _run_steps(model, dataset, config, data_parallel=data_parallel, group=group, trace=trace)
+    weights.update({f"final.{n}": p for n, p in _host(dict(params)).items()})
+    weights.update({f"optimizer.{k}": v for k, v in _host(optimizer.state_tensors()).items()})
+    dataset_manifest = []
+    for i, (entry, tensors) in enumerate(entries):
+        dataset_manifest.append({"index": i, **entry, "sha256": _named_digests(tensors, "sha256")})
+    manifest = {
+        **header,
+        "dataset": dataset_manifest,
+        "steps": records,
+        "trace": trace.to_dict(),
+        "weights_file": _named_digests(weights, "sha256"),
+        "digest": steps_digest(records),
+    }
+    return TrainingRun(manifest, dataset, weights)
+
+
+# =================================================================================================== load
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise TrainingError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _check_hashes(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, str]) -> None:
+    if set(tensors) != set(expected):
+        odd = sorted(set(tensors) ^ set(expected))
+        raise TrainingError(f"{path}: tensors {odd[:4]} do not match the manifest")
+    for name, digest in expected.items():
+        if tensor_digest(tensors[name], "sha256") != digest:
+            raise TrainingError(f"{path}: tensor {name!r} does not match its recorded sha256")
+
+
+def load(path: str | os.PathLike) -> TrainingRun:
+    """Read a sealed run and check it: format, the steps digest, every dataset and weights tensor against the
+    manifest. Any mismatch raises `TrainingError` naming it."""
+    root = Path(path)
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise TrainingError(f"{str(root)!r} is not a sealed training run: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TrainingError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise TrainingError(f"{manifest_path}: format {got!r} is not {FORMAT!r}")
+    for key in ("steps", "dataset", "config", "trainable", "weights_file", "digest"):
+        if key not in manifest:
+            raise TrainingError(f"{manifest_path}: manifest lacks {key!r}")
+    if steps_digest(manifest["steps"]) != manifest["digest"]:
+        raise TrainingError(f"{manifest_path}: digest does not match its step records: the manifest was edited")
+    inputs = _read(root / INPUTS_FILE)
+    expected = {k: v for e in manifest["dataset"] for k, v in e["sha256"].items()}
+    _check_hashes(root / INPUTS_FILE, inputs, expected)
+    weights = _read(root / WEIGHTS_FILE)
+    _check_hashes(root / WEIGHTS_FILE, weights, manifest["weights_file"])
+    dataset = []
+    for e in manifest["dataset"]:
+        prefix = f"{e['index']:04d}."
+        dataset.append(_request_from(e, {k[len(prefix):]: v for k, v in inputs.items() if k.startswith(prefix)}))
+    return TrainingRun(manifest, dataset, weights, path=root)
+
+
+# ================================================================================================= verify
+@dataclass
+class RunVerifyReport:
+    """Outcome of `verify`: OK, or the first step and field (request loss/gradient, loss, a parameter's gradient or
+    weight, the optimiser state) whose digest differs, expected vs re-run."""
+
+    ok: bool
+    steps_checked: int
+    num_steps: int
+    first_step: int | None = None
+    field: str | None = None
+    expected: str | None = None
+    got: str | None = None
+    digest: str = ""
+    fingerprint_match: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"OK: {self.steps_checked}/{self.num_steps} training steps byte-equal (digest {self.digest[:16]})"
+        note = "" if self.fingerprint_match else " (checkpoint fingerprint differs from the recorded one)"
+        return (f"DRIFT at step {self.first_step}: {self.field} {str(self.got)[:16]} != recorded "
+                f"{str(self.expected)[:16]}{note}")
+
+
+def _first_difference(want: dict, got: dict) -> tuple[str, str, str] | None:
+    """(field, expected, got) of the first differing digest of one step record, in the verify order."""
+    pairs: list[tuple[str, Any, Any]] = []
+    for j, (w, g) in enumerate(zip(want["requests"], got["requests"])):
+        pairs += [(f"request {j} (dataset {w['index']}) seed", w["seed"], g["seed"]),
+                  (f"request {j} (dataset {w['index']}) loss", w["loss_sha256"], g["loss_sha256"]),
+                  (f"request {j} (dataset {w['index']}) gradient", w["gradient"], g["gradient"])]
+    pairs.append(("loss", want["loss_sha256"], got["loss_sha256"]))
+    pairs += [(f"gradient {n}", d, got["gradient"].get(n)) for n, d in want["gradient"].items()]
+    pairs += [(f"weights {n}", d, got["weights"].get(n)) for n, d in want["weights"].items()]
+    pairs.append(("optimizer", want["optimizer"], got["optimizer"]))
+    for name, w, g in pairs:
+        if w != g:
+            return name, str(w), str(g)
+    return None
+
+
+def verify(
+    run: str | os.PathLike | TrainingRun,
+    model: nn.Module,
+    *,
+    steps: int | None = None,
+    data_parallel: bool = False,
+    group: Any = None,
+) -> RunVerifyReport:
+    """Re-run the first `steps` (default all) steps of a sealed run on `model` and compare (module docstring)."""
+    run = run if isinstance(run, TrainingRun) else load(run)
+    manifest, config = run.manifest, run.config
+    params = trainable_parameters(model)
+    recorded = [(t["name"], t["shape"], t["dtype"]) for t in manifest["trainable"]]
+    have = [(n, list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params]
+    if recorded != have:
+        diff = next(((a, b) for a, b in zip(recorded, have) if a != b), (len(recorded), len(have)))
+        raise TrainingError(f"the model's trainable parameters differ from the run's (first: {diff[0]} vs {diff[1]})")
+    n_steps = len(manifest["steps"]) if steps is None else steps
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or not 1 <= n_steps <= len(manifest["steps"]):
+        raise TrainingError(f"steps={steps!r}: must be an integer in [1, {len(manifest['steps'])}]")
+    scheme = _scheme(model)
+    if scheme != manifest["hash_scheme"]:
+        raise TrainingError(f"the run was hashed with {manifest['hash_scheme']!r}; this model's device hashes with "
+                            f"{scheme!r}: verify on a {manifest['device']} model")
+    saved = {name: p.detach().clone() for name, p in params}
+    initial = run.initial_weights()
+    first: dict[str, Any] = {}
+    try:
+        with torch.no_grad():
+            if initial is not None:
+                for name, p in params:
+                    p.copy_(initial[name])
+        now = _named_digests({n: p.detach() for n, p in params}, scheme)
+        if now != manifest["initial_weights"]:
+            name = next(n for n in now if now[n] != manifest["initial_weights"].get(n))
+            raise TrainingError(f"the model's trainable weight {name!r} differs from the run's initial weights and the "
+                                "run kept none (seal with keep_initial=True)")
+        fp_match = model_fingerprint(model) == manifest["checkpoint"]["fingerprint"]
+
+        def check(record: dict) -> bool:
+            diff = _first_difference(manifest["steps"][record["step"]], record)
+            if diff is not None:
+                first.update(step=record["step"], field=diff[0], expected=diff[1], got=diff[2])
+            return diff is not None
+
+        records, _ = _run_steps(model, run.dataset, config, data_parallel=data_parallel, group=group,
+                                trace=TraceSummary(), check=check, steps=n_steps)
+    finally:
+        with torch.no_grad():
+            for name, p in params:
+                p.copy_(saved[name])
+    common = dict(steps_checked=len(records), num_steps=n_steps, digest=run.digest, fingerprint_match=fp_match)
+    if first:
+        return RunVerifyReport(ok=False, first_step=first["step"], field=first["field"], expected=first["expected"],
+                               got=first["got"], **common)
+    return RunVerifyReport(ok=True, **common)
