@@ -170,18 +170,19 @@ def _print_lines(lines, stream=None) -> None:
 
 def quiet_libraries() -> None:
     """Silence library chatter a terminal user cannot act on: transformers' weight-loading progress bars and
-    deprecation FutureWarnings raised inside diffusers/torch while the components load."""
+    deprecation FutureWarnings raised inside diffusers/torch while the components load. Through the environment
+    variables transformers reads at import, so nothing is imported here (an early error stays fast); an already
+    imported transformers is told directly."""
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
 
 
 def session_from_args(args: argparse.Namespace):
@@ -238,7 +239,8 @@ def check_flags(args: argparse.Namespace) -> str:
         raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")
     stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in ALLOWED[action]]
     if stray:
-        head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p", "repl": "without -p"}[action]
+        head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
+                "repl": "the interactive session (no -p)"}[action]
         raise CliError(f"{names[stray[0]]} with {head}: {WHY[action]}")
     return action
 

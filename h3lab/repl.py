@@ -138,7 +138,8 @@ class Repl:
             return "h3> "
         done, total = self.passes
         running = self.running_cancel is not None
-        parts = [f"generating {done + 1}/{total}" if running and total else "generating"] if running else []
+        step = "decoding" if total and done >= total else f"generating {done + 1}/{total}" if total else "generating"
+        parts = [step] if running else []
         queued = pending - int(running)
         if queued:
             parts.append(f"{queued} queued")
@@ -215,7 +216,7 @@ class Repl:
         if running or dropped:
             done, total = self.passes
             now = (f": pass {done + 1}/{total} is running and cannot be interrupted; the generation stops when it "
-                   "ends" if running and total and done < total else "")
+                   "ends" if running and total and done < total else ": it stops before decoding" if running else "")
             self.echo("cancelling the running generation" + (f" (and {dropped} queued)" if dropped else "") + now)
 
     def wait_idle(self) -> None:

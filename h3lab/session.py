@@ -18,9 +18,12 @@ Contract
   in the snapshot's weights. `set_transformer(None, variant)` unpins it; the snapshot's weights load on next use. A
   model whose `fingerprint` is empty gets its weights digest (`trajectory.model_fingerprint`) once, at injection, so
   trajectories record what ran without rehashing every parameter on every request.
-- `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting is validated and every
-  input file decoded and checked (kinds, streams, reference rules, audio durations) before anything is encoded, so a
-  rejected request leaves the session exactly as it was. Text conditioning is cached by the text encoder's
+- `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting, the prompt (not blank;
+  within the text encoder's context, counted by the tokenizer alone) and every output path (`check_outputs`) are
+  validated and every input file probed and decoded (kind, truncation, streams, reference rules, audio durations)
+  before any model loads or anything is encoded, so a rejected request leaves the session exactly as it was. The
+  outputs are written as one set (all to temp files, then all renamed); a cancel seen after the last pass stops
+  before decoding. `device` is checked at construction (`resolve_device`: cpu, or cuda when this torch has it). Text conditioning is cached by the text encoder's
   `cache_key` over the prompt and the presented media; visual/audio conditioning latents per item by content hash +
   geometry. Repeating a prompt with a new seed therefore skips both encoders: `result.timings["text_encode"] == 0`
   and `result.cached["text"]`.
@@ -679,6 +682,11 @@ class Session:
         with _Timer(self, timings, "denoise"):
             loop = self._denoise(s, schedule, media, text, cond, progress, cancel, preview)
         self._phase_done("transformer", "transformer_ref")
+        if cancel is not None and cancel.is_set():  # set during the last pass: stop before decoding and writing
+            raise GenerationCancelled(
+                f"cancelled after pass {schedule.num_passes} of {schedule.num_passes}, before decoding; the session "
+                "is unchanged"
+            )
 
         with _Timer(self, timings, "decode_video"):
             frames = self._load("vae").decode(loop["latents"])

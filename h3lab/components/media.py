@@ -272,8 +272,8 @@ def probe(path: str | os.PathLike, count_frames: bool = True) -> MediaInfo:
     container = re.search(r"^Input #0, ([^,]+(?:,[^,\s]+)*), from", text, re.M)
     if container is None:
         reason = _last_error_line(proc.stderr)
-        if "moov atom not found" in text and _starts_mp4(p):  # an MP4 whose index (written last) never made it
-            raise MediaError(f"{str(p)!r} is truncated or unfinished: its MP4 index ('moov') is missing")
+        if _starts_mp4(p):  # an MP4 (it opens with 'ftyp') that ffmpeg cannot open: cut short, or never finished
+            raise MediaError(f"{str(p)!r} is a truncated or unfinished MP4: ffmpeg cannot open it ({reason})")
         raise MediaError(f"{str(p)!r} is not a media file ffmpeg can read ({reason})")
     dur = re.search(r"Duration: (\d+):(\d+):(\d+(?:\.\d+)?)", text)
     duration = int(dur.group(1)) * 3600 + int(dur.group(2)) * 60 + float(dur.group(3)) if dur else None
@@ -293,7 +293,9 @@ def probe(path: str | os.PathLike, count_frames: bool = True) -> MediaInfo:
         counts = re.findall(r"frame=\s*(\d+)", run.stderr.decode("utf-8", "replace"))
         frame_count = int(counts[-1]) if counts else None
     info = MediaInfo(str(p), container.group(1), duration, tuple(streams), frame_count)
-    if not info.is_image:
+    if not streams and _starts_mp4(p):
+        info = dataclasses.replace(info, truncated="an MP4 header with no stream index ('moov') after it")
+    elif not info.is_image:
         truncated = _wav_truncation(p) if info.container.split(",")[0] == "wav" else _partial_data(p)
         info = dataclasses.replace(info, truncated=truncated)
     return info
@@ -526,6 +528,8 @@ def _not_an_image(p: Path) -> str:
         info = probe(p, count_frames=False)
     except MediaError:
         return "neither PIL nor ffmpeg recognise its format"
+    if info.is_image or info.video is None and info.audio is None:  # ffmpeg went by the file name alone
+        return "its bytes are not an image format PIL knows"
     return f"it is {_what(info)}" + ("; use --ref-video / --ref-silent-video for videos" if info.video else "")
 
 

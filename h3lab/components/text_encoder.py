@@ -57,7 +57,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -99,23 +99,36 @@ def check_token_count(count: int, limit: int, prompt: str, extra: int = 0) -> No
 
 
 class PromptBound:
-    """The length rule with the tokenizer alone (no weights): `check(prompt) -> token count`."""
+    """The length rule with the tokenizer alone (no weights): `check(prompt) -> token count`. `count(prompt)` is
+    the number of ids the pipeline's tokenizer gives with `add_special_tokens=False`; from `tokenizer/tokenizer.json`
+    it is counted by the `tokenizers` library directly (the fast tokenizer's own engine: same ids, without the
+    second of importing transformers), else by transformers' `AutoTokenizer`."""
 
-    def __init__(self, tokenizer: Any, limit: int):
-        self.tokenizer, self.limit = tokenizer, limit
+    def __init__(self, count: Callable[[str], int], limit: int):
+        self.count, self.limit = count, limit
 
     @classmethod
     def from_pretrained(cls, snapshot: str | Path) -> "PromptBound":
-        from transformers import AutoTokenizer
-
         root = Path(snapshot)
-        if not (root / "tokenizer").is_dir():
+        folder = root / "tokenizer"
+        if not folder.is_dir():
             raise CheckpointError(f"snapshot {str(root)!r} has no tokenizer/ folder")
         limit = token_limit(root)
-        return cls(AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True), limit)
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
+                raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
+            return cls(lambda text: len(fast.encode(text, add_special_tokens=False).ids), limit)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return cls(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]), limit)
 
     def check(self, prompt: str) -> int:
-        count = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        count = self.count(prompt)
         check_token_count(count, self.limit, prompt)
         return count
 
