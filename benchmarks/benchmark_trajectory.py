@@ -31,12 +31,11 @@ def main(argv: list[str] | None = None) -> dict:
     from h3lab import runtime
     from h3lab.arms import rollout, run_arm, sides
     from h3lab.config import H3Config
+    from h3lab.hashing import device_lanes, model_fingerprint
     from h3lab.layout import build_layout
+    from h3lab.run import DenoiseInputs, RunSpec, denoise, model_forward
     from h3lab.sampler import DualSchedule
-    from h3lab.trajectory import (
-        STEP_FIELDS, DenoiseInputs, TrajectoryRecorder, denoise, device_lanes, model_fingerprint, model_forward,
-        run_trajectory,
-    )
+    from h3lab.trajectory import STEP_FIELDS, TrajectoryRecorder, record
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = H3Config.tiny() if args.tiny else H3Config.full()
@@ -56,12 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
         audio=torch.randn(1, na, config.audio_in_channels, generator=gen),
         seeds={"noise": 42},
     ).to(device)
+    spec = RunSpec(inputs, schedule, mode="strict", layout=layout)
 
     def plain() -> float:
         sync(device)
         t0 = time.perf_counter()
-        with runtime.use_mode("strict"), torch.no_grad():
-            denoise(hm, inputs, schedule)
+        with torch.no_grad():
+            denoise(spec, hm)
         sync(device)
         return time.perf_counter() - t0
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            traj = run_trajectory(hm, inputs, schedule, mode="strict")
+            traj = record(spec, hm)
         sync(device)
         return time.perf_counter() - t0, traj
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         t0 = time.perf_counter()
         rec = _Hollow()
-        with runtime.use_mode("strict"), torch.no_grad():
-            denoise(hm, inputs, schedule, rec)
+        with torch.no_grad():
+            denoise(spec, hm, rec)
         sync(device)
         t1 = time.perf_counter()
         rec.finish()  # the manifest of a real run (hashes of nothing per pass)
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         deferred = False
 
     sync_rec = _Synchronous()
-    with runtime.use_mode("strict"), torch.no_grad():
-        denoise(hm, inputs, schedule, sync_rec)
+    with torch.no_grad():
+        denoise(spec, hm, sync_rec)
     deferred_equal = sync_rec.finish().digest == digests[0]
     print(f"deferred recorder digest equals the synchronous one: {deferred_equal}", flush=True)
     print(f"strict 10-pass loop: plain {statistics.median(plain_times):.3f} s, recorded {statistics.median(rec_times):.3f} s,"
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         digest_rates[impl] = {"seconds": time.perf_counter() - t0, "gb": probe.numel() * 2 / 1e9, "lanes": list(lanes)}
     digest_rates["equal"] = digest_rates["kernel"]["lanes"] == digest_rates["torch"]["lanes"]
-    ex = Execution(hm, inputs, schedule, mode="strict", scope="forward", forward_pass=0, label="capture")
+    ex = Execution(spec, hm, scope="forward", forward_pass=0, label="capture")
     capture(ex)  # warm-up
     sync(device)
     t0 = time.perf_counter()

@@ -26,10 +26,10 @@ planted one, and the signature (where it first shows) is a property of the pertu
 The invariance promises run in ``strict``: A0 (shared replay from the sealed artifact), C1 / H-C1 (request alone vs
 a row of a packed batch — only strict promises batch invariance: torch is not batch-invariant on a GPU, nor on a CPU
 with two threads, where the float32 `audio_proj_in` GEMM of a 2-item batch differs in the last bit from the
-1-item one), H-C0 / H-C2 (repeat),
-H-C3 (consistent permutation: the permuted layout's sealed inputs carry its `key_order()`, so attention visits
-keys in canonical order and the outputs permute byte for byte). H-C6 (checkpointing) runs in ``off`` by default: on CPU a strict backward through the
-Triton interpreter costs ~25 s per step; `run_ablation("H-C6", mode="strict")` runs it strict (GPU).
+1-item one), H-C0 / H-C2 (repeat), H-C3 (consistent permutation: the permuted layout's sealed inputs carry its
+`key_order()`, so attention visits keys in canonical order and the outputs permute byte for byte). H-C6
+(checkpointing) runs in ``off`` by default: on CPU a strict backward through the Triton interpreter costs ~25 s per
+step; `run_ablation("H-C6", mode="strict")` runs it strict (GPU).
 `modes={"H5": "strict"}` (or `mode=`) overrides any row.
 
 The bench (`Bench.tiny(snapshot)`): the tiny snapshot's `transformer/` (released mixed precision) and its
@@ -40,20 +40,31 @@ t = 0.999, target noise). The bench caches the strict reference runs so rows sha
 A0 and H-C2 share one replay of the sealed reference (A0 also checks the replay's digest against the sealed one),
 C2 reports H-C2, forward-scope rows cut their reference from the trajectory capture.
 
-Reuse outside the matrix: `probe(bench, mode)` builds the probe arm from any `Bench(model, variant, layout, schedule,
-inputs, parts)`, so the session applies a factor to a user's request (its layout, inputs and model) by taking the
-probe arm's overrides / hooks / stepper / inputs / schedule / model / row_map.
+Factors: declarative transforms of a `RunSpec`. The perturbation rows that change one run (`FACTORS`: A1-A3, A6, A7,
+H1-H14, H16) carry a `transform(run) -> run` of the resolved run (`h3lab.run.ResolvedRun`) and the things it
+`changes` ("op:rms_norm", "stepper", "plan", "schedule", "model", ...). This module provides the run spec's
+`factors` field (`h3lab.run.register_field`): a spec that names factors gets them applied by the one loop's
+`resolve`, in canonical order (model changes first, then matrix order), each time it runs -- so everything that
+re-runs a spec (verify, drift, arms, the session's `!drift`) re-derives exactly the same perturbation. Two factors
+that change one thing, or H1 with any other, are refused when the spec is built. A factor row's probe is the bench
+spec with the factor switched on (`bench.reference(mode).with_spec(factors=(name,))`); the other rows' probes are
+other transforms of the bench spec (its inputs, layout or execution options) that are not factors of a generation:
+the controls, the batch and permutation rows, and H15, which re-noises the anchor rows from their clean latents --
+only the bench keeps those (`parts["x0"]`); a generation's sealed inputs hold the augmented rows only.
+
+The steppers of H9 and H13 are registered by name ("negated_velocity", "reordered_euler").
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -62,22 +73,25 @@ from . import runtime
 from .config import AUDIO
 from .drift import Capture, DriftError, DriftReport, Execution, RowMap, capture, compare
 from .errors import H3Error
-from .sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
-from .trajectory import (
+from .hashing import model_fingerprint, tensor_digest
+from .run import (
     DenoiseInputs,
+    FieldProvider,
+    ResolvedRun,
+    RunSpec,
     ScheduleStepper,
-    TrajectoryRecorder,
-    load,
-    model_fingerprint,
     model_forward,
-    tensor_digest,
+    register_field,
+    register_stepper,
 )
+from .sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
+from .trajectory import TrajectoryRecorder, load
 
 KINDS = ("PASS", "DRIFT", "REJECTED", "N/A", "DISTRIBUTED")
 
 
 class AblationError(H3Error):
-    """An unknown row name or mode was asked for."""
+    """An unknown row or factor name or mode was asked for, or factors that cannot be combined."""
 
 
 # =================================================================================================== signatures
@@ -117,7 +131,9 @@ def drift_at(point: str, step: int = 0, block_point: str | None = None) -> Expec
 @dataclass(frozen=True)
 class Ablation:
     """One row of the matrix. `probe(bench, mode) -> (reference arm, probe arm)` for comparison rows; `check(bench,
-    mode) -> (status, observed, passed, report)` for N/A and control rows without two arms."""
+    mode) -> (status, observed, passed, report)` for N/A and control rows without two arms. A factor row also has
+    `transform(run) -> run` (a `ResolvedRun` with the perturbation applied) and the things it `changes`; its probe
+    is the bench spec with the factor on."""
 
     name: str
     factor: str
@@ -129,6 +145,8 @@ class Ablation:
     rfc: str
     probe: Callable[["Bench", str], tuple[Execution, Execution]] | None = None
     check: Callable[["Bench", str], tuple[str, str, bool | None, DriftReport | None]] | None = None
+    transform: Callable[[ResolvedRun], ResolvedRun] | None = None
+    changes: tuple[str, ...] = ()
 
 
 # ======================================================================================================= bench
@@ -176,11 +194,25 @@ class Bench:
         schedule = schedule if schedule is not None else self.schedule
         base = self.inputs
         if layout is not self.layout or schedule is not self.schedule:
-            base = DenoiseInputs.from_layout(layout, schedule, base.text, base.video, base.audio, base.seeds)
+            base = base.resealed(layout, schedule)
         return base.replace(**changes) if changes else base
 
+    def spec(self, mode: str = "off") -> RunSpec:
+        """The bench run in `mode`: its inputs, schedule and layout on the tiny `transformer/` (one object per mode,
+        so a plain reference arm is recognised by identity)."""
+        key = ("spec", mode)
+        if key not in self.cache:
+            self.cache[key] = RunSpec(self.inputs, self.schedule, mode=mode, variant="transformer",
+                                      fingerprint=model_fingerprint(self.model), layout=self.layout)
+        return self.cache[key]
+
+    @property
+    def models(self) -> dict[str, Any]:
+        """The variants a factor may swap in (H16)."""
+        return {"transformer": self.model, "transformer_ref": self.variant}
+
     def reference(self, mode: str, scope: str = "trajectory", label: str = "reference") -> Execution:
-        return Execution(self.model, self.inputs, self.schedule, mode=mode, label=f"{label}:{mode}", scope=scope)
+        return Execution(self.spec(mode), self.model, label=f"{label}:{mode}", models=self.models, scope=scope)
 
     def reference_capture(self, mode: str, scope: str = "trajectory", forward_pass: int = 0) -> Capture:
         """Cached capture of the reference arm (trajectory scope also records the `Trajectory`, see
@@ -243,8 +275,8 @@ def _qk_norm_weights(model: Any) -> set[int]:
     return _param_ids([p for b in model.transformer_blocks for p in (b.attn.norm_q.weight, b.attn.norm_k.weight)])
 
 
-def _first_target_video_row(bench: Bench) -> int:
-    return int(bench.layout.video_indices[bench.layout.num_condition_video_rows])
+def _first_target_video_row(inputs: DenoiseInputs) -> int:
+    return int(inputs.video_indices[inputs.num_condition_video_rows])
 
 
 def _full_head_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -329,129 +361,85 @@ def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-# ------------------------------------------------------------------------------------------------------- probes
-def _probe_repeat(scope: str):
-    def probe(bench: Bench, mode: str):
-        ref = bench.reference(mode, scope)
-        return ref, ref.replace(label=f"repeat:{mode}")
-
-    return probe
+# ------------------------------------------------------------------------------- factors: transforms of a run
+def _overriding(run: ResolvedRun, **ops: Callable[..., Any]) -> ResolvedRun:
+    return run.replace(overrides={**run.overrides, **ops})
 
 
-def _probe_sealed_replay(bench: Bench, mode: str):
-    """A0 / H-C2: the reference trajectory sealed to disk, loaded back, and replayed from the sealed inputs."""
-    key = ("sealed", mode)
-    if key not in bench.cache:
-        traj = bench.reference_trajectory(mode)
-        folder = Path(tempfile.mkdtemp(prefix="h3lab-ablation-"))
-        bench.cache[key] = load(traj.seal(folder / "reference"))
-    sealed = bench.cache[key]
-    replay = Execution(bench.model, sealed.inputs, sealed.schedule, mode=sealed.mode, label=f"sealed-replay:{mode}",
-                       recorder=TrajectoryRecorder())
-    return bench.reference(mode), replay
+def _layout_of(run: ResolvedRun, name: str) -> Any:
+    if run.layout is None:
+        raise AblationError(f"ablation {name} rebuilds the packed layout or its timestep plan: the run spec carries "
+                            "no layout (RunSpec(layout=...))")
+    return run.layout
 
 
-def _probe_A1(bench, mode):
-    pos = bench.inputs.position_ids.clone()
-    pos[_first_target_video_row(bench), 1] += 1.0  # one row one unit along h
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=bench.inputs.replace(position_ids=pos), label="A1")
+def _euler_only(run: ResolvedRun, name: str) -> None:
+    if run.stepper != "euler":
+        raise AblationError(f"ablation {name} replaces the Euler step: this run steps with {run.stepper!r}")
 
 
-def _probe_A2(bench, mode):
-    targets = _qk_norm_weights(bench.model)
+def _t_A1(run):
+    x = run.inputs
+    pos = x.position_ids.clone()
+    pos[_first_target_video_row(x), 1] += 1.0  # one row one unit along h
+    return run.replace(inputs=x.replace(position_ids=pos))
+
+
+def _t_A2(run):
+    targets = _qk_norm_weights(run.model)
 
     def rms_norm(x, weight, eps):
         return _mode_op("rms_norm")(x, weight, eps * 1e4 if id(weight) in targets else eps)
 
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"rms_norm": rms_norm}, label="A2")
+    return _overriding(run, rms_norm=rms_norm)
 
 
-def _probe_A3(bench, mode):
-    S = bench.inputs.seq_len
+def _t_A3(run):
+    S = run.inputs.seq_len
     half = S // 2
     mask = torch.zeros(S, S, dtype=torch.bool)
     mask[:half, :half] = True
     mask[half:, half:] = True
-    attn = _packed_attention(S, lambda q, k, v: _sdpa(q, k, v, mask=mask.to(q.device)).contiguous())
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"attention": attn}, label="A3")
+    return _overriding(run, attention=_packed_attention(
+        S, lambda q, k, v: _sdpa(q, k, v, mask=mask.to(q.device)).contiguous()))
 
 
-def _check_A5(bench, mode):
-    """No KV cache: three calls (x1, x2, x1) on one model give byte-equal first and third outputs, and the model
-    holds no cache state."""
-    x1 = bench.inputs
-    x2 = _batched(bench, 1, 2, seed=99)
-    x2 = x2.replace(text=x2.text[:1], video=x2.video[:1], audio=x2.audio[:1])  # an unrelated request, same layout
-    with runtime.use_mode(mode), torch.no_grad():
-        first = model_forward(bench.model, x1, x1.video, x1.audio, 0)
-        model_forward(bench.model, x2, x2.video, x2.audio, 0)
-        third = model_forward(bench.model, x1, x1.video, x1.audio, 0)
-    stateless = all(tensor_digest(a) == tensor_digest(b) for a, b in zip(first, third))
-    cache_attrs = [n for n in ("past_key_values", "kv_cache", "cache") if getattr(bench.model, n, None) is not None]
-    ok = stateless and not cache_attrs
-    observed = ("N/A: no KV cache (calls x1, x2, x1 give byte-equal outputs for x1; no cache state)" if ok else
-                f"cache semantics detected: stateless={stateless}, cache attributes {cache_attrs}")
-    return "N/A" if ok else "FAIL", observed, ok, None
-
-
-def _probe_A6(bench, mode):
+def _t_A6(run):
     def modulate(x, scale, shift, index):
         # float32 throughout, one rounding at the end (the reference rounds after every bfloat16 op)
         y = x.float() * (1.0 + scale.index_select(0, index).float()) + shift.index_select(0, index).float()
         return y.to(x.dtype)
 
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"modulate": modulate}, label="A6")
+    return _overriding(run, modulate=modulate)
 
 
-def _probe_A7(bench, mode):
-    attn = _packed_attention(bench.inputs.seq_len, _split_kv_reversed)
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"attention": attn}, label="A7")
+def _t_A7(run):
+    return _overriding(run, attention=_packed_attention(run.inputs.seq_len, _split_kv_reversed))
 
 
-def _probe_C1(bench, mode):
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=_batched(bench, 1, 2, seed=7), row_map=RowMap(batch_index=1), label="C1 batch[1/2]")
+def _t_H1(run):
+    layout = _layout_of(run, "H1").permute(_permutation(run.inputs.seq_len, 11), leave_behind="position_ids")
+    return run.replace(layout=layout, inputs=run.inputs.resealed(layout, run.schedule),
+                       row_map=RowMap(packed_order=layout.canonical_order()))
 
 
-def _check_C2(bench, mode):
-    row = run_ablation("H-C2", bench, mode)
-    ok = row["passed"] is True
-    observed = f"N/A: no autoregressive cache handoff in H3; replaced by H-C2 ({row['observed']})"
-    return "N/A" if ok else "FAIL", observed, ok, None
+def _t_H2(run):
+    tags = run.inputs.token_tags.clone()
+    tags[_first_target_video_row(run.inputs)] = AUDIO
+    return run.replace(inputs=run.inputs.replace(token_tags=tags))
 
 
-def _probe_H1(bench, mode):
-    layout = bench.layout.permute(_permutation(bench.inputs.seq_len, 11), leave_behind="position_ids")
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=bench.inputs_for(layout=layout),
-                            row_map=RowMap(packed_order=layout.canonical_order()),
-                            label="H1 permuted, position_ids left behind")
-
-
-def _probe_H2(bench, mode):
-    tags = bench.inputs.token_tags.clone()
-    tags[_first_target_video_row(bench)] = AUDIO
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=bench.inputs.replace(token_tags=tags), label="H2")
-
-
-def _probe_H3(bench, mode):
-    row = _first_target_video_row(bench)
+def _t_H3(run):
+    row = _first_target_video_row(run.inputs)
     plan = []
-    for t, idx in bench.inputs.plan:
+    for t, idx in run.inputs.plan:
         idx = idx.clone()
         idx[row] = (idx[row] + 1) % t.numel()
         plan.append((t, idx))
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=bench.inputs.replace(plan=plan), label="H3")
+    return run.replace(inputs=run.inputs.replace(plan=plan))
 
 
-def _probe_H4(bench, mode):
+def _t_H4(run):
     state = {"final": False}
 
     def where(point, t):
@@ -473,18 +461,15 @@ def _probe_H4(bench, mode):
         index = index if state["final"] else remap(index, gate.shape[0])
         return _mode_op("gated_residual")(residual, gate, index, y)
 
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"modulate": modulate, "gated_residual": gated_residual}, hooks=(where,),
-                            label="H4")
+    return _overriding(run, modulate=modulate, gated_residual=gated_residual).replace(hooks=run.hooks + (where,))
 
 
-def _probe_H5(bench, mode):
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"rope": _full_head_rope}, label="H5")
+def _t_H5(run):
+    return _overriding(run, rope=_full_head_rope)
 
 
-def _probe_H6(bench, mode):
-    targets = _qk_norm_weights(bench.model)
+def _t_H6(run):
+    targets = _qk_norm_weights(run.model)
     pending: list[tuple[torch.Tensor, float]] = []
 
     def rms_norm(x, weight, eps):
@@ -497,12 +482,11 @@ def _probe_H6(bench, mode):
         weight, eps = pending.pop(0)
         return _mode_op("rms_norm")(_mode_op("rope")(x, cos, sin), weight, eps)
 
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"rms_norm": rms_norm, "rope": rope}, label="H6")
+    return _overriding(run, rms_norm=rms_norm, rope=rope)
 
 
-def _probe_H7(bench, mode):
-    w = bench.model.proj_in.weight
+def _t_H7(run):
+    w = run.model.proj_in.weight
 
     def linear(x, weight, bias=None):
         if weight is w:  # the float32 video input projection, computed in bfloat16
@@ -510,52 +494,125 @@ def _probe_H7(bench, mode):
             return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), b).to(x.dtype)
         return _mode_op("linear")(x, weight, bias)
 
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"linear": linear}, label="H7")
+    return _overriding(run, linear=linear)
 
 
-def _probe_H8(bench, mode):
-    attn = _packed_attention(bench.inputs.seq_len, lambda q, k, v: _sdpa(q, k, v, causal=True).contiguous())
-    ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"attention": attn}, label="H8")
+def _t_H8(run):
+    return _overriding(run, attention=_packed_attention(
+        run.inputs.seq_len, lambda q, k, v: _sdpa(q, k, v, causal=True).contiguous()))
 
 
-def _probe_H9(bench, mode):
-    ref = bench.reference(mode)
-    return ref, ref.replace(stepper=_NegatedVelocity(bench.schedule), label="H9")
+def _t_H9(run):
+    _euler_only(run, "H9")
+    return run.replace(stepper="negated_velocity")
 
 
-def _probe_H10(bench, mode):
-    s = bench.schedule
-    plan = [tuple(p) for p in bench.layout.timestep_plan(s.video.sigmas[:-1], s.audio.sigmas[:-1])]  # t = sigma
-    ref = bench.reference(mode)
-    return ref, ref.replace(inputs=bench.inputs.replace(plan=plan), label="H10")
+def _t_H10(run):
+    s, device = run.schedule, run.inputs.video.device
+    plan = _layout_of(run, "H10").timestep_plan(s.video.sigmas[:-1], s.audio.sigmas[:-1])  # t = sigma
+    return run.replace(inputs=run.inputs.replace(plan=[(t.to(device), i.to(device)) for t, i in plan]))
 
 
-def _probe_H11(bench, mode):
-    n = bench.schedule.num_points
-    schedule = DualSchedule(_generic_grid(n, bench.schedule.video.shift), _generic_grid(n, bench.schedule.audio.shift))
-    ref = bench.reference(mode)
-    return ref, ref.replace(schedule=schedule, inputs=bench.inputs_for(schedule=schedule), label="H11")
+def _with_schedule(run: ResolvedRun, schedule: DualSchedule, name: str) -> ResolvedRun:
+    return run.replace(schedule=schedule, inputs=run.inputs.resealed(_layout_of(run, name), schedule))
 
 
-def _probe_H12(bench, mode):
-    schedule = DualSchedule(bench.schedule.video, Schedule.build(bench.schedule.num_points, bench.schedule.video.shift))
-    ref = bench.reference(mode)
-    return ref, ref.replace(schedule=schedule, inputs=bench.inputs_for(schedule=schedule), label="H12")
+def _t_H11(run):
+    s = run.schedule
+    return _with_schedule(run, DualSchedule(_generic_grid(s.num_points, s.video.shift),
+                                            _generic_grid(s.num_points, s.audio.shift)), "H11")
 
 
-def _probe_H13(bench, mode):
-    ref = bench.reference(mode)
-    return ref, ref.replace(stepper=_ReorderedEuler(bench.schedule), label="H13")
+def _t_H12(run):
+    s = run.schedule
+    return _with_schedule(run, DualSchedule(s.video, Schedule.build(s.num_points, s.video.shift)), "H12")
 
 
-def _probe_H14(bench, mode):
+def _t_H13(run):
+    _euler_only(run, "H13")
+    return run.replace(stepper="reordered_euler")
+
+
+def _t_H14(run):
     def select_rows(x, index):
         return _mode_op("select_rows")(x, index.roll(1))  # stale selection: every row one off
 
+    return _overriding(run, select_rows=select_rows)
+
+
+_OTHER_VARIANT = {"transformer": "transformer_ref", "transformer_ref": "transformer"}
+
+
+def _t_H16(run):
+    other = _OTHER_VARIANT.get(run.spec.variant)
+    if other is None:
+        raise AblationError(f"ablation H16 swaps transformer/ and transformer_ref/: this run's model is "
+                            f"{run.spec.variant!r}")
+    return run.replace(model=run.model_for(other, "ablation H16"))
+
+
+# ------------------------------------------------------------------------------------------ other probes
+def _factor_probe(name: str):
+    """The probe of a factor row: the bench spec, and the bench spec with the factor switched on."""
+
+    def probe(bench: Bench, mode: str):
+        ref = bench.reference(mode)
+        return ref, ref.with_spec(factors=(name,), label=name)
+
+    probe.__name__ = probe.__qualname__ = f"probe_{name}"
+    return probe
+
+
+def _probe_repeat(scope: str):
+    def probe(bench: Bench, mode: str):
+        ref = bench.reference(mode, scope)
+        return ref, ref.replace(label=f"repeat:{mode}")
+
+    return probe
+
+
+def _probe_sealed_replay(bench: Bench, mode: str):
+    """A0 / H-C2: the reference trajectory sealed to disk, loaded back, and replayed from its sealed run spec."""
+    key = ("sealed", mode)
+    if key not in bench.cache:
+        traj = bench.reference_trajectory(mode)
+        folder = Path(tempfile.mkdtemp(prefix="h3lab-ablation-"))
+        bench.cache[key] = load(traj.seal(folder / "reference"))
+    sealed = bench.cache[key]
+    replay = Execution(sealed.spec, bench.model, label=f"sealed-replay:{mode}", models=bench.models,
+                       recorder=TrajectoryRecorder())
+    return bench.reference(mode), replay
+
+
+def _check_A5(bench, mode):
+    """No KV cache: three calls (x1, x2, x1) on one model give byte-equal first and third outputs, and the model
+    holds no cache state."""
+    x1 = bench.inputs
+    x2 = _batched(bench, 1, 2, seed=99)
+    x2 = x2.replace(text=x2.text[:1], video=x2.video[:1], audio=x2.audio[:1])  # an unrelated request, same layout
+    with runtime.use_mode(mode), torch.no_grad():
+        first = model_forward(bench.model, x1, x1.video, x1.audio, 0)
+        model_forward(bench.model, x2, x2.video, x2.audio, 0)
+        third = model_forward(bench.model, x1, x1.video, x1.audio, 0)
+    stateless = all(tensor_digest(a) == tensor_digest(b) for a, b in zip(first, third))
+    cache_attrs = [n for n in ("past_key_values", "kv_cache", "cache") if getattr(bench.model, n, None) is not None]
+    ok = stateless and not cache_attrs
+    observed = ("N/A: no KV cache (calls x1, x2, x1 give byte-equal outputs for x1; no cache state)" if ok else
+                f"cache semantics detected: stateless={stateless}, cache attributes {cache_attrs}")
+    return "N/A" if ok else "FAIL", observed, ok, None
+
+
+def _probe_C1(bench, mode):
     ref = bench.reference(mode)
-    return ref, ref.replace(overrides={"select_rows": select_rows}, label="H14")
+    return ref, ref.with_spec(inputs=_batched(bench, 1, 2, seed=7), label="C1 batch[1/2]").replace(
+        row_map=RowMap(batch_index=1))
+
+
+def _check_C2(bench, mode):
+    row = run_ablation("H-C2", bench, mode)
+    ok = row["passed"] is True
+    observed = f"N/A: no autoregressive cache handoff in H3; replaced by H-C2 ({row['observed']})"
+    return "N/A" if ok else "FAIL", observed, ok, None
 
 
 def _probe_H15(bench, mode):
@@ -568,27 +625,21 @@ def _probe_H15(bench, mode):
     noise = draw_noise(tuple(x0.shape), g, device=x.video.device)
     video = torch.cat([noise_mix(x0, noise, CONDITION_T).to(x.video.dtype), x.video[:, ncv:]], dim=1)
     ref = bench.reference(mode)
-    return ref, ref.replace(inputs=x.replace(video=video), label="H15")
-
-
-def _probe_H16(bench, mode):
-    ref = bench.reference(mode)
-    return ref, ref.replace(model=bench.variant, label="H16 transformer_ref")
+    return ref, ref.with_spec(inputs=x.replace(video=video), label="H15")
 
 
 def _probe_HC1(bench, mode):
     ref = bench.reference(mode, "forward")
-    return ref, ref.replace(inputs=_batched(bench, 0, 3, seed=5), row_map=RowMap(batch_index=0),
-                            label="H-C1 batch[0/3]")
+    return ref, ref.with_spec(inputs=_batched(bench, 0, 3, seed=5), label="H-C1 batch[0/3]").replace(
+        row_map=RowMap(batch_index=0))
 
 
 def _probe_HC3(bench, mode):
     layout = bench.layout.permute(_permutation(bench.inputs.seq_len, 13))
-    order = layout.canonical_order()
     ref = bench.reference(mode)
     # The permuted layout's sealed inputs carry its key_order, so attention visits keys canonically: no override.
-    return ref, ref.replace(inputs=bench.inputs_for(layout=layout), row_map=RowMap(packed_order=order),
-                            label="H-C3 permuted")
+    probe = ref.with_spec(inputs=bench.inputs_for(layout=layout), layout=layout, label="H-C3 permuted")
+    return ref, probe.replace(row_map=RowMap(packed_order=layout.canonical_order()))
 
 
 def _probe_HC6(bench, mode):
@@ -639,11 +690,12 @@ def _weights_digest(model: Any) -> str:
 
 
 # ================================================================================================== the matrix
-_D = "distributed"
-
-
-def _row(name, factor, description, apply, expected, mode, scope, rfc, probe=None, check=None) -> Ablation:
-    return Ablation(name, factor, description, apply, expected, mode, scope, rfc, probe, check)
+def _row(name, factor, description, apply, expected, mode, scope, rfc, probe=None, check=None, transform=None,
+         changes=()) -> Ablation:
+    if transform is not None:
+        probe = _factor_probe(name)
+    return Ablation(name, factor, description, apply, expected, mode, scope, rfc, probe, check, transform,
+                    tuple(changes))
 
 
 def _distributed(name, factor, description, rfc_kind, rfc) -> Ablation:
@@ -658,13 +710,13 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
          "control", PASS, "strict", "trajectory", "PASS, byte-equal", probe=_probe_sealed_replay),
     _row("A1", "Position / RoPE", "one target video row moved one unit along h in position_ids", "input change",
          drift_at("rope_cos", 0, "blocks.0.q_rope"), "off", "trajectory",
-         "EXPECTED DRIFT at first affected attention layer", probe=_probe_A1),
+         "EXPECTED DRIFT at first affected attention layer", transform=_t_A1, changes=("position_ids",)),
     _row("A2", "Q/K preprocessing", "block Q/K RMSNorm epsilon 1e-5 -> 0.1 (refiner norms untouched)",
          "op override", drift_at("blocks.0.q_norm"), "off", "trajectory", "EXPECTED DRIFT at Q/K norm or QK",
-         probe=_probe_A2),
+         transform=_t_A2, changes=("op:rms_norm",)),
     _row("A3", "Mask / sequence boundary", "the packed document split in two halves that do not attend to each other",
          "op override", drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT at attention",
-         probe=_probe_A3),
+         transform=_t_A3, changes=("op:attention",)),
     _distributed("A4", "TP/CP logical ownership", "a row/head/metadata item given to the wrong rank", "REJECTED",
                  "REJECTED as non-comparable"),
     _row("A5", "KV-cache identity / layout", "no KV cache in H3: checks the model carries no state across calls",
@@ -673,10 +725,11 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
     _row("A6", "Precision / rounding policy",
          "AdaLN modulation computed in float32 and rounded once (cast point moved)",
          "op override", drift_at("blocks.0.modulate1"), "off", "trajectory", "EXPECTED DRIFT at changed boundary",
-         probe=_probe_A6),
+         transform=_t_A6, changes=("op:modulate",)),
     _row("A7", "KV block plan / merge order",
          "attention over two KV blocks with bfloat16 partials merged in reverse order (a CP plan)", "op override",
-         drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT when order changes", probe=_probe_A7),
+         drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT when order changes",
+         transform=_t_A7, changes=("op:attention",)),
     _distributed("C0", "TP partition preserving head mapping", "TP degree changed, logical ownership kept", "PASS",
                  "PASS, byte-equal"),
     _row("C1", "Sample alone vs packed batch row", "the request at batch position 1 of 2 beside another request",
@@ -686,43 +739,48 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
     # ---- 6.2 H3-specific probes
     _row("H1", "Packed row order", "rows permuted, position_ids left unpermuted (illegal permutation)",
          "layout change", drift_at("rope_cos", 0, "blocks.0.q_rope"), "off", "trajectory",
-         "packed_index_copy or first MM-RoPE/AdaLN use", probe=_probe_H1),
+         "packed_index_copy or first MM-RoPE/AdaLN use", transform=_t_H1, changes=("layout",)),
     _row("H2", "Modality tag", "one target video row tagged audio", "layout change", drift_at("blocks.0.modulate1"),
-         "off", "trajectory", "first block AdaLN modulation", probe=_probe_H2),
+         "off", "trajectory", "first block AdaLN modulation", transform=_t_H2, changes=("token_tags",)),
     _row("H3", "Timestep-table index", "one target video row's timestep index offset by one (every pass)",
          "layout change", drift_at("blocks.0.modulate1"), "off", "trajectory", "first block AdaLN modulation",
-         probe=_probe_H3),
+         transform=_t_H3, changes=("plan",)),
     _row("H4", "AdaLN table layout", "blocks address the timestep-major table modality-major (tag*T + t_index)",
          "op override", drift_at("blocks.0.modulate1"), "off", "trajectory", "first block AdaLN gather",
-         probe=_probe_H4),
+         transform=_t_H4, changes=("op:modulate", "op:gated_residual")),
     _row("H5", "Partial MM-RoPE", "standard rotate-half RoPE over all head channels instead of 2*3*F",
          "op override", drift_at("blocks.0.q_rope"), "off", "trajectory", "first layer Q/K after RoPE",
-         probe=_probe_H5),
+         transform=_t_H5, changes=("op:rope",)),
     _row("H6", "Q/K norm and RoPE order", "RoPE applied before the Q/K RMSNorm", "op override",
-         drift_at("blocks.0.q_norm"), "off", "trajectory", "first layer Q/K", probe=_probe_H6),
+         drift_at("blocks.0.q_norm"), "off", "trajectory", "first layer Q/K",
+         transform=_t_H6, changes=("op:rms_norm", "op:rope")),
     _row("H7", "Mixed precision", "the float32 video input projection computed in bfloat16", "op override",
-         drift_at("video_proj_in"), "off", "trajectory", "corresponding projection or timestep MLP", probe=_probe_H7),
+         drift_at("video_proj_in"), "off", "trajectory", "corresponding projection or timestep MLP",
+         transform=_t_H7, changes=("op:linear",)),
     _row("H8", "Attention document", "causal mask over the packed document", "op override",
-         drift_at("blocks.0.attention"), "off", "trajectory", "first attention softmax/output", probe=_probe_H8),
+         drift_at("blocks.0.attention"), "off", "trajectory", "first attention softmax/output",
+         transform=_t_H8, changes=("op:attention",)),
     _row("H9", "Velocity sign", "x0 = x_t - sigma*v", "sampler change", drift_at("scheduler.video"), "off",
-         "trajectory", "first scheduler step", probe=_probe_H9),
+         "trajectory", "first scheduler step", transform=_t_H9, changes=("stepper",)),
     _row("H10", "Timestep convention", "the model sees t = sigma instead of 1 - sigma", "sampler change",
-         drift_at("time_sinusoid"), "off", "trajectory", "timestep embedding before first block", probe=_probe_H10),
+         drift_at("time_sinusoid"), "off", "trajectory", "timestep embedding before first block",
+         transform=_t_H10, changes=("plan",)),
     _row("H11", "Sigma grid", "generic flow-matching grid: shifted linspace(1, 1/1000) + terminal 0",
          "sampler change", drift_at("schedule.video_sigmas", -1), "off", "trajectory",
-         "scheduler construction or first differing step", probe=_probe_H11),
+         "scheduler construction or first differing step", transform=_t_H11, changes=("schedule", "plan")),
     _row("H12", "Dual scheduler ownership", "audio shares the video grid (shift 12)", "sampler change",
          drift_at("schedule.audio_sigmas", -1), "off", "trajectory", "first modality whose sigma differs",
-         probe=_probe_H12),
+         transform=_t_H12, changes=("schedule", "plan")),
     _row("H13", "Euler arithmetic", "x_next = x_t + (sigma - sigma_next) * v (reordered expression)",
-         "sampler change", drift_at("scheduler.video"), "off", "trajectory", "scheduler step", probe=_probe_H13),
+         "sampler change", drift_at("scheduler.video"), "off", "trajectory", "scheduler step",
+         transform=_t_H13, changes=("stepper",)),
     _row("H14", "Output-row selection", "stale selection index (every selected row one off)", "op override",
-         drift_at("video_out"), "off", "trajectory", "output selection", probe=_probe_H14),
+         drift_at("video_out"), "off", "trajectory", "output selection", transform=_t_H14, changes=("op:select_rows",)),
     _row("H15", "Conditioning augmentation", "anchor noise drawn from another seed", "input change",
          drift_at("input.video"), "off", "trajectory", "input latent before transformer", probe=_probe_H15),
     _row("H16", "Variant identity", "the Ref2VA transformer (transformer_ref/) runs the FL2VA layout",
          "model change", drift_at("video_proj_in"), "off", "trajectory", "checkpoint mapping or packed input",
-         probe=_probe_H16),
+         transform=_t_H16, changes=("model",)),
     _distributed("H17", "Distributed metadata", "hidden state sharded, metadata not", "DRIFT",
                  "first local AdaLN/MM-RoPE use"),
     # ---- 6.3 controls
@@ -745,6 +803,51 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
 )}
 
 ORDER = tuple(ROWS)
+# The rows that are factors of a run: a transform of its RunSpec (all DRIFT rows of trajectory scope but H15).
+FACTORS = tuple(name for name, row in ROWS.items() if row.transform is not None)
+
+
+# ============================================================================== the run spec's `factors` field
+def _factor_rank(name: str) -> tuple[int, int]:
+    """Canonical order: a factor that swaps the model first (the others read the model they perturb), then ORDER."""
+    return (0 if "model" in ROWS[name].changes else 1, ORDER.index(name))
+
+
+def check_factors(names: Any) -> list[str]:
+    """The `factors` of a RunSpec, checked and in canonical order: known factor names, each once, H1 alone, no two
+    that change one thing (an op, the stepper, the plan, the schedule, the model, ...)."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise AblationError(f"factors={names!r}: must be a list of factor names")
+    unknown = [n for n in names if n not in FACTORS]
+    if unknown:
+        raise AblationError(f"ablation factor(s) {unknown}: must be among {', '.join(FACTORS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise AblationError(f"ablation factor(s) {twice} given twice: switch a factor on once")
+    if "H1" in names and len(names) > 1:
+        raise AblationError("ablation H1 permutes the packed rows: switch it on alone")
+    owner: dict[str, str] = {}
+    for name in sorted(names, key=_factor_rank):
+        for target in ROWS[name].changes:
+            if target in owner:
+                raise AblationError(f"ablation {name}: changes {target}, which {owner[target]} changes too: "
+                                    "switch one of them off")
+            owner[target] = name
+    return sorted(names, key=_factor_rank)
+
+
+@contextlib.contextmanager
+def apply_factors(names: list[str], run: ResolvedRun) -> Iterator[ResolvedRun]:
+    """Each factor's transform in turn (canonical order), each claiming what it changes."""
+    for name in names:
+        row = ROWS[name]
+        run = row.transform(run.replace(changed=run.claim(f"ablation {name}", *row.changes)))
+    yield run
+
+
+register_field("factors", FieldProvider(validate=check_factors, apply=apply_factors), replace=True)
+register_stepper("negated_velocity", _NegatedVelocity, replace=True)
+register_stepper("reordered_euler", _ReorderedEuler, replace=True)
 
 
 # ================================================================================================ running rows
@@ -782,8 +885,8 @@ def _compared(row: Ablation, bench: Bench, mode: str) -> tuple[DriftReport, str 
     if key not in bench.cache:
         a, b = row.probe(bench, mode)
         reference = None
-        plain = not (a.hooks or a.overrides or a.stepper or a.grad or a.checkpointing is not None or a.row_map)
-        if plain and a.model is bench.model and a.inputs is bench.inputs and a.schedule is bench.schedule:
+        plain = not (a.grad or a.checkpointing is not None or a.row_map)
+        if plain and a.model is bench.model and a.spec is bench.spec(mode):
             reference = bench.reference_capture(mode, a.scope, a.forward_pass)
         report = compare(a, b, reference=reference)
         bench.cache[key] = (report, b.recorder.finish().digest if b.recorder is not None else None)

@@ -10,9 +10,13 @@ Both sides hold the same weights (`diffusers_twin` copies the H3Transformer's st
 same sealed inputs and row timestep plan (built from the sealed `DualSchedule`; `DiffusersStepper` checks that its
 scheduler grids are byte-equal to the sealed ones — "same sealed schedules").
 
+A side is a transform of one base `RunSpec` (the sealed inputs and schedule): `Side.spec(inputs, schedule)` sets the
+side's mode, model identity (variant "diffusers" / "transformer", its fingerprint) and stepper by name ("diffusers",
+registered here, or "euler"). Every run of a side -- rollout, training recompute, localisation -- is that spec.
+
 An arm `train/rollout`:
-  1. rollout: the rollout side runs the sampler loop (`trajectory.denoise`, no grad) and records every pass's
-     latents and velocities;
+  1. rollout: the rollout side's spec runs through the one loop (`trajectory.record`, no grad) and records every
+     pass's latents and velocities;
   2. training: for every pass i the training side recomputes the velocity from the *recorded* latents entering pass i
      with autograd enabled and the model in train mode, as a trainer would (no backward is taken: the forward a
      trainer differentiates is what must match), then applies its own scheduler step to the recorded latents;
@@ -34,11 +38,12 @@ from typing import Any
 
 import torch
 
-from . import runtime
 from .drift import Execution, compare
 from .errors import H3Error
+from .hashing import model_fingerprint, tensor_digest
+from .run import DenoiseInputs, RunSpec, register_stepper, resolve
 from .sampler import DualSchedule
-from .trajectory import DenoiseInputs, ScheduleStepper, Trajectory, model_forward, run_trajectory, tensor_digest
+from .trajectory import Trajectory, record
 
 ARMS = ("P/P", "R/P", "P/R", "R/R")
 
@@ -84,6 +89,9 @@ def diffusers_twin(model: Any) -> Any:
     return twin.eval()
 
 
+register_stepper("diffusers", DiffusersStepper, replace=True)
+
+
 @dataclass
 class Side:
     """One implementation: `name` "P" or "R", its model, the runtime mode its forwards run in, and a description."""
@@ -93,8 +101,14 @@ class Side:
     mode: str
     description: str
 
-    def stepper(self, schedule: DualSchedule):
-        return DiffusersStepper(schedule) if self.name == "P" else ScheduleStepper(schedule)
+    @property
+    def stepper(self) -> str:
+        return "diffusers" if self.name == "P" else "euler"
+
+    def spec(self, inputs: DenoiseInputs, schedule: DualSchedule) -> RunSpec:
+        """This side's run of the sealed inputs and schedule."""
+        return RunSpec(inputs, schedule, mode=self.mode, variant="diffusers" if self.name == "P" else "transformer",
+                       fingerprint=model_fingerprint(self.model), stepper=self.stepper, label=f"side {self.name}")
 
 
 def sides(model: Any, p_model: Any | None = None) -> dict[str, Side]:
@@ -108,9 +122,8 @@ def sides(model: Any, p_model: Any | None = None) -> dict[str, Side]:
 
 # ====================================================================================================== rollout
 def rollout(side: Side, inputs: DenoiseInputs, schedule: DualSchedule) -> Trajectory:
-    """The side's sampler loop over the sealed inputs, latents and velocities kept for every pass."""
-    return run_trajectory(side.model, inputs, schedule, mode=side.mode, keep=("latents", "velocities"),
-                          stepper=side.stepper(schedule), meta={"side": side.name})
+    """The side's spec through the one loop, latents and velocities kept for every pass."""
+    return record(side.spec(inputs, schedule), side.model, keep=("latents", "velocities"), meta={"side": side.name})
 
 
 def _entering(traj: Trajectory, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +181,6 @@ def run_arm(
     # A shared rollout carries its own time in its manifest meta.
     report.seconds["rollout"] = traj.manifest["meta"].get("seconds", round(time.perf_counter() - t0, 3))
     report.rollout_digest = traj.digest
-    stepper = train.stepper(schedule)
     nv, na = inputs.num_condition_video_rows, inputs.num_condition_audio_rows
     model = train.model
     was_training = model.training
@@ -176,28 +188,18 @@ def run_arm(
     t0 = time.perf_counter()
     try:
         model.train()
-        for i in range(schedule.num_passes):
-            video, audio = _entering(traj, i)
-            with runtime.use_mode(train.mode), torch.enable_grad():
-                v_video, v_audio = model_forward(model, traj.inputs, video, audio, i)
-            v_video, v_audio = v_video.detach(), v_audio.detach()
-            with torch.no_grad():
-                x_video = stepper.step("video", i, video[:, nv:], v_video[:, nv:].float())
-                x_audio = stepper.step("audio", i, audio[:, na:], v_audio[:, na:].float())
-                x_video = torch.cat([video[:, :nv], x_video], 1)  # conditioning rows are never stepped
-                x_audio = torch.cat([audio[:, :na], x_audio], 1)
-            vel = {"video": _drift(traj.kept[f"velocity_video.{i:04d}"], v_video),
-                   "audio": _drift(traj.kept[f"velocity_audio.{i:04d}"], v_audio)}
-            lat = {"video": _drift(traj.kept[f"video.{i:04d}"], x_video),
-                   "audio": _drift(traj.kept[f"audio.{i:04d}"], x_audio)}
-            report.velocity_drift.append({"step": i, **vel})
-            report.latent_drift.append({"step": i, **lat})
-            if first is None:
-                for kind, d in (("velocity", vel), ("latent", lat)):
-                    bad = [m for m in ("video", "audio") if not d[m]["equal"]]
-                    if bad:
-                        first = {"step": i, "field": f"{kind}_{bad[0]}"}
-                        break
+        with resolve(train.spec(traj.inputs, schedule), model) as run:
+            stepper = run.make_stepper()
+            for i in range(schedule.num_passes):
+                vel, lat = _recompute(run, stepper, traj, i, nv, na)
+                report.velocity_drift.append({"step": i, **vel})
+                report.latent_drift.append({"step": i, **lat})
+                if first is None:
+                    for kind, d in (("velocity", vel), ("latent", lat)):
+                        bad = [m for m in ("video", "audio") if not d[m]["equal"]]
+                        if bad:
+                            first = {"step": i, "field": f"{kind}_{bad[0]}"}
+                            break
     finally:
         model.train(was_training)
     report.seconds["training"] = round(time.perf_counter() - t0, 3)
@@ -210,15 +212,34 @@ def run_arm(
     return report
 
 
+def _recompute(run, stepper, traj: Trajectory, i: int, nv: int, na: int):
+    """The training side's pass i from the recorded latents entering it: a forward with autograd enabled, then its
+    own scheduler step; its drift against the rollout's velocities and latents."""
+    video, audio = _entering(traj, i)
+    with torch.enable_grad():
+        v_video, v_audio = run.forward(run.model, run.inputs, video, audio, i)
+    v_video, v_audio = v_video.detach(), v_audio.detach()
+    with torch.no_grad():
+        x_video = stepper.step("video", i, video[:, nv:], v_video[:, nv:].float())
+        x_audio = stepper.step("audio", i, audio[:, na:], v_audio[:, na:].float())
+        x_video = torch.cat([video[:, :nv], x_video], 1)  # conditioning rows are never stepped
+        x_audio = torch.cat([audio[:, :na], x_audio], 1)
+    vel = {"video": _drift(traj.kept[f"velocity_video.{i:04d}"], v_video),
+           "audio": _drift(traj.kept[f"velocity_audio.{i:04d}"], v_audio)}
+    lat = {"video": _drift(traj.kept[f"video.{i:04d}"], x_video),
+           "audio": _drift(traj.kept[f"audio.{i:04d}"], x_audio)}
+    return vel, lat
+
+
 def _localise(train: Side, roll: Side, traj: Trajectory, i: int) -> dict | None:
     """The first differing operator of one forward of each side at pass i, from the recorded entering latents: the
     rollout side without grad, the training side with autograd enabled. The P side (when there is one) is the
     reference arm, so the strict forward runs once."""
     video, audio = _entering(traj, i)
     inputs = traj.inputs.replace(video=video, audio=audio)
-    ra = Execution(roll.model, inputs, traj.schedule, mode=roll.mode, scope="forward", forward_pass=i,
+    ra = Execution(roll.spec(inputs, traj.schedule), roll.model, scope="forward", forward_pass=i,
                    label=f"rollout {roll.name}")
-    tb = Execution(train.model, inputs, traj.schedule, mode=train.mode, scope="forward", forward_pass=i, grad=True,
+    tb = Execution(train.spec(inputs, traj.schedule), train.model, scope="forward", forward_pass=i, grad=True,
                    backward=False, label=f"training {train.name}")
     a, b = (tb, ra) if train.name == "P" and roll.name != "P" else (ra, tb)
     report = compare(a, b)

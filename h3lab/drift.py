@@ -4,21 +4,23 @@ heatmap needs.
 
 Contract
 --------
-An `Execution` is one arm: a model, sealed `DenoiseInputs`, a `DualSchedule`, a runtime mode, and what the arm
-changes (op `overrides`, perturbation `hooks`, a `stepper`, a `row_map` into the reference frame, gradient
-checkpointing). Its scope is the whole trajectory (`denoise`, every pass) or one model call at `forward_pass`
-(optionally a training forward — autograd enabled — and the backward of a fixed probe loss, whose parameter
-gradients are captured too).
+An `Execution` is one arm: a `RunSpec` (sealed inputs, schedule, mode, factors, stepper, reuse, ...: everything the
+run is) and the model it runs on, plus how drift observes it -- a `row_map` into the reference frame, gradient
+checkpointing, and the scope: the whole trajectory (the one loop, `h3lab.run.loop`, every pass as the spec runs it,
+reuse included) or one model call at `forward_pass` (optionally a training forward — autograd enabled — and the
+backward of a fixed probe loss, whose parameter gradients are captured too). The spec is resolved
+(`h3lab.run.resolve`) on every run, so factor perturbations are re-derived from their names; a factor that permutes
+the packed rows (H1) brings its own row map.
 
 Capture points, in canonical order within a pass (the order `compare` searches):
-  pass -1   `schedule.video_sigmas`, `schedule.audio_sigmas` (scheduler construction)
+  pass -1   `schedule.video_sigmas`, `schedule.audio_sigmas` (scheduler construction, the resolved schedule)
   pass i    `input.text`, `input.video`, `input.audio` (what enters the transformer),
             every `H3Transformer` hook point in `hook_points()` order (Diffusers' model: the subset its modules
             expose, `DiffusersTaps`), `scheduler.video`, `scheduler.audio` (latents after the Euler step),
             `grad.<parameter>` (forward scope with `grad=True`).
 A captured tensor is first mapped into the reference frame (`RowMap`: batch item `batch_index` of batched
 activations; packed-row axes gathered back to canonical order with the layout's `canonical_order()`), then hashed
-(`trajectory.tensor_digest`, scheme "auto": SHA-256 of the bytes on CPU, the device checksum on CUDA, so clean
+(`hashing.tensor_digest`, scheme "auto": SHA-256 of the bytes on CPU, the device checksum on CUDA, so clean
 tensors never leave the device). Under gradient checkpointing the replayed block forwards are not captured again.
 
 `compare(a, b)` runs three times at most:
@@ -48,26 +50,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from . import runtime
 from .config import MODALITY_NAMES, NUM_MODALITIES
 from .errors import H3Error
-from .sampler import DualSchedule
-from .trajectory import (
-    DenoiseInputs,
-    StepRecord,
-    Stepper,
-    Trajectory,
-    TrajectoryRecorder,
-    denoise,
-    model_forward,
-    set_hook_step,
-    tensor_digest,
-)
+from .hashing import tensor_digest
+from .run import DenoiseInputs, ResolvedRun, RunSpec, StepRecord, loop, resolve, set_hook_step
+from .trajectory import Trajectory, TrajectoryRecorder
 
 OUTPUT_POINTS = ("video_out", "audio_out", "scheduler.video", "scheduler.audio")
 SCOPES = ("trajectory", "forward")
@@ -151,21 +143,15 @@ class RowMap:
 
 
 # =================================================================================================== execution
-HookFn = Callable[[Any, torch.Tensor], "torch.Tensor | None"]
-
-
 @dataclass
 class Execution:
-    """One arm of a comparison (see the module docstring)."""
+    """One arm of a comparison (see the module docstring): `spec` run on `model`; `models` the other variants a
+    factor may swap in (H16); `label` defaults to the spec's tag."""
 
+    spec: RunSpec
     model: Any
-    inputs: DenoiseInputs
-    schedule: DualSchedule
-    mode: str = "off"
     label: str = ""
-    overrides: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    hooks: Sequence[HookFn] = ()
-    stepper: Stepper | None = None
+    models: Mapping[str, Any] | Callable[[str], Any] | None = None
     row_map: RowMap | None = None
     scope: str = "trajectory"
     forward_pass: int = 0
@@ -175,18 +161,24 @@ class Execution:
     recorder: TrajectoryRecorder | None = None  # trajectory scope: also record (and hash) the run
 
     def __post_init__(self) -> None:
-        runtime.check_mode(self.mode)
+        if not isinstance(self.spec, RunSpec):
+            raise DriftError(f"spec is a {type(self.spec).__name__}: an Execution runs a RunSpec")
+        self.label = self.label or self.spec.tag
         if self.scope not in SCOPES:
             raise DriftError(f"scope={self.scope!r}: must be one of {SCOPES}")
-        if self.scope == "forward" and not 0 <= self.forward_pass < self.inputs.num_passes:
-            raise DriftError(f"forward_pass={self.forward_pass}: must be in [0, {self.inputs.num_passes})")
+        if self.scope == "forward" and not 0 <= self.forward_pass < self.spec.inputs.num_passes:
+            raise DriftError(f"forward_pass={self.forward_pass}: must be in [0, {self.spec.inputs.num_passes})")
         if self.grad and self.scope != "forward":
             raise DriftError("grad=True needs scope='forward' (a training step recomputes one pass)")
-        if self.hooks and not hasattr(self.model, "add_hook"):
+        if self.spec.custom is not None and self.spec.custom.hooks and not hasattr(self.model, "add_hook"):
             raise DriftError(f"perturbation hooks need an H3Transformer; {type(self.model).__name__} has no add_hook")
 
     def replace(self, **changes: Any) -> "Execution":
         return dataclasses.replace(self, **changes)
+
+    def with_spec(self, label: str | None = None, **changes: Any) -> "Execution":
+        """This execution with its spec changed (`RunSpec.replace(**changes)`) and, if given, a new label."""
+        return self.replace(spec=self.spec.replace(**changes), label=self.label if label is None else label)
 
 
 Sink = Callable[[int, Point, torch.Tensor], None]
@@ -264,12 +256,19 @@ def _probe_weights(v: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.device)
 
 
-def execute(ex: Execution, sink: Sink) -> None:
+def execute(ex: Execution, sink: Sink) -> ResolvedRun:
     """Run `ex` and call `sink(pass, point, tensor)` for every capture point in execution order (tensors detached
-    and mapped into the reference frame)."""
-    model = ex.model
+    and mapped into the reference frame). Returns the resolved run (inputs, schedule, model as they ran) with the
+    row map that was applied."""
+    with resolve(ex.spec, ex.model, models=ex.models) as run:
+        row_map = ex.row_map or run.row_map or RowMap()
+        _execute(ex, run, row_map, sink)
+    return run.replace(row_map=row_map)
+
+
+def _execute(ex: Execution, run: ResolvedRun, row_map: RowMap, sink: Sink) -> None:
+    model = run.model
     points = {p.name: p for p in model_points(model)}
-    row_map = ex.row_map or RowMap()
     state = {"step": -1}
 
     def emit(point: Point, t: torch.Tensor) -> None:
@@ -287,7 +286,7 @@ def execute(ex: Execution, sink: Sink) -> None:
         state["step"] = i
         for p, t in zip(INPUT_POINTS, (inputs.text, video, audio)):
             emit(p, t)
-        return model_forward(m, inputs, video, audio, i)
+        return run.forward(m, inputs, video, audio, i)
 
     user = ex.recorder
 
@@ -297,12 +296,13 @@ def execute(ex: Execution, sink: Sink) -> None:
                 user.begin(*args)
 
         def record(self, rec: StepRecord) -> None:
+            state["step"] = rec.index  # a reused pass runs no forward: its step is set here
             emit(SCHEDULER_POINTS[0], rec.video)
             emit(SCHEDULER_POINTS[1], rec.audio)
             if user is not None:
                 user.record(rec)
 
-    handles = [model.add_hook(h) for h in ex.hooks]
+    handles = []  # the perturbation hooks are the resolved run's, registered first: capture sees their output
     taps = None
     if hasattr(model, "add_hook"):
         handles.append(model.add_hook(on_hook))
@@ -312,13 +312,12 @@ def execute(ex: Execution, sink: Sink) -> None:
     if ex.checkpointing is not None:
         model.gradient_checkpointing = ex.checkpointing
     try:
-        with runtime.use_mode(ex.mode), runtime.use_overrides(ex.overrides):
-            emit(SCHEDULE_POINTS[0], ex.schedule.video.sigmas)
-            emit(SCHEDULE_POINTS[1], ex.schedule.audio.sigmas)
-            if ex.scope == "trajectory":
-                denoise(model, ex.inputs, ex.schedule, _Tap(), stepper=ex.stepper, forward=forward)
-            else:
-                _forward_once(ex, forward, emit)
+        emit(SCHEDULE_POINTS[0], run.schedule.video.sigmas)
+        emit(SCHEDULE_POINTS[1], run.schedule.audio.sigmas)
+        if ex.scope == "trajectory":
+            loop(run.replace(forward=forward), _Tap())
+        else:
+            _forward_once(ex, run.replace(forward=forward), emit)
     finally:
         for h in handles:
             h.remove()
@@ -328,11 +327,11 @@ def execute(ex: Execution, sink: Sink) -> None:
             model.gradient_checkpointing = saved_ckpt
 
 
-def _forward_once(ex: Execution, forward: Callable, emit: Callable[[Point, torch.Tensor], None]) -> None:
-    """One model call at `ex.forward_pass` from the sealed inputs; with `grad`, a training forward (autograd graph
+def _forward_once(ex: Execution, run: ResolvedRun, emit: Callable[[Point, torch.Tensor], None]) -> None:
+    """One model call at `ex.forward_pass` from the run's inputs; with `grad`, a training forward (autograd graph
     built) and, with `backward`, the backward of the fixed probe loss sum(v_video * w_v) + sum(v_audio * w_a)
     (w seeded, float32), then every parameter gradient."""
-    model, inputs, i = ex.model, ex.inputs, ex.forward_pass
+    model, inputs, i, forward = run.model, run.inputs, ex.forward_pass, run.forward
     set_hook_step(model, i)
     if not ex.grad:
         with torch.no_grad():
@@ -358,13 +357,16 @@ def _forward_once(ex: Execution, forward: Callable, emit: Callable[[Point, torch
 # ===================================================================================================== capture
 @dataclass
 class Capture:
-    """Hashes of one execution: `order` of (pass, point name) keys as emitted, `points`, `digests`, `shapes`."""
+    """Hashes of one execution: `order` of (pass, point name) keys as emitted, `points`, `digests`, `shapes`; and
+    the inputs it ran on and the row map it was seen through (after its factors)."""
 
     label: str
     order: list[tuple[int, str]] = field(default_factory=list)
     points: dict[str, Point] = field(default_factory=dict)
     digests: dict[tuple[int, str], str] = field(default_factory=dict)
     shapes: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
+    inputs: DenoiseInputs | None = None
+    row_map: RowMap | None = None
 
     def add(self, step: int, point: Point, t: torch.Tensor) -> tuple[int, str]:
         key = (step, point.name)
@@ -378,7 +380,7 @@ class Capture:
     def forward_view(self, step: int) -> "Capture":
         """The capture a forward-scope execution at pass `step` would make, cut from a trajectory capture (the
         schedule points, pass `step`'s inputs and model points; no scheduler points)."""
-        out = Capture(self.label)
+        out = Capture(self.label, inputs=self.inputs, row_map=self.row_map)
         skip = {p.name for p in SCHEDULER_POINTS}
         for key in self.order:
             if key[0] == -1 or (key[0] == step and key[1] not in skip):
@@ -392,7 +394,8 @@ class Capture:
 def capture(ex: Execution) -> Capture:
     """Hashes of every capture point of one execution (no tensors kept)."""
     cap = Capture(ex.label)
-    execute(ex, cap.add)
+    run = execute(ex, cap.add)
+    cap.inputs, cap.row_map = run.inputs, run.row_map
     return cap
 
 
@@ -628,8 +631,8 @@ def _first_batch(a: torch.Tensor, b: torch.Tensor, point: Point) -> int | None:
     return int(nz[0]) if nz.numel() else None
 
 
-def _metadata(a: Execution, b: Execution) -> list[dict]:
-    """Layout metadata and per-pass row timesteps of B, mapped to canonical rows, against A's."""
+def _metadata(a: Capture, b: Capture) -> list[dict]:
+    """Layout metadata and per-pass row timesteps of B, mapped to canonical rows, against A's (as they ran)."""
     ia, ib = a.inputs, b.inputs
     rm = b.row_map or RowMap()
     order = rm.packed_order
@@ -696,7 +699,8 @@ def compare(
         if keep:
             kept[key] = t.clone()
 
-    execute(b, sink_b)
+    run_b = execute(b, sink_b)
+    cap_b.inputs, cap_b.row_map = run_b.inputs, run_b.row_map
 
     common = [k for k in cap_a.order if k in cap_b.digests]
     common.sort(key=lambda k: (k[0], rank.get(k[1], 10**9)))
@@ -724,16 +728,16 @@ def compare(
 
         execute(a, sink_a)
 
-    first = _drift_point(differing[0], cap_a, cap_b, stats, a, a_tensor_first) if differing else None
+    first = _drift_point(differing[0], cap_a, cap_b, stats, a_tensor_first) if differing else None
     first_in_block = None
     for k in differing:
         if k[1].startswith("blocks."):
-            first_in_block = _drift_point(k, cap_a, cap_b, stats, a, {})
+            first_in_block = _drift_point(k, cap_a, cap_b, stats, {})
             break
 
     # --- matrices
     steps = sorted({k[0] for k in common if k[0] >= 0})
-    rows = a.inputs.seq_len
+    rows = cap_a.inputs.seq_len
     shape2 = (len(steps), len(layer_names))
     sl_abs = np.full(shape2, np.nan)
     sl_rel = np.full(shape2, np.nan)
@@ -752,7 +756,7 @@ def compare(
                 sl_abs[si, li], sl_rel[si, li] = st["max_abs"], st["rel_l2"]
                 r_abs[si, li] = st["row_max_abs"].numpy()
                 r_rel[si, li] = st["row_rel_l2"].numpy()
-    streams = _row_streams(a.inputs)
+    streams = _row_streams(cap_a.inputs)
     per_step = []
     for s in steps:
         entry: dict[str, Any] = {"step": s}
@@ -777,7 +781,7 @@ def compare(
         first_in_block=first_in_block,
         compared=len(common),
         uncompared=only,
-        metadata=_metadata(a, b),
+        metadata=_metadata(cap_a, cap_b),
         step_labels=steps,
         layer_labels=layer_labels,
         row_labels=[f"{r}:{streams[r]}" for r in range(rows)],
@@ -799,7 +803,7 @@ def _before(k1: tuple[int, str], k2: tuple[int, str], rank: dict[str, int]) -> b
     return (k1[0], rank.get(k1[1], 10**9)) < (k2[0], rank.get(k2[1], 10**9))
 
 
-def _drift_point(key, cap_a: Capture, cap_b: Capture, stats: dict, a: Execution, extra: dict) -> DriftPoint:
+def _drift_point(key, cap_a: Capture, cap_b: Capture, stats: dict, extra: dict) -> DriftPoint:
     step, name = key
     p = cap_a.points[name]
     dp = DriftPoint(step=step, point=name, layer=p.layer, op=p.op, rows=p.rows,
@@ -812,7 +816,7 @@ def _drift_point(key, cap_a: Capture, cap_b: Capture, stats: dict, a: Execution,
         dp.note = "shapes differ"
         return dp
     dp.max_abs, dp.rel_l2 = st["max_abs"], st["rel_l2"]
-    for k, v in _locate(p, st, a.inputs).items():
+    for k, v in _locate(p, st, cap_a.inputs).items():
         setattr(dp, k, v)
     if extra:
         dp.batch = extra.get("batch")
@@ -838,11 +842,12 @@ def diff_steps(a: Trajectory, b: Trajectory) -> dict[str, Any] | None:
 
 
 def compare_trajectories(
-    a: Trajectory, b: Trajectory, model_a: Any, model_b: Any | None = None, matrix_point: str = "residual2"
+    a: Trajectory, b: Trajectory, model_a: Any, model_b: Any | None = None, matrix_point: str = "residual2",
+    models: Mapping[str, Any] | Callable[[str], Any] | None = None,
 ) -> DriftReport:
-    """Re-run two sealed trajectories (each from its own sealed inputs, schedule and mode) with capture on every
-    operator boundary and localise their first drift; the session's `!drift` of its last two runs."""
-    ea = Execution(model_a, a.inputs, a.schedule, mode=a.mode, label=f"{a.mode}:{a.digest[:12]}")
-    eb = Execution(model_b if model_b is not None else model_a, b.inputs, b.schedule, mode=b.mode,
-                   label=f"{b.mode}:{b.digest[:12]}")
+    """Re-run two sealed trajectories (each its own sealed run spec: inputs, schedule, mode, factors, reuse) with
+    capture on every operator boundary and localise their first drift."""
+    ea = Execution(a.spec, model_a, label=f"{a.spec.tag}:{a.digest[:12]}", models=models)
+    eb = Execution(b.spec, model_b if model_b is not None else model_a, label=f"{b.spec.tag}:{b.digest[:12]}",
+                   models=models)
     return compare(ea, eb, matrix_point=matrix_point)

@@ -28,12 +28,13 @@ Contract
   geometry. Repeating a prompt with a new seed therefore skips both encoders: `result.timings["text_encode"] == 0`
   and `result.cached["text"]`.
 - The denoise loop is the released one (facts brief section 7; Diffusers `before_denoise.py` / `denoise.py`),
-  run by `h3lab.trajectory.denoise` (the one loop every caller shares): noise drawn from one CPU generator seeded
-  with the request seed in the released order (one draw per visual condition, then the video noise as a latent
-  tensor, then the audio noise in row layout); per pass one transformer forward over the packed rows in the
-  request's runtime mode, then one Euler step per modality on its own schedule on the target rows only
+  run by `h3lab.run.denoise` (the one loop every caller shares) from the request's `RunSpec`: noise drawn from one
+  CPU generator seeded with the request seed in the released order (one draw per visual condition, then the video
+  noise as a latent tensor, then the audio noise in row layout); per pass one transformer forward over the packed
+  rows in the request's runtime mode, then one Euler step per modality on its own schedule on the target rows only
   (conditioning rows are never written). `--steps N` = N passes = N + 1 grid points. With `reuse > 1` skipped passes
-  extrapolate velocities (`h3lab.sampler.reuse_plan`). Ablation factors (`h3lab.ablation`) wrap the loop.
+  extrapolate velocities (`h3lab.sampler.reuse_plan`). Ablation factors (`h3lab.ablation`) are named in the spec
+  and applied by the loop; `drift` and `verify` re-run a result's or a sealed trajectory's spec exactly.
 - Every pass goes to a `trajectory.TrajectoryRecorder`; `result.trajectory` is the recorded `Trajectory` (sealed
   inputs, per-pass hashes, provenance) and `result.trajectory_hash` its digest, which replays' `# expect` lines
   check. `Session.keep` picks the per-pass tensors kept in memory (default none: hashes only).
@@ -49,7 +50,6 @@ Contract
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import math
@@ -64,7 +64,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import runtime
 from .errors import CheckpointError, H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
 from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings, check_prompt
@@ -108,7 +107,7 @@ class GenerationResult:
     trace: Any = None  # runtime Trace of the last forward
     outputs: list[Path] = field(default_factory=list)
     evaluations: int = 0  # transformer forwards run
-    arm: Any = field(default=None, repr=False)  # how the loop ran (inputs, schedule, factors): `Session.drift`
+    arm: Any = field(default=None, repr=False)  # the `RunSpec` that ran (= trajectory.spec): `Session.drift`
 
     @property
     def total_seconds(self) -> float:
@@ -816,13 +815,16 @@ class Session:
         )
 
     def _denoise(self, s, schedule, media, text, cond, progress, cancel, preview) -> dict[str, Any]:
-        """Layout, the request's noise in the released order, and the loop (`h3lab.trajectory.denoise`)."""
+        """Layout, the request's noise in the released order, its `RunSpec` (`_arm`), and the one loop
+        (`h3lab.run.denoise`) with a trajectory recorder."""
         from . import trajectory as T
         from .components import conditioning
         from .components.video_vae import patchify, unpatchify
+        from .run import DenoiseCancelled, DenoiseInputs, denoise
         from .sampler import draw_noise
 
-        model = self._load(self.variant_for(s.task))
+        variant = self.variant_for(s.task)
+        model = self._load(variant)
         cfg = model.config
         patch = tuple(cfg.patch_size)
         layout = self._layout(s, media, text, cond, patch)
@@ -834,12 +836,11 @@ class Session:
         audio_noise = draw_noise((2 * s.num_audio_latents, cfg.audio_in_channels), generator)
         video_rows = torch.cat([patchify(c, patch) for c in noised] + [patchify(video_noise[0], patch)])
         audio_rows = torch.cat([a.to(torch.float32) for a in cond.audio] + [audio_noise])
-        inputs = T.DenoiseInputs.from_layout(
+        inputs = DenoiseInputs.from_layout(
             layout, schedule, text=text.embeds.to(self.device), video=video_rows, audio=audio_rows,
             seeds={"request": s.seed, "condition_encode": 42},
         ).to(self.device)
-        arm = self._arm(s, model, layout, schedule, inputs)
-        schedule, inputs = arm.schedule, arm.inputs
+        spec = self._arm(s, model, layout, schedule, inputs)
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": _settings_meta(s)})
 
@@ -862,29 +863,22 @@ class Session:
                                   now - state["t0"]))
             state["t0"] = time.perf_counter()
 
-        run_model = self._arm_model(arm, model)
-        handles = [run_model.add_hook(h) for h in arm.hooks]
         try:
-            with runtime.use_mode(s.mode), runtime.use_overrides(arm.overrides):
-                video, audio = T.denoise(
-                    run_model, inputs, schedule, recorder, callback, cancel, stepper=arm.stepper, reuse=s.reuse
-                )
-        except T.DenoiseCancelled as err:
+            video, audio = denoise(spec, model, recorder, callback, cancel, models=self._arm_model(variant, model))
+        except DenoiseCancelled as err:
             raise GenerationCancelled(f"{err}; the session is unchanged") from None
-        finally:
-            for h in handles:
-                h.remove()
         final_video = video[0, nv:].float().cpu()
         latents = unpatchify(final_video, s.num_latent_frames, s.latent_height, s.latent_width, patch)
         audio_rows = audio[0, inputs.num_condition_audio_rows:].float().cpu()
+        trajectory = recorder.finish()
         return {
             "layout": layout,
             "latents": latents,
             "audio_rows": audio_rows,
-            "trajectory": recorder.finish(),
+            "trajectory": trajectory,
             "trace": state["trace"],
             "evaluations": state["evaluations"],
-            "arm": arm,
+            "arm": trajectory.spec,
         }
 
     # -------------------------------------------------------------------------------------- ablations
@@ -901,49 +895,32 @@ class Session:
         self.load_seconds += time.perf_counter() - t0
         return model.eval().requires_grad_(False)
 
-    def _arm_model(self, arm: "_Arm", model):
-        return model if arm.model is None else arm.model
+    def _arm_model(self, variant: str, model) -> Callable[[str], Any]:
+        """The `models` lookup a run resolves its factors against: `variant` is `model`; the other partition is
+        loaded on first ask (`_other_variant`, only a factor that swaps the transformer asks, H16) and kept for the
+        runs of this lookup (drift's three executions load it once)."""
+        loaded = {variant: model}
 
-    def _arm(self, s: GenerationSettings, model, layout, schedule, inputs) -> "_Arm":
-        """How the loop runs: the plain request, or the request with its ablation factors applied. A factor is a row
-        of the RFC matrix (`h3lab.ablation.ROWS`) whose probe arm is taken over from the ablation bench with this
-        request's model, layout, schedule and inputs in place of the bench's (see `ablation_factors`)."""
-        variant = self.variant_for(s.task)
-        arm = _Arm(variant=variant, inputs=inputs, schedule=schedule, mode=s.mode, label=s.mode)
-        if not s.ablations:
-            return arm
-        ablation = _ablation_module()
-        factors = ablation_factors()
-        unknown = [n for n in s.ablations if n not in factors]
-        if unknown:
-            raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(factors)}")
-        if "H1" in s.ablations and len(s.ablations) > 1:
-            raise ValidationError("ablation H1 permutes the packed rows: switch it on alone")
-        other = self._other_variant(variant) if "H16" in s.ablations else None
-        for name in s.ablations:
-            row = ablation.ROWS[name]
-            bench = ablation.Bench(
-                model=self._arm_model(arm, model), variant=other, layout=layout, schedule=arm.schedule,
-                inputs=arm.inputs, parts={"seed": s.seed}, snapshot=self.path,
-            )
-            _, probe = row.probe(bench, s.mode)
-            clash = sorted(set(arm.overrides) & set(probe.overrides))
-            if clash:
-                raise ValidationError(f"ablation {name}: overrides op(s) {clash} another switched-on factor overrides")
-            if probe.stepper is not None and arm.stepper is not None:
-                raise ValidationError(f"ablation {name}: changes the Euler step another switched-on factor changes")
-            arm = dataclasses.replace(
-                arm,
-                model=probe.model if probe.model is not bench.model else arm.model,
-                inputs=probe.inputs.to(self.device),
-                schedule=probe.schedule,
-                overrides={**arm.overrides, **probe.overrides},
-                hooks=tuple(arm.hooks) + tuple(probe.hooks),
-                stepper=probe.stepper or arm.stepper,
-                row_map=probe.row_map or arm.row_map,
-                label=f"{arm.label}+{name}",
-            )
-        return arm
+        def lookup(name: str):
+            if name not in VARIANTS:
+                raise ValidationError(f"model {name!r}: the session serves {', '.join(VARIANTS)}")
+            if name not in loaded:
+                loaded[name] = self._other_variant(variant)
+            return loaded[name]
+
+        return lookup
+
+    def _arm(self, s: GenerationSettings, model, layout, schedule, inputs):
+        """The request's `RunSpec`: its sealed inputs, schedule and layout, its mode, the transformer partition and
+        its fingerprint, the ablation factors by name (`h3lab.ablation` applies them inside the loop, the same way
+        each time the spec runs) and the reuse interval. Factor names are checked here (known factors, H1 alone,
+        no two that change one thing)."""
+        from .hashing import model_fingerprint
+        from .run import RunSpec
+
+        return RunSpec(inputs, schedule, mode=s.mode, variant=self.variant_for(s.task),
+                       fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
+                       reuse=s.reuse)
 
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
@@ -973,38 +950,42 @@ class Session:
         return media.write_wav(path, result.audio, result.sample_rate)
 
     def drift(self, a: GenerationResult, b: GenerationResult):
-        """First drift between two generations of this session (`drift.compare`): both loops are re-run exactly as
-        they ran -- sealed inputs, schedule, mode and ablation factors -- with every operator boundary hashed."""
+        """First drift between two generations of this session (`drift.compare`): each result's sealed `RunSpec`
+        re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse -- with every operator boundary
+        hashed."""
         from . import drift
 
-        variants = {r.arm.variant for r in (a, b)}
+        specs = [r.trajectory.spec for r in (a, b)]
+        variants = {spec.variant for spec in specs}
         if len(variants) != 1:
             raise ValidationError(
                 f"drift between a {a.settings.task} and a {b.settings.task} run: they use different transformers "
                 f"({', '.join(sorted(variants))}); compare two runs of one variant"
             )
         with self._lock:
-            model = self._load(variants.pop())
-            arms = []
-            for r in (a, b):
-                arm = r.arm
-                arms.append(drift.Execution(
-                    self._arm_model(arm, model), arm.inputs, arm.schedule, mode=arm.mode,
-                    label=f"{arm.label}:{r.trajectory_hash[:12]}", overrides=dict(arm.overrides),
-                    hooks=tuple(arm.hooks), stepper=arm.stepper, row_map=arm.row_map,
-                ))
+            variant = variants.pop()
+            model = self._load(variant)
+            models = self._arm_model(variant, model)
+            arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
+                    for spec, r in zip(specs, (a, b))]
             return drift.compare(*arms)
 
     def drift_lines(self, a: GenerationResult, b: GenerationResult) -> list[str]:
         return _drift_lines(self.drift(a, b))
 
     def verify(self, path: str | os.PathLike):
-        """Replay a sealed trajectory with this session's DiT of the trajectory's variant (`trajectory.verify`)."""
+        """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with this session's DiT of
+        the spec's variant (`trajectory.verify`); a trajectory with custom callables is refused."""
         from . import trajectory as T
 
         traj = T.load(path)
-        model = self._load(self.variant_for(traj.inputs.task))
-        return T.verify(traj, model, device=self.device)
+        variant = traj.spec.variant
+        if variant not in VARIANTS:
+            raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
+                                  f"{', '.join(VARIANTS)}")
+        with self._lock:
+            model = self._load(variant)
+            return T.verify(traj, model, device=self.device, models=self._arm_model(variant, model))
 
 
 def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:
@@ -1027,53 +1008,21 @@ def _drift_lines(report) -> list[str]:
 
 
 def _settings_meta(s: GenerationSettings) -> dict[str, Any]:
-    """What a trajectory manifest records about the request (no file paths: they differ between machines)."""
+    """What a trajectory manifest records about the request beyond its run spec (which holds the mode, the reuse
+    interval and the ablation factors): geometry, seed, media kinds. No file paths: they differ between machines."""
     return {
         "task": s.task, "seed": s.seed, "width": s.width, "height": s.height, "canvas": list(s.canvas),
-        "num_frames": s.num_frames, "steps": s.steps, "mode": s.mode, "reuse": s.reuse,
-        "ablations": list(s.ablations), "references": [r.kind for r in s.references],
+        "num_frames": s.num_frames, "steps": s.steps, "references": [r.kind for r in s.references],
         "anchors": [name for name, _ in s.anchors],
     }
 
 
-def _ablation_module():
-    try:
-        from . import ablation
-    except ImportError:
-        raise ValidationError("ablation factors are not available yet (h3lab.ablation is missing)") from None
-    return ablation
-
-
-# Rows of the matrix that are not factors of a generation: H15 redraws every bench input (text included) at random.
-NOT_SESSION_FACTORS = ("H15",)
-
-
 def ablation_factors() -> dict[str, str]:
-    """The ablation factors a generation can switch on: the perturbation rows of `h3lab.ablation.ROWS` (expected
-    signature DRIFT, trajectory scope, a probe arm), name -> "factor: description". Controls and invariance rows
-    (PASS, N/A, distributed) compare executions rather than change one and are run with `h3lab.ablation`."""
-    ablation = _ablation_module()
-    return {
-        name: f"{row.factor}: {row.description}"
-        for name, row in ablation.ROWS.items()
-        if row.probe is not None and row.scope == "trajectory" and row.expected.kind == "DRIFT"
-        and name not in NOT_SESSION_FACTORS
-    }
+    """The ablation factors a generation can switch on, name -> "factor: description": the rows of
+    `h3lab.ablation.ROWS` that are transforms of a run spec (`ablation.FACTORS`; expected signature DRIFT, trajectory
+    scope). The other rows compare executions rather than change one (controls, invariance, batch and permutation
+    probes, distributed rows) or need what only the ablation bench keeps (H15 re-noises the anchor rows from their
+    clean latents; a generation's sealed inputs hold the augmented rows only); they run with `h3lab.ablation`."""
+    from . import ablation
 
-
-@dataclass(frozen=True)
-class _Arm:
-    """How one generation's loop ran, enough to re-run it for `Session.drift`: the transformer partition, the loop
-    inputs and schedule (after input/sampler factors), the mode, and the op overrides, hooks, stepper and packed-row
-    map of its ablation factors. `model` is set only when a factor swaps the transformer (H16)."""
-
-    variant: str
-    inputs: Any
-    schedule: Any
-    mode: str
-    label: str
-    overrides: dict = field(default_factory=dict)
-    hooks: tuple = ()
-    stepper: Any = None
-    row_map: Any = None
-    model: Any = None
+    return {name: f"{ablation.ROWS[name].factor}: {ablation.ROWS[name].description}" for name in ablation.FACTORS}

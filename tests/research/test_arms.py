@@ -9,7 +9,7 @@ from h3lab import runtime
 from h3lab.ablation import tiny_bench
 from h3lab.arms import ARMS, ArmError, DiffusersStepper, diffusers_twin, run_arms
 from h3lab.model import H3Transformer
-from h3lab.trajectory import ScheduleStepper, model_forward
+from h3lab.run import ScheduleStepper, model_forward
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ from h3lab import runtime
 from h3lab.ablation import _full_head_rope, make_inputs, run_ablation, tiny_bench
 from h3lab.arms import diffusers_twin
 from h3lab.config import AUDIO
-from h3lab.trajectory import run_trajectory
+from h3lab.hashing import model_fingerprint
+from h3lab.run import RunSpecError
+from h3lab.trajectory import record
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,8 @@ def expected_first_row(inputs):
 
 def test_planted_full_head_rope_is_localised_to_pass_layer_operator_and_row(bench):
     a = bench.reference("off")
-    b = a.replace(hooks=(planted_full_head_rope(bench.model, step=1, layer=1),), label="H5 at pass 1, block 1")
+    b = a.replace(spec=a.spec.with_custom(hooks=(planted_full_head_rope(bench.model, step=1, layer=1),)),
+                  label="H5 at pass 1, block 1")
     report = D.compare(a, b)
     f = report.first
     assert not report.equal and report.metadata == []
@@ -100,7 +103,8 @@ def test_identical_executions_are_equal_and_the_trace_is_untouched(bench):
 def test_diffusers_taps_match_h3_hook_points_byte_for_byte(bench):
     """off mode is bit-equal to Diffusers: every point a Diffusers module exposes matches the H3 hook point."""
     p = diffusers_twin(bench.model)
-    a = D.Execution(p, bench.inputs, bench.schedule, mode="off", label="diffusers")
+    a = D.Execution(bench.spec("off").replace(variant="diffusers", fingerprint=model_fingerprint(p)), p,
+                    label="diffusers")
     b = bench.reference("off")
     report = D.compare(a, b)
     assert report.equal, report.summary()
@@ -122,7 +126,8 @@ def test_row_maps_put_permuted_and_batched_arms_in_the_reference_frame(bench):
     tags = inputs.token_tags.clone()
     tags[int(torch.nonzero(perm == r)[0])] = AUDIO  # canonical row r, wherever the permutation put it
     a = bench.reference("off")
-    b = a.replace(inputs=inputs.replace(token_tags=tags), row_map=D.RowMap(packed_order=layout.canonical_order()))
+    b = a.with_spec(inputs=inputs.replace(token_tags=tags), layout=layout).replace(
+        row_map=D.RowMap(packed_order=layout.canonical_order()))
     report = D.compare(a, b)
     assert (report.first.point, report.first.packed_row, report.first.modality) == ("blocks.0.modulate1", r, "video")
     assert [m["name"] for m in report.metadata] == ["token_tags"] and report.metadata[0]["rows"] == [r]
@@ -134,16 +139,16 @@ def test_row_maps_put_permuted_and_batched_arms_in_the_reference_frame(bench):
     g = torch.Generator().manual_seed(4)
     batched = x.replace(**{k: torch.cat([torch.randn(getattr(x, k).shape, generator=g), getattr(x, k)])
                            for k in ("text", "video", "audio")})
-    fwd = bench.reference("off", "forward").replace(inputs=batched, row_map=D.RowMap(batch_index=1))
+    fwd = bench.reference("off", "forward").with_spec(inputs=batched).replace(row_map=D.RowMap(batch_index=1))
     assert D.compare(fwd, fwd.replace(label="again")).equal
     other = D.compare(fwd, fwd.replace(row_map=D.RowMap(batch_index=0)))
     assert other.first.point == "input.text" and other.first.batch == 0
 
 
 def test_sealed_trajectories_compare_by_manifest_and_by_rerun(bench):
-    ta = run_trajectory(bench.model, bench.inputs, bench.schedule, mode="off")
+    ta = record(bench.spec("off"), bench.model)
     other = make_inputs(bench.model.config, bench.layout, bench.schedule, seed=bench.parts["seed"] + 1)
-    tb = run_trajectory(bench.model, other, bench.schedule, mode="off")
+    tb = record(bench.spec("off").replace(inputs=other), bench.model)
     assert D.diff_steps(ta, ta) is None
     assert D.diff_steps(ta, tb) == {"step": 0, "field": "velocity_video"}
     report = D.compare_trajectories(ta, tb, bench.model)
@@ -161,7 +166,7 @@ def test_bad_comparisons_raise(bench):
     with pytest.raises(D.DriftError, match="forward_pass"):
         bench.reference("off", "forward").replace(forward_pass=5)
     with pytest.raises(D.DriftError, match="add_hook"):
-        D.Execution(diffusers_twin(bench.model), bench.inputs, bench.schedule, hooks=(lambda p, t: None,))
-    with pytest.raises(ValueError, match="mode"):
-        a.replace(mode="fast")
+        D.Execution(bench.spec("off").with_custom(hooks=(lambda p, t: None,)), diffusers_twin(bench.model))
+    with pytest.raises(RunSpecError, match="mode"):
+        a.with_spec(mode="fast")
     assert runtime.current_mode() == "off"

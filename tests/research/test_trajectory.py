@@ -1,4 +1,4 @@
-"""Sealed trajectories: the denoise loop against the released pipeline's loop, seal / load / verify, tamper
+"""Sealed trajectories: the one denoise loop against the released pipeline's loop, seal / load / verify, tamper
 detection, the hash schemes, cancellation, callbacks and velocity reuse. `off` mode (torch) on the tiny snapshot; the
 strict replay is covered by the ablation matrix (A0, H-C2)."""
 
@@ -11,9 +11,11 @@ from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 from safetensors.torch import load_file, save_file
 
+from h3lab import hashing as H
 from h3lab import trajectory as T
 from h3lab.ablation import make_inputs, tiny_bench
 from h3lab.arms import diffusers_twin
+from h3lab.run import DenoiseCancelled, RunSpec, RunSpecError, denoise
 from h3lab.sampler import DualSchedule
 
 
@@ -51,8 +53,7 @@ def pipeline_loop(p_model, inputs, num_points):
 
 def test_denoise_is_bit_equal_to_the_released_loop(bench):
     records = []
-    with T.runtime.use_mode("off"):
-        video, audio = T.denoise(bench.model, bench.inputs, bench.schedule, callback=records.append)
+    video, audio = denoise(bench.spec("off"), bench.model, callback=records.append)
     oracle = pipeline_loop(diffusers_twin(bench.model), bench.inputs, bench.schedule.num_points)
     assert len(records) == len(oracle) == bench.schedule.num_passes == 2
     for rec, (v, a, lat, aud) in zip(records, oracle):
@@ -66,8 +67,7 @@ def test_denoise_is_bit_equal_to_the_released_loop(bench):
 
 
 def test_seal_load_verify_round_trip(bench, tmp_path):
-    traj = T.run_trajectory(bench.model, bench.inputs, bench.schedule, mode="off", keep=("latents", "velocities"),
-                            keep_steps=[1])
+    traj = T.record(bench.spec("off"), bench.model, keep=("latents", "velocities"), keep_steps=[1])
     path = traj.seal(tmp_path / "run")
     assert sorted(p.name for p in path.iterdir()) == [T.INPUTS_FILE, T.MANIFEST, T.TENSORS_FILE]
     m = json.loads((path / T.MANIFEST).read_text())
@@ -84,9 +84,12 @@ def test_seal_load_verify_round_trip(bench, tmp_path):
     assert m["trace"]["forwards"] == 2 and m["trace"]["ops"]["attention"] == {"torch": 8}
     assert sorted(m["kept"]) == ["audio.0001", "velocity_audio.0001", "velocity_video.0001", "video.0001"]
     assert m["digest"] == T.digest_lines(m["steps"]) == traj.digest
+    assert m["spec_sha256"] == bench.spec("off").sha256 and m["spec"]["factors"] == [] and m["spec"]["sealable"]
+    assert m["run"] == {"stepper": "euler", "reuse": 1, "reuse_mode": "linear"}
 
     loaded = T.load(path)
     assert loaded.digest == traj.digest and loaded.schedule == bench.schedule
+    assert loaded.spec.sha256 == traj.spec.sha256 and loaded.spec.layout == bench.layout
     for k, v in traj.kept.items():
         assert torch.equal(loaded.kept[k], v)
     for k, v in bench.inputs.tensors().items():
@@ -97,14 +100,14 @@ def test_seal_load_verify_round_trip(bench, tmp_path):
     assert report.fingerprint_match
 
     # sealing again over the same path replaces it atomically and leaves no temp folders
-    again = T.run_trajectory(bench.model, bench.inputs, bench.schedule, mode="off")
+    again = T.record(bench.spec("off"), bench.model)
     again.seal(path)
     assert T.load(path).manifest["kept"] == {} and not (path / T.TENSORS_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_verify_reports_the_first_tampered_pass(bench, tmp_path):
-    path = T.run_trajectory(bench.model, bench.inputs, bench.schedule, mode="off").seal(tmp_path / "run")
+    path = T.record(bench.spec("off"), bench.model).seal(tmp_path / "run")
     manifest = json.loads((path / T.MANIFEST).read_text())
 
     # an edited per-pass hash alone breaks the digest: load refuses
@@ -132,7 +135,7 @@ def test_verify_reports_the_first_tampered_pass(bench, tmp_path):
 
 
 def test_verify_names_the_first_pass_a_different_model_changes(bench, tmp_path):
-    path = T.run_trajectory(bench.model, bench.inputs, bench.schedule, mode="off").seal(tmp_path / "run")
+    path = T.record(bench.spec("off"), bench.model).seal(tmp_path / "run")
     report = T.verify(path, bench.variant)
     assert not report.ok and report.first_step == 0 and report.field == "velocity_video"
     assert not report.fingerprint_match and "pass 0" in str(report)
@@ -142,16 +145,16 @@ def test_hash_schemes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 11, generator=g).to(torch.bfloat16)
     for scheme in ("sha256", "device"):
-        d = T.tensor_digest(x, scheme)
-        assert d == T.tensor_digest(x.clone(), scheme) == T.tensor_digest(x.view(11, 37), scheme)
+        d = H.tensor_digest(x, scheme)
+        assert d == H.tensor_digest(x.clone(), scheme) == H.tensor_digest(x.view(11, 37), scheme)
         flipped = x.clone()
         flipped.view(torch.int16).view(-1)[100] ^= 1  # one bit
-        assert T.tensor_digest(flipped, scheme) != d
-        assert T.tensor_digest(x.view(torch.int16), scheme) != d  # same bytes, other dtype
-    assert T.tensor_digest(x, "device") != T.tensor_digest(x, "sha256")
-    assert T.resolve_scheme("auto", "cpu") == "sha256" and T.resolve_scheme("auto", "cuda") == "device"
-    with pytest.raises(T.TrajectoryError, match="hash scheme"):
-        T.tensor_digest(x, "md5")
+        assert H.tensor_digest(flipped, scheme) != d
+        assert H.tensor_digest(x.view(torch.int16), scheme) != d  # same bytes, other dtype
+    assert H.tensor_digest(x, "device") != H.tensor_digest(x, "sha256")
+    assert H.resolve_scheme("auto", "cpu") == "sha256" and H.resolve_scheme("auto", "cuda") == "device"
+    with pytest.raises(H.HashError, match="hash scheme"):
+        H.tensor_digest(x, "md5")
 
 
 def test_device_lanes_follow_the_documented_formula():
@@ -172,10 +175,10 @@ def test_device_lanes_follow_the_documented_formula():
     words = [w & 0xFFFF for w in t.view(torch.int16).flatten().tolist()]
     p = (1 << 31) - 1
     want = tuple(sum((w * coeff(i, k)) % p for i, w in enumerate(words)) % p for k in range(2))
-    assert T.device_lanes(t) == want
+    assert H.device_lanes(t) == want
     # more words than one chunk: chunk sums are exact integers, so the result cannot depend on the split
     big = torch.randint(-(2**15), 2**15, ((1 << 22) + 7,), dtype=torch.int16, generator=g)
-    lanes = T.device_lanes(big)
+    lanes = H.device_lanes(big)
     w = big.to(torch.int64) & 0xFFFF
     idx = torch.arange(w.numel())
     assert lanes == tuple(int(((w * digest._reference_coefficients(idx, k)) % p).sum() % p) for k in range(2))
@@ -193,17 +196,17 @@ def test_device_lanes_kernel_equals_the_torch_formulation(dtype, numel):
         t = torch.randint(-(2**62), 2**62, (numel,), generator=g)
     else:
         t = torch.randn(numel, generator=g).to(dtype)
-    assert T.device_lanes(t, impl="kernel") == T.device_lanes(t, impl="torch")
+    assert H.device_lanes(t, impl="kernel") == H.device_lanes(t, impl="torch")
     flipped = t.clone().view(torch.uint8)
     flipped[-1] ^= 1
-    assert T.device_lanes(flipped.view(t.dtype), impl="kernel") != T.device_lanes(t, impl="kernel")
+    assert H.device_lanes(flipped.view(t.dtype), impl="kernel") != H.device_lanes(t, impl="kernel")
 
 
 def test_device_lanes_kernel_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="1-D int16"):
         digest.lanes(torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(T.TrajectoryError, match="impl"):
-        T.device_lanes(torch.ones(3), impl="numpy")
+    with pytest.raises(H.HashError, match="impl"):
+        H.device_lanes(torch.ones(3), impl="numpy")
     with pytest.raises(ValueError, match="digest.lanes: device meta"):
         digest.lanes(torch.empty(4, dtype=torch.int16, device="meta"))
     assert digest.lanes(torch.empty(0, dtype=torch.int16)) == (0, 0)
@@ -217,30 +220,30 @@ def test_weights_fingerprint_is_cached_until_a_weight_changes():
     torch.manual_seed(3)
     model = H3Transformer(H3Config.tiny())
     calls = []
-    real = T.tensor_digest
+    real = H.tensor_digest
 
     def counting(t, scheme="sha256"):
         calls.append(1)
         return real(t, scheme)
 
-    T.tensor_digest = counting
+    H.tensor_digest = counting
     try:
-        first = T.model_fingerprint(model)
+        first = H.model_fingerprint(model)
         n = len(calls)
-        assert n == len(model.state_dict()) and T.model_fingerprint(model) == first and len(calls) == n
+        assert n == len(model.state_dict()) and H.model_fingerprint(model) == first and len(calls) == n
         weight = model.transformer_blocks[0].attn.to_q.weight
         saved = weight.detach().clone()
         with torch.no_grad():
             weight.add_(1.0)
-        second = T.model_fingerprint(model)
+        second = H.model_fingerprint(model)
         assert second != first and len(calls) == 2 * n
         with torch.no_grad():
             weight.copy_(saved)  # the same bytes again: the same digest, recomputed
-        assert T.model_fingerprint(model) == first
+        assert H.model_fingerprint(model) == first
         model.transformer_blocks[0].attn.to_q.weight = torch.nn.Parameter(weight.detach().clone() * 2)
-        assert T.model_fingerprint(model) not in (first, second)
+        assert H.model_fingerprint(model) not in (first, second)
     finally:
-        T.tensor_digest = real
+        H.tensor_digest = real
 
 
 def test_cancel_callback_and_reuse(bench):
@@ -250,38 +253,40 @@ def test_cancel_callback_and_reuse(bench):
         def is_set(self):
             return len(seen) >= 1
 
-    with pytest.raises(T.DenoiseCancelled, match="pass 1"):
-        T.denoise(bench.model, bench.inputs, bench.schedule, callback=seen.append, cancel=Cancel())
+    with pytest.raises(DenoiseCancelled, match="pass 1"):
+        denoise(bench.spec("off"), bench.model, callback=seen.append, cancel=Cancel())
     assert [r.index for r in seen] == [0]
 
     schedule = DualSchedule.build(5)  # 4 passes; reuse 2 evaluates passes 0, 2, 3
     inputs = make_inputs(bench.model.config, bench.layout, schedule, seed=3)
     calls = []
     handle = bench.model.add_hook(lambda p, t: calls.append(p.name) if p.name == "video_out" else None)
+    spec = RunSpec(inputs, schedule, reuse=2)
     try:
-        traj = T.run_trajectory(bench.model, inputs, schedule, mode="off", reuse=2)
+        traj = T.record(spec, bench.model)
     finally:
         handle.remove()
     assert [s["evaluated"] for s in traj.steps] == [True, False, True, True] and len(calls) == 3
     assert traj.manifest["trace"]["forwards"] == 3 and traj.manifest["run"]["reuse"] == 2
-    assert T.verify(traj, bench.model).ok  # the replay reuses as recorded
-    full = T.run_trajectory(bench.model, inputs, schedule, mode="off")
+    report = T.verify(traj, bench.model)  # the replay reuses as recorded
+    assert report.ok and report.replay_digest == traj.digest
+    full = T.record(spec.replace(reuse=1), bench.model)
     assert traj.steps[0] == full.steps[0] and traj.steps[1]["video"] != full.steps[1]["video"]
 
 
 def test_bad_inputs_raise(bench, tmp_path):
     x = bench.inputs
-    with pytest.raises(T.TrajectoryError, match="batch sizes"):
+    with pytest.raises(RunSpecError, match="batch sizes"):
         x.replace(text=torch.cat([x.text, x.text]))
-    with pytest.raises(T.TrajectoryError, match="num_condition_video_rows"):
+    with pytest.raises(RunSpecError, match="num_condition_video_rows"):
         x.replace(num_condition_video_rows=x.video.shape[1] + 1)
-    with pytest.raises(T.TrajectoryError, match="schedule has 3"):
-        T.denoise(bench.model, x, DualSchedule.build(4))
+    with pytest.raises(RunSpecError, match="schedule has 3"):
+        RunSpec(x, DualSchedule.build(4))
     with pytest.raises(T.TrajectoryError, match="keep"):
         T.TrajectoryRecorder(keep=("activations",))
     with pytest.raises(T.TrajectoryError, match="not a sealed trajectory"):
         T.load(tmp_path)
     (tmp_path / "file").write_text("x")
-    traj = T.run_trajectory(bench.model, x, bench.schedule, mode="off")
+    traj = T.record(bench.spec("off"), bench.model)
     with pytest.raises(T.TrajectoryError, match="not a directory"):
         traj.seal(tmp_path / "file")
