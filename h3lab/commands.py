@@ -723,7 +723,7 @@ def what_ran(result) -> str:
     mode = result.settings.mode
     served = [b for b in ("strict", "torch") if counts.get(b)] or (["override"] if counts.get("override") else [])
     actual = " + ".join(served) or "nothing"
-    expected = {"strict": "strict", "off": "torch", "audit": "torch"}.get(mode, actual)
+    expected = {"strict": "strict", "auto": "strict", "off": "torch", "audit": "torch"}.get(mode, actual)
     head = f"ran {mode}" if expected == actual else f"ran {mode} -> {actual}"
     parts = [f"strict {counts.get('strict', 0):,}", f"torch {counts.get('torch', 0):,}"]
     parts += [f"{b} {n:,}" for b, n in sorted(counts.items()) if b not in ("strict", "torch")]

@@ -138,3 +138,17 @@ def test_write_mp4_errors_name_the_target(tmp_path, rng, monkeypatch):
     with pytest.raises(media.MediaError, match=r"ffmpeg failed to encode MP4 '.*keep\.mp4'") as err:
         media.write_mp4(tmp_path / "keep.mp4", rng.integers(0, 255, (2, 32, 32, 3), dtype=np.uint8))
     assert ".tmp" not in str(err.value)
+
+
+def test_auto_on_the_cpu_says_it_ran_torch(session, monkeypatch):
+    """TRITON_INTERPRET=1 is exported (tests/conftest.py), yet auto runs the torch ops, and the summary line says so."""
+    from h3lab import commands
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    auto = session.generate("what ran", **{**SMALL, "mode": "auto"})
+    off = session.generate("what ran", **SMALL)
+    assert auto.trajectory_hash == off.trajectory_hash  # the same arithmetic as off, not the interpreter's
+    line = commands.what_ran(auto)
+    assert line.startswith("ran auto -> torch: strict 0 / torch ") and "in 2 forwards" in line
+    assert "auto does not run Triton's interpreter" in line
+    assert commands.what_ran(off).startswith("ran off: strict 0 / torch ")

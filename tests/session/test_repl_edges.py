@@ -26,12 +26,13 @@ from session_helpers import REPO, subprocess_env
 # A REPL whose every transformer forward first sleeps $H3LAB_TEST_SLOW seconds: a pass long enough to press Ctrl-C in.
 SLOW_REPL = """
 import os, sys, time
-from h3lab import cli, trajectory
-real = trajectory.model_forward
-def slow(*args, **kwargs):
+from h3lab import cli
+from h3lab.model import H3Transformer
+real = H3Transformer.forward
+def slow(self, *args, **kwargs):
     time.sleep(float(os.environ["H3LAB_TEST_SLOW"]))
-    return real(*args, **kwargs)
-trajectory.model_forward = slow
+    return real(self, *args, **kwargs)
+H3Transformer.forward = slow
 sys.exit(cli.main(sys.argv[1:]))
 """
 
