@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo info test
+.PHONY: setup demo demo-strict info test
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	mkdir -p outputs
 	$(BIN)/h3lab --profile -p "A red fox walks through fresh snow." -o outputs/fox.mp4
+
+# Strict on the CPU: every transformer op through a Triton kernel in Triton's interpreter (exact, slow), on a small
+# canvas with few passes so it ends within a minute (measured: README, "Strict on a CPU").
+demo-strict: $(STAMP)
+	mkdir -p outputs
+	TRITON_INTERPRET=1 $(BIN)/h3lab --profile --mode strict --width 64 --height 64 --frames 22 --steps 3 \
+		-p "A red fox walks through fresh snow." -o outputs/fox-strict.mp4
 
 info: $(STAMP)
 	$(BIN)/h3lab --info

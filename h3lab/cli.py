@@ -14,8 +14,15 @@ The CLI parses flags and prints; the work is elsewhere: `--info` is `h3lab.diagn
 `h3lab.replay.run_replay`, the REPL is `h3lab.repl.run_repl` given a session factory (`session_from_args`), and a
 generation is `Session.generate`. `settings_from_args` is the one flag -> `GenerationSettings` conversion.
 
-Exit status: 0 success; 1 a replay hash mismatch; 2 any error (one line on stderr, no traceback; set
-`H3LAB_DEBUG=1` for the traceback); 130 cancelled with Ctrl-C.
+Fail before the work: `check_flags` refuses flags the chosen action would ignore (`-p` with `--replay`, `-o` in the
+REPL, ...), and `preflight` checks the device, every output path (`-o`, `--wav`, `--frames-dir`, `--session-dir`,
+`--replay --update`'s file), every directory the environment names (`H3LAB_CACHE` when the tiny snapshot must be
+built, `TRITON_CACHE_DIR` on CUDA) and the ffmpeg binary, all before a snapshot is read or a model loaded; then the
+session checks the prompt's length and every input file (`Session.check_request`).
+
+Exit status: 0 success; 1 a replay hash mismatch; 2 any error (one line on stderr naming the value and the rule,
+no traceback, no exception class name: `errors.user_message`; with `--json` that line is a JSON object
+`{"error": ..., "exit": 2}`; set `H3LAB_DEBUG=1` for the traceback); 130 cancelled with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from .errors import H3Error
+from .errors import H3Error, user_message
 from .runtime import MODES
 
 
@@ -93,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="FILE", default=None, help="run a .h3 replay and check its expect lines")
     p.add_argument("--update", action="store_true", help="with --replay: rewrite the expect lines")
     p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--residency", choices=("resident", "phased"), default="resident",
-                   help="keep components resident, or load/release them per phase")
+    p.add_argument("--residency", choices=("resident", "phased"), default=None,
+                   help="keep components resident (default), or load/release them per phase")
     p.add_argument("--session-dir", metavar="DIR", default=None,
                    help="REPL outputs, previews and history (default ./h3lab-session)")
     p.set_defaults(references=[])
@@ -119,9 +126,9 @@ class ProgressBar:
         done = int(self.width * info.step / info.total)
         elapsed = time.perf_counter() - self.t0
         mark = "" if info.evaluated else " (reused)"
-        self.stream.write(
+        self.stream.write(  # t = 1 - sigma (0 noise, 1 clean): the last pass starts below 1 and ends at sigma 0
             f"\rdenoise [{'#' * done}{'.' * (self.width - done)}] {info.step}/{info.total} "
-            f"t={info.video_t:.4f} {elapsed:6.2f} s{mark}   "
+            f"sigma={1 - info.video_t:.4f} (t=1-sigma) {elapsed:6.2f} s{mark}   "
         )
         if info.step == info.total:
             self.stream.write("\n")
@@ -163,18 +170,19 @@ def _print_lines(lines, stream=None) -> None:
 
 def quiet_libraries() -> None:
     """Silence library chatter a terminal user cannot act on: transformers' weight-loading progress bars and
-    deprecation FutureWarnings raised inside diffusers/torch while the components load."""
+    deprecation FutureWarnings raised inside diffusers/torch while the components load. Through the environment
+    variables transformers reads at import, so nothing is imported here (an early error stays fast); an already
+    imported transformers is told directly."""
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
 
 
 def session_from_args(args: argparse.Namespace):
@@ -183,7 +191,115 @@ def session_from_args(args: argparse.Namespace):
     from .session import Session
 
     quiet_libraries()
-    return Session(args.model, device=args.device, residency=args.residency)
+    return Session(args.model, device=args.device, residency=args.residency or "resident")
+
+
+# ------------------------------------------------------------------------------------------------ fail early
+# Flags by what they are for (argparse dest -> flag as typed). A flag the chosen action would ignore is an error.
+SETTINGS_FLAGS = {
+    "width": "--width", "height": "--height", "frames": "--frames", "seconds": "--seconds", "steps": "--steps",
+    "seed": "--seed", "mode": "--mode", "reuse": "--reuse", "first_frame": "--first-frame",
+    "last_frame": "--last-frame", "references": "--ref-*", "render_width": "--render-width",
+    "render_height": "--render-height",
+}
+OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
+OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
+               "update": "--update", "session_dir": "--session-dir", "residency": "--residency"}
+ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
+    "info": {"json"},
+    "replay": {"replay", "update", "session_dir", "profile", "residency"},
+    "one-shot": {"prompt", "json", "show", "profile", "residency", "session_dir", *SETTINGS_FLAGS, *OUTPUT_FLAGS},
+    "repl": {"session_dir", "show", "profile", "residency", *SETTINGS_FLAGS},
+}
+WHY = {
+    "info": "--info only reports the snapshot (it takes -d, --device, --json)",
+    "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
+              "--session-dir, --profile, --update)",
+    "one-shot": "-p generates once and writes -o/--wav/--frames-dir; --session-dir only goes with --show",
+    "repl": "the interactive session (no -p) numbers its videos in --session-dir; -o/--wav/--frames-dir/--json go "
+            "with -p",
+}
+
+
+def action_of(args: argparse.Namespace) -> str:
+    if args.info:
+        return "info"
+    if args.replay:
+        return "replay"
+    return "repl" if args.prompt is None else "one-shot"
+
+
+def check_flags(args: argparse.Namespace) -> str:
+    """The action the flags ask for; a one-line `CliError` naming a flag that action would silently ignore."""
+    if args.update and not args.replay:
+        raise CliError("--update only goes with --replay FILE")
+    action = action_of(args)
+    names = {**SETTINGS_FLAGS, **OUTPUT_FLAGS, **OTHER_FLAGS}
+    if action == "one-shot" and args.session_dir is not None and not args.show:
+        raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")
+    stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in ALLOWED[action]]
+    if stray:
+        head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
+                "repl": "the interactive session (no -p)"}[action]
+        raise CliError(f"{names[stray[0]]} with {head}: {WHY[action]}")
+    return action
+
+
+def preflight(args: argparse.Namespace, action: str) -> None:
+    """Every check that needs no snapshot and no model (module docstring), in one pass, before any work."""
+    from .io_utils import check_output_dir, check_output_file
+    from .session import check_outputs, resolve_device
+    from .settings import check_prompt
+
+    device = resolve_device(args.device)
+    if args.model is not None:
+        model = Path(args.model).expanduser()
+        if not model.is_dir():
+            from .errors import CheckpointError
+
+            raise CheckpointError(f"snapshot {args.model!r}: not a directory")
+    else:
+        _check_cache_dir()
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if cache and device.type == "cuda":  # Triton compiles (and writes its cache) only on the GPU
+        check_output_dir(cache, "TRITON_CACHE_DIR")
+    if action == "one-shot":
+        check_prompt(args.prompt)
+        output = "h3lab.mp4" if args.output is None else args.output
+        check_outputs(output or None, args.wav, args.frames_dir)
+        if args.show:
+            check_output_dir(Path(args.session_dir or "h3lab-session") / "previews", "--session-dir (--show previews)")
+        _check_ffmpeg()
+    elif action == "repl":
+        check_output_dir(args.session_dir or "h3lab-session", "--session-dir")
+        _check_ffmpeg()
+    elif action == "replay":
+        if args.session_dir is not None:
+            check_output_dir(args.session_dir, "--session-dir")
+        if args.update:
+            check_output_file(args.replay, (), "--replay --update")
+        _check_ffmpeg()
+
+
+def _check_cache_dir() -> None:
+    """Without -d the tiny snapshot lives in `$H3LAB_CACHE` (default ~/.cache/h3lab): it must be a folder that
+    accepts files unless the snapshot is already built there."""
+    from .checkpoint.tiny import TINY_VERSION, cache_dir
+    from .io_utils import check_output_dir
+
+    cache = cache_dir()
+    env = os.environ.get("H3LAB_CACHE")
+    what = "H3LAB_CACHE" if env else "the tiny-snapshot cache (H3LAB_CACHE unset)"
+    if cache.exists() and not cache.is_dir():
+        check_output_dir(cache, what)  # raises: a file where the cache folder should be
+    if not (cache / f"{TINY_VERSION}-seed0").is_dir():
+        check_output_dir(cache, what)
+
+
+def _check_ffmpeg() -> None:
+    from .components.media import check_ffmpeg
+
+    check_ffmpeg()
 
 
 def _info(args) -> int:
@@ -209,9 +325,9 @@ def _one_shot(args) -> int:
     from . import commands
     from .preview import TerminalPreview
 
-    settings = settings_from_args(args)  # validate before loading anything
+    settings = settings_from_args(args)  # validated, like the outputs (preflight), before loading anything
     session = session_from_args(args)
-    settings = session.check_request(settings)
+    settings = session.check_request(settings)  # prompt length, every input file probed and decoded
     output = "h3lab.mp4" if args.output is None else args.output
     cancel = threading.Event()
     preview = None
@@ -237,7 +353,8 @@ def _one_shot(args) -> int:
         print("h3lab: cancelled", file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, sort_keys=True, default=str))
+        report = {**result.to_dict(), "ran": commands.what_ran(result)}
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         _print_lines(commands.generation_lines(result, profile=args.profile))
     return 0
@@ -267,18 +384,21 @@ def _replay(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv  # known before parsing, so a usage error is JSON too
     try:
         args = build_parser().parse_args(argv)
-        if args.update and not args.replay:
-            raise CliError("--update only goes with --replay FILE")
-        if args.info:
+        action = check_flags(args)
+        settings = settings_from_args(args) if action in ("one-shot", "repl") else None
+        preflight(args, action)
+        if action == "info":
             return _info(args)
-        if args.replay:
+        if action == "replay":
             return _replay(args)
-        if args.prompt is None:
+        if action == "repl":
             from .repl import run_repl
 
-            return run_repl(lambda: session_from_args(args), settings_from_args(args), session_dir=args.session_dir,
+            return run_repl(lambda: session_from_args(args), settings, session_dir=args.session_dir,
                             show=args.show, profile=args.profile)
         return _one_shot(args)
     except KeyboardInterrupt:
@@ -287,10 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the CLI's contract: one line, exit 2
         if os.environ.get("H3LAB_DEBUG"):
             raise
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if not isinstance(err, H3Error):
-            message = f"{type(err).__name__}: {message}"
-        print(f"h3lab: error: {message}", file=sys.stderr)
+        message = user_message(err)
+        if as_json:
+            print(json.dumps({"error": message, "exit": 2}), file=sys.stderr)
+        else:
+            print(f"h3lab: error: {message}", file=sys.stderr)
         return 2
 
 

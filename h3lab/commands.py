@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .errors import H3Error
+from .io_utils import check_output_dir, check_output_file
 from .runtime import MODES
 from .session import GenerationCancelled  # noqa: F401 - re-exported for front ends
 from .settings import GenerationSettings, Reference, check_path
@@ -205,16 +206,18 @@ class SessionState:
             raise CommandError("no generation yet: type a prompt first")
         return self.results[-1]
 
-    def next_output(self) -> Path | None:
-        """The next numbered video path in `out_dir` (001.mp4, 002.mp4, ...), skipping numbers already used."""
+    def next_output(self) -> tuple[int, Path | None]:
+        """(number, path) of the next numbered video in `out_dir` (001.mp4, 002.mp4, ...), skipping numbers already
+        on disk. Nothing is reserved: `run_generation` sets `counter` to the number only once the video is written,
+        so a failed or cancelled generation uses no number (001, 002, 003 after a failure, never 001, 002, 005)."""
         if self.out_dir is None:
-            return None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+            return self.counter, None
+        number = self.counter
         while True:
-            self.counter += 1
-            path = self.out_dir / f"{self.counter:03d}.mp4"
+            number += 1
+            path = self.out_dir / f"{number:03d}.mp4"
             if not path.exists():
-                return path
+                return number, path
 
     def toolbar(self) -> str:
         s = self.settings
@@ -452,11 +455,14 @@ def _h_mode(state, mode):
     lines = [f"mode {mode}"]
     device = getattr(state.session, "device", None)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if mode in ("strict", "auto") and getattr(device, "type", "") == "cpu" and not interpreted:
-        lines.append(
-            f"note: on the CPU strict kernels run only under TRITON_INTERPRET=1; without it {mode} "
-            + ("fails closed" if mode == "strict" else "falls back to torch ops (recorded in the trace)")
-        )
+    on_cpu = getattr(device, "type", "") == "cpu"
+    if mode == "strict" and on_cpu and not interpreted:
+        lines.append("note: on the CPU strict kernels run only under TRITON_INTERPRET=1; without it strict fails "
+                     "closed")
+    elif mode == "strict" and on_cpu:
+        lines.append("note: strict on the CPU runs Triton's interpreter: exact but slow (keep sizes small)")
+    elif mode == "auto" and on_cpu:
+        lines.append("note: auto on the CPU runs the torch ops (the interpreter only when strict is asked for)")
     return lines
 
 
@@ -579,8 +585,27 @@ def _h_drift(state):
 def _h_save(state, path):
     result = state.last
     out = state.resolve(path)
-    written = state.get_session().save(result, out)
+    written = state.get_session().save(result, out)  # checks the suffix and the folder before encoding
     return [f"saved {written}"]
+
+
+def _trajectory_target(state, path: str) -> Path:
+    """Where `!trajectory save PATH` may seal: a folder name (a sealed trajectory is a folder of manifest.json and
+    safetensors), not an existing file, and an existing folder only when it is empty or a sealed trajectory -- sealing
+    replaces the folder whole, which must never swallow a folder of other files."""
+    target = state.resolve(path)
+    if target.suffix and not target.is_dir():
+        raise CommandError(
+            f"!trajectory save {path}: a sealed trajectory is a folder (manifest.json + safetensors); give a folder "
+            f"name without the {target.suffix!r} ending"
+        )
+    check_output_dir(target, "!trajectory save")
+    if target.is_dir() and any(target.iterdir()) and not (target / "manifest.json").is_file():
+        raise CommandError(
+            f"!trajectory save {path}: {str(target)!r} is a folder that is not a sealed trajectory; sealing replaces "
+            "the folder, so give a new or empty folder"
+        )
+    return target
 
 
 @command("trajectory", "!trajectory save|verify PATH",
@@ -589,7 +614,7 @@ def _h_save(state, path):
 def _h_trajectory(state, action, path):
     if action == "save":
         result = state.last
-        written = result.trajectory.seal(state.resolve(path))
+        written = result.trajectory.seal(_trajectory_target(state, path))
         return [f"trajectory {result.trajectory_hash} sealed in {written}"]
     target = state.resolve(path)
     if not target.is_dir():
@@ -615,12 +640,30 @@ def _h_cache(state, *action):
 def _h_plot(state, kind, path):
     from . import plots
 
+    target = check_output_file(state.resolve(path), (".png",), "!plot")  # before a drift re-run or the matrix
     session = state.get_session()
     source: Any = state.results
     if kind == "drift":  # the session re-runs the two generations; the figure only draws its report
         source = session.drift(*_last_two(state, "!plot drift"))
+    elif kind == "ablation":
+        source = _ablation_rows(session)
     fig = plots.plot(kind, source, session)
-    return [f"wrote {plots.save(fig, state.resolve(path))}"]
+    return [f"wrote {plots.save(fig, target)}"]
+
+
+def _ablation_rows(session) -> list[dict]:
+    """The ablation matrix on the session's snapshot, with the rows this process cannot run marked "not run"
+    (`passed` None) instead of failed: a strict arm on a CPU without TRITON_INTERPRET=1 raises `StrictError` before
+    any comparison, which says nothing about the row's hypothesis."""
+    from . import ablation
+
+    rows = ablation.run_matrix(ablation.tiny_bench(str(session.path)))
+    for row in rows:
+        if row.get("status") == "ERROR" and "StrictError" in str(row.get("observed", "")) \
+                and "TRITON_INTERPRET" in str(row.get("observed", "")):
+            row.update(status="NOT RUN", passed=None,
+                       observed="not run: strict kernels need TRITON_INTERPRET=1 on the CPU (set it before starting)")
+    return rows
 
 
 @command("profile", "!profile on|off", "print phase timings and peak memory after each generation",
@@ -653,7 +696,7 @@ def run_generation(state: SessionState, settings: GenerationSettings, cancel: th
     if cancel is None:
         cancel = state.cancel
         cancel.clear()
-    output = state.next_output()
+    number, output = state.next_output()
     result = session.generate(
         settings,
         progress=state.progress,
@@ -662,8 +705,35 @@ def run_generation(state: SessionState, settings: GenerationSettings, cancel: th
         output=output,
     )
     with state.lock:
+        state.counter = number  # only a written video takes a number
         state.results = (state.results + [result])[-2:]
     return generation_lines(result, profile=state.profile)
+
+
+def what_ran(result) -> str:
+    """"ran: strict 1,230 op calls / torch 0 in 2 forwards" -- what served the transformer's op calls over the
+    whole generation (the trajectory manifest's provenance summary), with the requested mode when it differs
+    ("auto -> torch: ... (interpreter not used)") and the reason of the first fallback."""
+    trace = (getattr(result.trajectory, "manifest", None) or {}).get("trace") or {}
+    counts: dict[str, int] = {}
+    for backends in (trace.get("ops") or {}).values():
+        for backend, n in backends.items():
+            counts[backend] = counts.get(backend, 0) + int(n)
+    forwards = int(trace.get("forwards") or 0)
+    mode = result.settings.mode
+    served = [b for b in ("strict", "torch") if counts.get(b)] or (["override"] if counts.get("override") else [])
+    actual = " + ".join(served) or "nothing"
+    expected = {"strict": "strict", "auto": "strict", "off": "torch", "audit": "torch"}.get(mode, actual)
+    head = f"ran {mode}" if expected == actual else f"ran {mode} -> {actual}"
+    parts = [f"strict {counts.get('strict', 0):,}", f"torch {counts.get('torch', 0):,}"]
+    parts += [f"{b} {n:,}" for b, n in sorted(counts.items()) if b not in ("strict", "torch")]
+    line = f"{head}: {' / '.join(parts)} op calls in {forwards:,} forwards"
+    reasons = [r.fallback for r in getattr(result.trace, "fallbacks", ()) or () if r.fallback]
+    if mode == "auto" and counts.get("torch"):
+        line += f" ({reasons[0].removeprefix('auto fallback: ')})" if reasons else ""
+    elif counts.get("strict") and str(trace.get("device", "")).startswith("cpu"):
+        line += " (strict kernels in Triton's interpreter)"
+    return line
 
 
 def generation_lines(result, profile: bool = False) -> list[str]:
@@ -675,6 +745,7 @@ def generation_lines(result, profile: bool = False) -> list[str]:
         f"{s.task} {s.width}x{s.height} {s.num_frames}f {s.steps} steps seed {result.seed} mode {s.mode}: "
         f"{result.total_seconds:.2f} s" + (f" (cached: {', '.join(cached)})" if cached else "")
     )
+    lines.append(what_ran(result))
     lines.append(f"trajectory {result.trajectory_hash}")
     for path in result.outputs:
         lines.append(f"wrote {path}")

@@ -8,7 +8,13 @@
   `drain` (they read results or the session: `!save`, `!drift`, `!trajectory`, `!plot`, `!status`, `!cache`) first
   wait for the queue to drain.
 - Ctrl-C cancels the running generation (and drops queued ones) and keeps the session; at an idle prompt it just
-  clears the line. Ctrl-D or `!quit` leave after the queue drains (Ctrl-C while waiting cancels).
+  clears the line. A pass cannot be interrupted, so Ctrl-C says at once which pass is running and that the
+  generation stops when it ends; the result line then says after which pass it stopped ("cancelled after pass 1/3").
+  Ctrl-D or `!quit` leave after the queue drains (Ctrl-C while waiting cancels).
+- While a generation runs the prompt says so (`h3 [generating 2/20]> `, `h3 [2 queued]> `) instead of the idle
+  `h3> `, and a command that must wait for the queue (`drain` in the registry) says it waits before it does.
+- Pass lines show sigma and t together (`t = 1 - sigma`: 0 is pure noise, 1 is clean; the last pass starts at the
+  last sigma above 0 and ends at 0, so t never prints 1). Output numbers are taken only by written videos.
 - History lives in `<session dir>/history`; completion covers command names and aliases, then what each argument
   position of the command declares in the registry (`commands.Arg`: keywords, file paths); the bottom toolbar
   shows model, mode, seed, size, frames, steps, anchors/references and generation progress.
@@ -35,7 +41,8 @@ from prompt_toolkit.history import FileHistory
 from prompt_toolkit.patch_stdout import patch_stdout
 
 from . import commands
-from .errors import H3Error
+from .errors import H3Error, user_message
+from .io_utils import check_output_dir
 from .preview import TerminalPreview
 from .settings import GenerationSettings
 
@@ -98,8 +105,9 @@ class Repl:
         self.count_lock = threading.Lock()
         self.running_cancel: threading.Event | None = None  # the cancel event of the running generation
         self.busy_text = ""
+        self.passes = (0, 0)  # (passes completed, total) of the running generation
         self.prompt = PromptSession(
-            message="h3> ",
+            message=self.message,
             history=FileHistory(str(history)) if history is not None else None,
             completer=H3Completer(),
             complete_while_typing=False,
@@ -122,10 +130,28 @@ class Repl:
         text = self.state.toolbar()
         return f"{text} | {self.busy_text}" if self.busy_text else text
 
+    def message(self) -> str:
+        """The prompt: `h3> ` when idle, else what is running or queued."""
+        with self.count_lock:
+            pending = self.pending
+        if pending == 0:
+            return "h3> "
+        done, total = self.passes
+        running = self.running_cancel is not None
+        step = "decoding" if total and done >= total else f"generating {done + 1}/{total}" if total else "generating"
+        parts = [step] if running else []
+        queued = pending - int(running)
+        if queued:
+            parts.append(f"{queued} queued")
+        return f"h3 [{', '.join(parts)}]> "
+
     def _progress(self, info) -> None:
         mark = "" if info.evaluated else " reused"
+        self.passes = (info.step, info.total)
         self.busy_text = f"generating {info.step}/{info.total}"
-        self.echo(f"  pass {info.step}/{info.total} t={info.video_t:.4f} {info.seconds:.2f} s{mark}")
+        hint = "  (t = 1 - sigma: 0 noise, 1 clean)" if info.step == 1 else ""
+        self.echo(f"  pass {info.step}/{info.total} sigma={1 - info.video_t:.4f} t={info.video_t:.4f} "
+                  f"{info.seconds:.2f} s{mark}{hint}")
         app = self.prompt.app
         if app.is_running:
             app.invalidate()
@@ -137,18 +163,19 @@ class Repl:
             if job is None:
                 return
             settings, cancel = job
+            self.passes = (0, settings.steps)
             self.running_cancel = cancel
             try:
                 self.busy_text = "generating"
                 for line in commands.run_generation(self.state, settings, cancel):
                     self.echo(line)
-            except commands.GenerationCancelled as err:
-                self.echo(f"cancelled: {err}")
-            except H3Error as err:
-                self.echo(f"error: {err}")
+            except commands.GenerationCancelled:
+                done, total = self.passes
+                where = f"after pass {done}/{total}" if done else f"before pass 1/{total}"
+                self.echo(f"cancelled {where}; nothing written, the session is unchanged")
             except Exception as err:  # noqa: BLE001 - the session must survive any failure of one generation
-                self.echo(f"error: {type(err).__name__}: {err}")
-                if _debug():
+                self.echo(f"error: {user_message(err)}")
+                if _debug() and not isinstance(err, H3Error):
                     traceback.print_exc()
             finally:
                 self.busy_text = ""
@@ -187,7 +214,10 @@ class Repl:
             else:
                 self.idle.set()
         if running or dropped:
-            self.echo("cancelling the running generation" + (f" (and {dropped} queued)" if dropped else ""))
+            done, total = self.passes
+            now = (f": pass {done + 1}/{total} is running and cannot be interrupted; the generation stops when it "
+                   "ends" if running and total and done < total else ": it stops before decoding" if running else "")
+            self.echo("cancelling the running generation" + (f" (and {dropped} queued)" if dropped else "") + now)
 
     def wait_idle(self) -> None:
         """Block until the queue drains; Ctrl-C (SIGINT) while waiting cancels."""
@@ -208,15 +238,14 @@ class Repl:
             if cmd.name == "generate":
                 self.submit(cmd.args[0])
                 return
-            if commands.COMMANDS[cmd.name].drain:
+            if commands.COMMANDS[cmd.name].drain and not self.idle.is_set():
+                self.echo(f"!{cmd.name} waits for the queued generations to finish (Ctrl-C cancels them)")
                 self.wait_idle()
             for out in commands.execute(self.state, cmd):
                 self.echo(out)
-        except H3Error as err:
-            self.echo(f"error: {err}")
         except Exception as err:  # noqa: BLE001 - one bad line never ends the session
-            self.echo(f"error: {type(err).__name__}: {err}")
-            if _debug():
+            self.echo(f"error: {user_message(err)}")
+            if _debug() and not isinstance(err, H3Error):
                 traceback.print_exc()
 
     def run(self, banner: Iterable[str] = ()) -> int:
@@ -262,7 +291,7 @@ def run_repl(
     read. `settings` are the initial settings (their input paths are checked), `session_dir` holds the numbered
     outputs, previews and history (default ./h3lab-session); `show` / `profile` are the initial switches;
     `input` / `output` / `printer` go to `Repl` (a pipe input, a dummy output and a line sink in tests)."""
-    session_dir = Path(session_dir or "h3lab-session").resolve()
+    session_dir = check_output_dir(Path(session_dir or "h3lab-session"), "--session-dir").resolve()
     session_dir.mkdir(parents=True, exist_ok=True)
     state = commands.SessionState(
         session=session(),
@@ -274,7 +303,8 @@ def run_repl(
     )
     viewer = TerminalPreview(session_dir / "previews")
     repl = Repl(state, history=session_dir / "history", input=input, output=output, printer=printer)
-    state.preview = lambda frame, step, total: repl.echo(viewer.show(frame, f"{state.counter:03d}-step{step:03d}"))
+    state.preview = lambda frame, step, total: repl.echo(
+        viewer.show(frame, f"{state.next_output()[0]:03d}-step{step:03d}"))
     loaded = state.session
     banner = [
         f"h3lab {loaded.model_name} ({loaded.path}) on {loaded.device}",

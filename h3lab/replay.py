@@ -3,8 +3,9 @@
 Contract
 - `run_replay(state, path, update=False, echo=print) -> ReplayReport`: every line goes through `commands.parse` /
   `commands.execute` against `state` (a `commands.SessionState`; relative paths resolve against its `base_dir`, so
-  a replay is self-contained when `base_dir` is the file's folder). Any rejected line stops the replay with a
-  `ReplayError` naming file:line.
+  a replay is self-contained when `base_dir` is the file's folder). The file is read and every line parsed before
+  the session is built, so bytes that are not UTF-8 or a malformed command fail at once (`ReplayError` naming
+  file:line); a line rejected while running stops the replay the same way.
 - `# expect <sha256>` after a generation line checks that generation's trajectory digest
   (`trajectory.Trajectory.digest`) on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class
   TAG (`arithmetic_class`). A generation without a line for this class is reported as unchecked.
@@ -84,6 +85,23 @@ class _Pending:
     matched: bool = False  # an expect line for this device (or untagged) was seen
 
 
+def read_replay(path: Path) -> str:
+    """The replay's text; a one-line `ReplayError` naming the file (and, for bytes that are not UTF-8, the line and
+    column) otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ReplayError(f"replay {str(path)!r}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ReplayError(
+            f"{path}:{line}: byte 0x{data[err.start]:02x} at column {column} is not UTF-8; a replay is UTF-8 text"
+        ) from None
+
+
 def run_replay(
     state: SessionState,
     path: str | Path,
@@ -96,11 +114,13 @@ def run_replay(
     rewritten (or inserted under their generation line) and the file is replaced atomically. On the CPU the replay
     runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ReplayError(f"replay {str(path)!r}: {err.strerror or err}") from None
+    text = read_replay(path)
     lines = text.splitlines()
+    for number, line in enumerate(lines, 1):  # every line parses before the first one runs (no model loaded yet)
+        try:
+            parse(line)
+        except H3Error as err:
+            raise ReplayError(f"{path}:{number}: {err}") from None
     session = state.get_session()
     session.clear_cache()  # a replay starts from nothing the session computed before (same bytes as a fresh run)
     device = session.device.type

@@ -12,6 +12,8 @@ Modes (`use_mode(...)`, a context manager over a context variable, so threads an
               the hook point, shapes, dtypes and device. Never a silent fallback.
 - ``audit``   runs the production path (the torch ops) and records every op as not strict.
 - ``auto``    strict where the kernel accepts the call, else the torch op, recording each fallback and its reason.
+              On the CPU the kernels are Triton's interpreter (exact, far slower): auto runs the torch op there
+              (`AUTO_ON_CPU`), so exporting TRITON_INTERPRET=1 never changes what auto runs; strict still runs it.
 
 Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
 plant a perturbation, and the trace records them as backend ``override``.
@@ -35,6 +37,10 @@ import torch
 import torch.nn.functional as F
 
 MODES = ("strict", "audit", "auto", "off")
+# auto on CPU tensors: "torch" (the production op; the interpreter only when strict is asked for) or "interpreter"
+# (auto's per-op dispatch as on CUDA, for tests of that dispatch on a CPU machine).
+AUTO_ON_CPU = "torch"
+AUTO_CPU_REASON = "auto does not run Triton's interpreter (TRITON_INTERPRET=1) on cpu; --mode strict does"
 
 
 class StrictError(RuntimeError):
@@ -332,6 +338,9 @@ class Ops:
         if self.mode in ("off", "audit"):
             note = "audit: production torch op" if self.mode == "audit" else ""
             self._log(name, point, "torch", _TORCH_INFO, args, kwargs, note)
+            return REFERENCE_OPS[name](*args, **kwargs)
+        if self.mode == "auto" and AUTO_ON_CPU == "torch" and _device_of(args) == "cpu":
+            self._log(name, point, "torch", _TORCH_INFO, args, kwargs, f"auto fallback: {AUTO_CPU_REASON}")
             return REFERENCE_OPS[name](*args, **kwargs)
         kernel = self._strict.get(name)
         reason = ""

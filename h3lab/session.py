@@ -18,9 +18,12 @@ Contract
   in the snapshot's weights. `set_transformer(None, variant)` unpins it; the snapshot's weights load on next use. A
   model whose `fingerprint` is empty gets its weights digest (`trajectory.model_fingerprint`) once, at injection, so
   trajectories record what ran without rehashing every parameter on every request.
-- `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting is validated and every
-  input file decoded and checked (kinds, streams, reference rules, audio durations) before anything is encoded, so a
-  rejected request leaves the session exactly as it was. Text conditioning is cached by the text encoder's
+- `generate(prompt | GenerationSettings, **overrides) -> GenerationResult`. Every setting, the prompt (not blank;
+  within the text encoder's context, counted by the tokenizer alone) and every output path (`check_outputs`) are
+  validated and every input file probed and decoded (kind, truncation, streams, reference rules, audio durations)
+  before any model loads or anything is encoded, so a rejected request leaves the session exactly as it was. The
+  outputs are written as one set (all to temp files, then all renamed); a cancel seen after the last pass stops
+  before decoding. `device` is checked at construction (`resolve_device`: cpu, or cuda when this torch has it). Text conditioning is cached by the text encoder's
   `cache_key` over the prompt and the presented media; visual/audio conditioning latents per item by content hash +
   geometry. Repeating a prompt with a new seed therefore skips both encoders: `result.timings["text_encode"] == 0`
   and `result.cached["text"]`.
@@ -62,7 +65,8 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError, H3Error, ValidationError
-from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings
+from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
+from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings, check_prompt
 
 VARIANTS = ("transformer", "transformer_ref")
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
@@ -152,6 +156,41 @@ class GenerationResult:
 # ------------------------------------------------------------------------------------------------ helpers
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a session runs on, checked before anything loads: `None` is `default_device()`; "cpu"; "cuda" or
+    "cuda:N" only when this torch build has CUDA and GPU N exists. Anything else is a one-line `ValidationError`."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValidationError(f"device={device!r}: not a device name (cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValidationError(f"device={device!r}: h3lab runs on cpu or cuda (strict kernels exist for those two)")
+    if torch.version.cuda is None:
+        raise ValidationError(f"device={device!r}: this torch build ({torch.__version__}) has no CUDA; use --device cpu")
+    if not torch.cuda.is_available():
+        raise ValidationError(f"device={device!r}: no CUDA GPU is visible to torch {torch.__version__}; use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValidationError(f"device={device!r}: GPU {dev.index} does not exist ({count} visible: cuda:0..{count - 1})")
+    return dev
+
+
+def check_outputs(output: Any = None, wav: Any = None, frames_dir: Any = None) -> dict[str, Path | None]:
+    """The output paths of one generation, checked before any work (`io_utils`: suffix, an existing file of the
+    right kind, a folder that accepts new files, three distinct paths). Returns them expanded (None when unset)."""
+    paths = {
+        "output": check_output_file(output, (".mp4",), "output") if output else None,
+        "wav": check_output_file(wav, (".wav",), "wav output") if wav else None,
+        "frames_dir": check_output_dir(frames_dir, "frames folder") if frames_dir else None,
+    }
+    check_distinct([("output", paths["output"]), ("wav output", paths["wav"]), ("frames folder", paths["frames_dir"])])
+    return paths
 
 
 def _reset_peak_rss() -> bool:
@@ -283,10 +322,7 @@ class Session:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"snapshot {str(self.path)!r}: not a directory")
-        try:
-            self.device = torch.device(device) if device is not None else default_device()
-        except RuntimeError as err:
-            raise ValidationError(f"device={device!r}: {err}") from None
+        self.device = resolve_device(device)
         self.residency = residency
         self.dtype_policy = dtype_policy
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
@@ -296,6 +332,7 @@ class Session:
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = _LRU(self.CACHE_LIMIT)
         self._cond_cache = _LRU(4 * self.CACHE_LIMIT)
+        self._prompt_bound = None  # components.text_encoder.PromptBound, loaded on the first prompt check
         self.video_shift, self.audio_shift = self._read_shifts()
         self.pipeline_config = self._read_pipeline_config(pipeline_config or {})
 
@@ -524,12 +561,25 @@ class Session:
         return GenerationSettings(**overrides)
 
     def check_request(self, settings: GenerationSettings) -> GenerationSettings:
-        """Check every input file of a request by decoding and normalising it (kinds, streams, reference counts,
-        audio 2-15 s each and 15 s in total, video length) without encoding anything. Returns the settings with
-        validated paths."""
+        """Check every input file of a request by decoding and normalising it (kinds, truncation, streams, reference
+        counts, audio 2-15 s each and 15 s in total, video length) and a non-blank prompt against the text
+        encoder's context (`check_prompt_length`), without loading any model or encoding anything. Returns the
+        settings with validated paths."""
         settings = settings.checked_paths()
+        if settings.prompt.strip():
+            self.check_prompt_length(settings.prompt)
         self._load_media(settings)
         return settings
+
+    def check_prompt_length(self, prompt: str) -> int:
+        """Tokens of `prompt`; a one-line `ValidationError` above the text encoder's context (tokenizer only, no
+        weights: `components.text_encoder.PromptBound`). Anchors and references add label and vision tokens, which
+        the text encoder checks again before it runs."""
+        if self._prompt_bound is None:
+            from .components.text_encoder import PromptBound
+
+            self._prompt_bound = PromptBound.from_pretrained(self.path)
+        return self._prompt_bound.check(prompt)
 
     def _load_media(self, s: GenerationSettings) -> _Media:
         from .components import conditioning, media
@@ -548,21 +598,20 @@ class Session:
                 refs.append(refmod.ImageRef(media.read_image(r.path), source=r.path))
                 continue
             if r.kind == "audio":
+                media.check_audio_file(r.path, flag)
                 refs.append(refmod.AudioRef(media.read_audio(r.path), AUDIO_SAMPLE_RATE, source=r.path))
                 continue
-            info = media.probe(r.path, count_frames=False)
-            if info.video is None or not info.video.fps:
-                raise ValidationError(f"{flag} {r.path!r}: has no video stream with a frame rate")
-            if r.kind == "video" and info.audio is None:
-                raise ValidationError(
-                    f"--ref-video {r.path!r}: has no audio stream (use --ref-silent-video, or --ref-video-audio "
-                    "VIDEO AUDIO)"
-                )
+            # Kind and completeness first, each error naming the file that is wrong: an image given as a video, a
+            # truncated file, a missing soundtrack, a replacement audio file without sound.
+            info = media.check_video(r.path, flag, needs_audio=r.kind == "video")
+            if r.kind == "video-audio":
+                media.check_audio_file(r.audio_path, f"{flag} audio")
             # Decode only what the 24 fps resampling and the truncation to num_frames can use.
             bound = math.ceil(s.num_frames * info.video.fps / FPS) + 2
             frames, fps = media.read_video(r.path, max_frames=bound)
             audio = media.read_audio(r.audio_path) if r.audio_path is not None else None
-            refs.append(refmod.VideoRef(frames, fps, audio, AUDIO_SAMPLE_RATE, source=r.path))
+            refs.append(refmod.VideoRef(frames, fps, audio, AUDIO_SAMPLE_RATE, source=r.path,
+                                        audio_source=r.audio or ""))
         if refs:
             cfg = self.pipeline_config
             refs = refmod.normalize_references(
@@ -588,20 +637,21 @@ class Session:
         **overrides: Any,
     ) -> GenerationResult:
         """Generate one clip with sound (see the module docstring). `output` (MP4), `frames_dir` (PNG per frame)
-        and `wav` are written atomically after decoding, in the `write` phase."""
+        and `wav` are checked before any work (`check_outputs`) and written in the `write` phase as one set: every
+        file is written to a temp file first and all are renamed only when all succeeded (`io_utils.
+        atomic_write_all`), so a failure leaves none of them."""
         s = self.settings(request, **overrides).checked_paths()
-        if not s.prompt.strip():
-            raise ValidationError("prompt='': empty prompt, describe the clip to generate")
-        for target, suffix in ((output, ".mp4"), (wav, ".wav")):
-            if target and Path(target).suffix.lower() != suffix:
-                raise ValidationError(f"output {str(target)!r}: must end in {suffix}")
+        check_prompt(s.prompt)
+        outputs = check_outputs(output, wav, frames_dir)
+        self.check_prompt_length(s.prompt)
         if s.ablations:
             unknown = [n for n in s.ablations if n not in ablation_factors()]
             if unknown:  # fail before any work
                 raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(ablation_factors())}")
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
-            return self._generate(s, media, progress, cancel, preview, output, frames_dir, wav)
+            return self._generate(s, media, progress, cancel, preview, outputs["output"], outputs["frames_dir"],
+                                  outputs["wav"])
 
     def _generate(self, s, media, progress, cancel, preview, output, frames_dir, wav) -> GenerationResult:
         from .sampler import DualSchedule
@@ -631,6 +681,11 @@ class Session:
         with _Timer(self, timings, "denoise"):
             loop = self._denoise(s, schedule, media, text, cond, progress, cancel, preview)
         self._phase_done("transformer", "transformer_ref")
+        if cancel is not None and cancel.is_set():  # set during the last pass: stop before decoding and writing
+            raise GenerationCancelled(
+                f"cancelled after pass {schedule.num_passes} of {schedule.num_passes}, before decoding; the session "
+                "is unchanged"
+            )
 
         with _Timer(self, timings, "decode_video"):
             frames = self._load("vae").decode(loop["latents"])
@@ -664,15 +719,17 @@ class Session:
             arm=loop["arm"],
         )
         with _Timer(self, timings, "write"):
-            if output:
-                result.outputs.append(self.save(result, output).resolve())
-            if wav:
-                result.outputs.append(self.save(result, wav).resolve())
-            if frames_dir:
-                from .components import media as media_io
+            from .components import media as media_io
 
-                media_io.write_png_frames(frames_dir, frames)
-                result.outputs.append(Path(frames_dir).resolve())
+            items = []  # (path, writer): written together, renamed together (write all, then rename all)
+            if output:
+                items.append(media_io.mp4_writer(output, frames, fps=FPS, audio=audio))
+            if wav:
+                items.append(media_io.wav_writer(wav, audio, AUDIO_SAMPLE_RATE))
+            if frames_dir:
+                items += media_io.png_frame_writers(frames_dir, frames)
+            atomic_write_all(items)
+            result.outputs = [Path(p).resolve() for p in (output, wav, frames_dir) if p]
         return result
 
     # -------------------------------------------------------------------------------------- phases
@@ -885,11 +942,12 @@ class Session:
 
         path = Path(path)
         suffix = path.suffix.lower()
+        if suffix not in (".mp4", ".wav"):
+            raise ValidationError(f"output {str(path)!r}: extension must be .mp4 (video + audio) or .wav (audio)")
+        check_output_file(path, (suffix,), "output")
         if suffix == ".mp4":
             return media.write_mp4(path, result.frames, fps=FPS, audio=result.audio)
-        if suffix == ".wav":
-            return media.write_wav(path, result.audio, result.sample_rate)
-        raise ValidationError(f"output {str(path)!r}: extension must be .mp4 (video + audio) or .wav (audio)")
+        return media.write_wav(path, result.audio, result.sample_rate)
 
     def drift(self, a: GenerationResult, b: GenerationResult):
         """First drift between two generations of this session (`drift.compare`): each result's sealed `RunSpec`

@@ -90,6 +90,15 @@ def check_path(path: Any, what: str = "path") -> str:
     return str(p)
 
 
+def check_prompt(prompt: Any) -> str:
+    """A prompt to generate from: a string with something other than whitespace in it."""
+    if not isinstance(prompt, str):
+        raise ValidationError(f"prompt={prompt!r}: must be a string")
+    if not prompt.strip():
+        raise ValidationError(f"prompt={prompt!r}: empty prompt (blank or only whitespace), describe the clip to generate")
+    return prompt
+
+
 # --------------------------------------------------------------------------------------------- geometry
 def _int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):

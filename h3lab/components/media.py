@@ -18,6 +18,14 @@ Contract
   32 kHz stereo, resampled and (for mono) duplicated by ffmpeg.
 - Errors a user can cause (missing file, not media, no stream of the needed kind, odd size, bad array) raise
   `MediaError` (an `H3Error`) with a one-line message naming the path or value and the rule.
+- Files are probed for what they are before use: `probe` reports the container, whether it is a still image
+  (`MediaInfo.is_image`: ffmpeg's image demuxers, `png_pipe`, `image2`, ...) and whether its data ends before its
+  header says (`MediaInfo.truncated`: a stream-copy pass to the null muxer reports ffmpeg's "partial file"; a WAV
+  whose data chunk is shorter than its header declares). `check_video` / `check_audio_file` turn those into one
+  line naming the file: "is an image, not a video", "is truncated: ...", "has no audio stream".
+- Writers come in two forms: `write_mp4` / `write_wav` / `write_png_frames` write one artifact now;
+  `mp4_writer` / `wav_writer` / `png_frame_writers` return `(path, writer)` items for `io_utils.atomic_write_all`,
+  which writes a whole set of outputs and renames them only when every one succeeded.
 """
 
 from __future__ import annotations
@@ -26,17 +34,18 @@ import dataclasses
 import math
 import os
 import re
+import shutil
 import struct
 import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import H3Error
-from ..io_utils import atomic_write
+from ..io_utils import atomic_write, atomic_write_all, bytes_writer
 
 FPS = 24
 SAMPLE_RATE = 32000
@@ -52,6 +61,21 @@ def ffmpeg_exe() -> str:
     import imageio_ffmpeg
 
     return imageio_ffmpeg.get_ffmpeg_exe()
+
+
+def check_ffmpeg() -> str:
+    """The ffmpeg binary, checked before any work: `IMAGEIO_FFMPEG_EXE` (which imageio-ffmpeg takes unchecked)
+    must name an executable file; without it the bundled binary must exist. One-line `MediaError` otherwise."""
+    env = os.environ.get("IMAGEIO_FFMPEG_EXE")
+    try:
+        exe = ffmpeg_exe()
+    except RuntimeError:
+        raise MediaError("no ffmpeg found: reinstall imageio-ffmpeg, or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary") from None
+    where = f"IMAGEIO_FFMPEG_EXE={env!r}" if env else f"ffmpeg {exe!r}"
+    exe = shutil.which(exe) or exe  # a bare name is looked up on PATH, as subprocess does
+    if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
+        raise MediaError(f"{where}: not an executable file (h3lab runs ffmpeg for every MP4 and media input)")
+    return exe
 
 
 # ------------------------------------------------------------------------------------------------ array checks
@@ -113,6 +137,11 @@ class StreamInfo:
     rotation: float = 0.0  # display-matrix rotation in degrees; ffmpeg autorotates on decode
 
 
+# ffmpeg demuxers of still images (a PNG read by ffmpeg is a one-frame "video" stream at 25 fps).
+IMAGE_CONTAINERS = ("image2", "png_pipe", "jpeg_pipe", "bmp_pipe", "webp_pipe", "tiff_pipe", "gif_pipe", "ppm_pipe",
+                    "pgm_pipe", "pam_pipe", "qoi_pipe", "jpegls_pipe", "dpx_pipe", "exr_pipe", "psd_pipe", "svg_pipe")
+
+
 @dataclass(frozen=True)
 class MediaInfo:
     path: str
@@ -120,6 +149,21 @@ class MediaInfo:
     duration: float | None
     streams: tuple[StreamInfo, ...] = field(default_factory=tuple)
     frame_count: int | None = None  # packets of the first video stream (one per frame for every codec we write)
+    truncated: str = ""  # why the data ends before the header says ("" when complete)
+
+    @property
+    def is_image(self) -> bool:
+        """A still image (ffmpeg's image demuxers), not a video, even though ffmpeg lists a video stream."""
+        return self.container.split(",")[0] in IMAGE_CONTAINERS or self.container.endswith("_pipe")
+
+    @property
+    def kind(self) -> str:
+        """'image', 'video' (a video stream, with or without audio), 'audio' or 'other', for messages."""
+        if self.is_image:
+            return "image"
+        if self.video is not None:
+            return "video"
+        return "audio" if self.audio is not None else "other"
 
     def first(self, kind: str) -> StreamInfo | None:
         return next((s for s in self.streams if s.kind == kind), None)
@@ -171,16 +215,66 @@ def _parse_stream(index: int, kind: str, rest: str) -> StreamInfo:
     return StreamInfo(index, kind, codec)
 
 
+def _wav_truncation(p: Path) -> str:
+    """For a RIFF/WAVE file: why its data chunk is shorter than the header declares ("" when it is not)."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(12)
+            if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+                return ""
+            size = p.stat().st_size
+            while True:
+                chunk = f.read(8)
+                if len(chunk) < 8:
+                    return ""
+                name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+                if name == b"data":
+                    held = size - f.tell()
+                    if length != 0xFFFFFFFF and held < length:  # 0xFFFFFFFF: a streamed WAV of unknown length
+                        return f"its header declares {length:,} bytes of samples, the file holds {held:,}"
+                    return ""
+                f.seek(length + (length & 1), os.SEEK_CUR)
+    except OSError:
+        return ""
+
+
+def _partial_data(p: Path) -> str:
+    """ffmpeg's complaint when a stream's packets run past the end of the file ("" when it reads to the end): a
+    stream-copy pass of every stream to the null muxer, no decoding."""
+    cmd = [ffmpeg_exe(), "-hide_banner", "-nostdin", "-v", "error", "-i", str(p), "-map", "0", "-c", "copy", "-f",
+           "null", "-"]
+    run = subprocess.run(cmd, capture_output=True)
+    text = run.stderr.decode("utf-8", "replace")
+    m = re.search(r"stream (\d+), offset (0x[0-9a-f]+): partial file", text)
+    if m:
+        offset, size = int(m.group(2), 16), p.stat().st_size
+        return f"its stream {m.group(1)} packet at byte {offset:,} runs past the end of the file ({size:,} bytes)"
+    return ""
+
+
+def _starts_mp4(p: Path) -> bool:
+    """An ISO-BMFF file (MP4/MOV) opens with an `ftyp` box: bytes 4..8."""
+    try:
+        with open(p, "rb") as f:
+            return f.read(8)[4:8] == b"ftyp"
+    except OSError:
+        return False
+
+
 def probe(path: str | os.PathLike, count_frames: bool = True) -> MediaInfo:
     """Streams, codecs, sizes, rates and channel counts of a media file, parsed from `ffmpeg -i` (there is no
-    ffprobe in imageio-ffmpeg). With `count_frames`, the first video stream's packets are counted by a stream-copy
-    pass to the null muxer (`-c copy -f null`), which reads the container without decoding."""
+    ffprobe in imageio-ffmpeg), whether it is a still image, and whether it is truncated (module docstring). With
+    `count_frames`, the first video stream's packets are counted by a stream-copy pass to the null muxer (`-c copy
+    -f null`), which reads the container without decoding."""
     p = _check_input_path(path)
     proc = subprocess.run([ffmpeg_exe(), "-hide_banner", "-nostdin", "-i", str(p)], capture_output=True)
     text = proc.stderr.decode("utf-8", "replace")
     container = re.search(r"^Input #0, ([^,]+(?:,[^,\s]+)*), from", text, re.M)
     if container is None:
-        raise MediaError(f"{str(p)!r} is not a media file ffmpeg can read ({_last_error_line(proc.stderr)})")
+        reason = _last_error_line(proc.stderr)
+        if _starts_mp4(p):  # an MP4 (it opens with 'ftyp') that ffmpeg cannot open: cut short, or never finished
+            raise MediaError(f"{str(p)!r} is a truncated or unfinished MP4: ffmpeg cannot open it ({reason})")
+        raise MediaError(f"{str(p)!r} is not a media file ffmpeg can read ({reason})")
     dur = re.search(r"Duration: (\d+):(\d+):(\d+(?:\.\d+)?)", text)
     duration = int(dur.group(1)) * 3600 + int(dur.group(2)) * 60 + float(dur.group(3)) if dur else None
     streams: list[StreamInfo] = []
@@ -198,7 +292,57 @@ def probe(path: str | os.PathLike, count_frames: bool = True) -> MediaInfo:
         run = subprocess.run(cmd, capture_output=True)
         counts = re.findall(r"frame=\s*(\d+)", run.stderr.decode("utf-8", "replace"))
         frame_count = int(counts[-1]) if counts else None
-    return MediaInfo(str(p), container.group(1), duration, tuple(streams), frame_count)
+    info = MediaInfo(str(p), container.group(1), duration, tuple(streams), frame_count)
+    if not streams and _starts_mp4(p):
+        info = dataclasses.replace(info, truncated="an MP4 header with no stream index ('moov') after it")
+    elif not info.is_image:
+        truncated = _wav_truncation(p) if info.container.split(",")[0] == "wav" else _partial_data(p)
+        info = dataclasses.replace(info, truncated=truncated)
+    return info
+
+
+def _what(info: MediaInfo) -> str:
+    """'a PNG image', 'an MP4/MOV video', 'a WAV audio file', ... for messages."""
+    container = info.container.split(",")[0]
+    if info.is_image:
+        codec = info.video.codec.upper() if info.video is not None else container.removesuffix("_pipe").upper()
+        return f"{'an' if codec[:1] in 'AEIOU' else 'a'} {codec} image"
+    if info.video is not None:
+        return "a video" + (" without sound" if info.audio is None else "")
+    if info.audio is not None:
+        return f"an audio file ({container})"
+    return f"a {container} file with no video or audio stream"
+
+
+def check_video(path: str | os.PathLike, flag: str, needs_audio: bool = False) -> MediaInfo:
+    """Probe a file given as a video (`flag` names the option for messages): it must be complete, a video (not an
+    image) with a frame rate, and with an audio stream when `needs_audio`."""
+    info = probe(path, count_frames=False)
+    where = f"{flag} {str(path)!r}"
+    if info.is_image:
+        raise MediaError(f"{where}: is {_what(info)}, not a video (use --ref-image for images)")
+    if info.truncated:
+        raise MediaError(f"{where}: is truncated ({info.truncated}); re-export or re-download it")
+    if info.video is None:
+        raise MediaError(f"{where}: is {_what(info)}, not a video")
+    if not info.video.fps:
+        raise MediaError(f"{where}: its video stream reports no frame rate")
+    if needs_audio and info.audio is None:
+        raise MediaError(
+            f"{where}: has no audio stream (use --ref-silent-video, or --ref-video-audio VIDEO AUDIO)"
+        )
+    return info
+
+
+def check_audio_file(path: str | os.PathLike, flag: str) -> MediaInfo:
+    """Probe a file given for its sound: complete, with an audio stream."""
+    info = probe(path, count_frames=False)
+    where = f"{flag} {str(path)!r}"
+    if info.truncated:
+        raise MediaError(f"{where}: is truncated ({info.truncated}); re-export or re-download it")
+    if info.audio is None:
+        raise MediaError(f"{where}: is {_what(info)}, which has no audio stream")
+    return info
 
 
 # ------------------------------------------------------------------------------------------------ writers
@@ -219,7 +363,8 @@ def _feed(fd_or_file: Any, data: memoryview, errors: list[BaseException]) -> Non
         errors.append(err)
 
 
-def _encode_mp4(tmp: str, frames: np.ndarray, fps: float, audio: np.ndarray | None, crf: int) -> None:
+def _encode_mp4(tmp: str, frames: np.ndarray, fps: float, audio: np.ndarray | None, crf: int,
+                target: str = "") -> None:
     f, h, w, _ = frames.shape
     cmd = [ffmpeg_exe(), "-hide_banner", "-nostdin", "-loglevel", "error", "-y"]
     # Input 0: raw RGB24 frames on stdin.
@@ -265,7 +410,27 @@ def _encode_mp4(tmp: str, frames: np.ndarray, fps: float, audio: np.ndarray | No
     if errors:
         raise errors[0]
     if code != 0:
-        raise MediaError(f"ffmpeg failed to encode MP4 {tmp!r} (exit {code}): {_last_error_line(stderr)}")
+        raise MediaError(f"ffmpeg failed to encode MP4 {target or tmp!r} (exit {code}): {_last_error_line(stderr)}")
+
+
+def mp4_writer(
+    path: str | os.PathLike,
+    frames: Any,
+    fps: float = FPS,
+    audio: Any | None = None,
+    crf: int = 18,
+) -> tuple[Path, Callable[[str], None]]:
+    """`(path, writer)` for `io_utils.atomic_write_all`: the inputs are checked now, the encode runs in `writer`."""
+    arr = _check_frames(frames)
+    _, h, w, _ = arr.shape
+    if h % 2 or w % 2:
+        raise MediaError(f"frame size {w}x{h}: H.264 yuv420p needs even width and height (refused, not padded)")
+    if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
+        raise MediaError(f"fps={fps!r}: must be a positive finite number")
+    pcm = None if audio is None else _check_audio(audio)
+    if not isinstance(crf, int) or not 0 <= crf <= 51:
+        raise MediaError(f"crf={crf!r}: must be an integer in 0..51")
+    return Path(path), lambda tmp: _encode_mp4(tmp, arr, float(fps), pcm, crf, target=str(path))
 
 
 def write_mp4(
@@ -279,16 +444,7 @@ def write_mp4(
 
     Odd H or W are refused (yuv420p needs even dimensions). Audio longer or shorter than the video is kept whole
     (the audio VAE decodes whole 800-sample hops, e.g. 5.175 s of audio against 5.167 s of video at 124 frames)."""
-    arr = _check_frames(frames)
-    _, h, w, _ = arr.shape
-    if h % 2 or w % 2:
-        raise MediaError(f"frame size {w}x{h}: H.264 yuv420p needs even width and height (refused, not padded)")
-    if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
-        raise MediaError(f"fps={fps!r}: must be a positive finite number")
-    pcm = None if audio is None else _check_audio(audio)
-    if not isinstance(crf, int) or not 0 <= crf <= 51:
-        raise MediaError(f"crf={crf!r}: must be an integer in 0..51")
-    return atomic_write(path, lambda tmp: _encode_mp4(tmp, arr, float(fps), pcm, crf))
+    return atomic_write(*mp4_writer(path, frames, fps, audio, crf))
 
 
 def wav_bytes(audio: Any, sample_rate: int = SAMPLE_RATE) -> bytes:
@@ -310,19 +466,20 @@ def wav_bytes(audio: Any, sample_rate: int = SAMPLE_RATE) -> bytes:
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
+def wav_writer(path: str | os.PathLike, audio: Any, sample_rate: int = SAMPLE_RATE
+               ) -> tuple[Path, Callable[[str], None]]:
+    """`(path, writer)` for `io_utils.atomic_write_all` (the samples are checked and serialised now)."""
+    return Path(path), bytes_writer(wav_bytes(audio, sample_rate))
+
+
 def write_wav(path: str | os.PathLike, audio: Any, sample_rate: int = SAMPLE_RATE) -> Path:
     """Write `(C, N)` float audio as a float32 WAV, atomically (lossless: reads back bit for bit)."""
-    data = wav_bytes(audio, sample_rate)
-
-    def writer(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    return atomic_write(path, writer)
+    return atomic_write(*wav_writer(path, audio, sample_rate))
 
 
-def write_png_frames(directory: str | os.PathLike, frames: Any, prefix: str = "frame_") -> list[Path]:
-    """Write each frame as `<dir>/<prefix>00000.png` (atomically, one by one); returns the paths in order."""
+def png_frame_writers(directory: str | os.PathLike, frames: Any, prefix: str = "frame_"
+                      ) -> list[tuple[Path, Callable[[str], None]]]:
+    """`(path, writer)` per frame, `<dir>/<prefix>00000.png`, in order, for `io_utils.atomic_write_all`."""
     from PIL import Image
 
     arr = _check_frames(frames)
@@ -331,13 +488,16 @@ def write_png_frames(directory: str | os.PathLike, frames: Any, prefix: str = "f
         raise MediaError(f"frames directory {str(out)!r} exists and is not a directory")
     if not re.fullmatch(r"[A-Za-z0-9_.-]*", prefix):
         raise MediaError(f"frame prefix {prefix!r}: only letters, digits, '_', '.', '-' are allowed")
-    out.mkdir(parents=True, exist_ok=True)
     width = max(5, len(str(arr.shape[0] - 1)))
-    paths = []
-    for i, frame in enumerate(arr):
-        image = Image.fromarray(frame)  # uint8 (H, W, 3) -> RGB
-        paths.append(atomic_write(out / f"{prefix}{i:0{width}d}.png", lambda tmp, im=image: im.save(tmp, "PNG")))
-    return paths
+    return [
+        (out / f"{prefix}{i:0{width}d}.png", lambda tmp, im=Image.fromarray(frame): im.save(tmp, "PNG"))
+        for i, frame in enumerate(arr)  # uint8 (H, W, 3) -> RGB
+    ]
+
+
+def write_png_frames(directory: str | os.PathLike, frames: Any, prefix: str = "frame_") -> list[Path]:
+    """Write each frame as `<dir>/<prefix>00000.png` (all written, then all renamed); returns the paths in order."""
+    return atomic_write_all(png_frame_writers(directory, frames, prefix))
 
 
 # ------------------------------------------------------------------------------------------------ readers
@@ -352,9 +512,25 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
             image = ImageOps.exif_transpose(image)
             rgb = image.convert("RGB")
             rgb.load()
-    except (UnidentifiedImageError, OSError) as err:
-        raise MediaError(f"{str(p)!r} is not an image PIL can decode ({err})") from None
+    except UnidentifiedImageError:
+        raise MediaError(f"{str(p)!r} is not an image PIL can decode ({_not_an_image(p)})") from None
+    except (OSError, SyntaxError, ValueError) as err:  # PIL: "image file is truncated", broken chunks, ...
+        text = str(err).split("\n")[0]
+        if "truncated" in text:
+            raise MediaError(f"{str(p)!r} is a truncated image ({text}); re-export or re-download it") from None
+        raise MediaError(f"{str(p)!r} is a damaged image PIL cannot decode ({text})") from None
     return np.asarray(rgb, dtype=np.uint8).copy()
+
+
+def _not_an_image(p: Path) -> str:
+    """What a file PIL cannot identify is instead, per ffmpeg ("it is a video", ...), for messages."""
+    try:
+        info = probe(p, count_frames=False)
+    except MediaError:
+        return "neither PIL nor ffmpeg recognise its format"
+    if info.is_image or info.video is None and info.audio is None:  # ffmpeg went by the file name alone
+        return "its bytes are not an image format PIL knows"
+    return f"it is {_what(info)}" + ("; use --ref-video / --ref-silent-video for videos" if info.video else "")
 
 
 def resample_frame_indices(num_frames: int, fps: float, target_fps: float = FPS) -> np.ndarray:
@@ -385,8 +561,10 @@ def read_video(
     p = _check_input_path(path)
     info = probe(p, count_frames=False)
     stream = info.video
-    if stream is None:
-        raise MediaError(f"{str(p)!r} has no video stream")
+    if stream is None or info.is_image:
+        raise MediaError(f"{str(p)!r} has no video stream (it is {_what(info)})")
+    if info.truncated:
+        raise MediaError(f"{str(p)!r} is truncated ({info.truncated}); re-export or re-download it")
     if not stream.width or not stream.height:
         raise MediaError(f"{str(p)!r}: cannot read the video frame size from ffmpeg's stream description")
     height, width = stream.height, stream.width
@@ -426,7 +604,9 @@ def read_audio(path: str | os.PathLike, max_seconds: float | None = None) -> np.
     p = _check_input_path(path)
     info = probe(p, count_frames=False)
     if info.audio is None:
-        raise MediaError(f"{str(p)!r} has no audio stream")
+        raise MediaError(f"{str(p)!r} has no audio stream (it is {_what(info)})")
+    if info.truncated:
+        raise MediaError(f"{str(p)!r} is truncated ({info.truncated}); re-export or re-download it")
     cmd = [ffmpeg_exe(), "-hide_banner", "-nostdin", "-loglevel", "error", "-i", str(p), "-map", "0:a:0", "-vn"]
     if max_seconds is not None:
         cmd += ["-t", repr(float(max_seconds))]

@@ -4,9 +4,11 @@ normalisation onto the released model's rates and resolutions.
 Types (all media in memory, numpy, CPU):
 - `Keyframe(image uint8 (H, W, 3), anchor "first" | "last")` — already on the target canvas (`conditioning.py`).
 - `ImageRef(image uint8 (H, W, 3))`, `VideoRef(frames uint8 (F, H, W, 3), fps, audio float32 (2|1, N) | None,
-  sample_rate)`, `AudioRef(audio float32 (2|1, N), sample_rate)`. The seed README's five user kinds map onto them:
+  sample_rate, audio_source)`, `AudioRef(audio float32 (2|1, N), sample_rate)`. The seed README's five user kinds
+  map onto them:
   image -> ImageRef; silent video -> VideoRef(audio=None); video with its soundtrack / with a replacement file ->
-  VideoRef(audio=...); standalone audio -> AudioRef. `source` is a free-form label (a path) for messages.
+  VideoRef(audio=...); standalone audio -> AudioRef. `source` is a free-form label (a path) for messages;
+  `audio_source` labels a replacement soundtrack, so a rule its length breaks names that file, not the video.
 
 Validation (`validate_references`, `validate_conditioning`) raises `ValidationError` with a one-line message. Where the
 seed README and Diffusers disagree on a user-facing rule the **seed README rule stands** (DESIGN.md); each difference:
@@ -116,6 +118,7 @@ class VideoRef:
     audio: np.ndarray | None = None  # float32 (1|2, N) soundtrack or replacement audio
     sample_rate: int = SAMPLE_RATE
     source: str = ""
+    audio_source: str = ""  # the replacement soundtrack's file (video-audio references), for messages
     kind = "video"
 
     def __post_init__(self) -> None:
@@ -195,8 +198,9 @@ def validate_references(references: Sequence[Reference]) -> None:
     for i, ref in audio_inputs:
         seconds = ref.audio.shape[1] / ref.sample_rate
         if not MIN_AUDIO_SECONDS <= seconds <= MAX_AUDIO_SECONDS:
+            sound = f"replacement audio {ref.audio_source!r}" if getattr(ref, "audio_source", "") else "audio"
             raise ValidationError(
-                f"{_label(i, ref)} audio lasts {seconds:.3f} s: each audio input must last "
+                f"{_label(i, ref)} {sound} lasts {seconds:.3f} s: each audio input must last "
                 f"{MIN_AUDIO_SECONDS:g}-{MAX_AUDIO_SECONDS:g} s"
             )
         total += seconds

@@ -38,6 +38,15 @@ Contract
   role, shape, dtype, rate and raw bytes (length-prefixed, so no two different requests share a byte stream). Use it
   on normalised media: it then also captures canvas size and truncation. `salt` carries e.g. a checkpoint fingerprint.
 - Device/dtype: the encoder lives on `device` in the snapshot dtype unless `dtype` is given; outputs stay on `device`.
+- Length bound: a presentation longer than the encoder's context, `text_config.max_position_embeddings` (262,144 for
+  the released Qwen3-VL-32B conditioner, 4,096 for the tiny snapshot), is refused with a one-line `ValidationError`.
+  The released pipeline tokenizes with no `max_length` and no truncation (Diffusers 0.42.1
+  `modular_pipelines/minimax_h3/encoders.py`) and hands every token to Qwen3-VL, so the only limit it has is the
+  encoder's position range; h3lab enforces that limit as an error rather than truncating, because a truncated
+  prompt would condition on text the user did not see and on embeddings the released pipeline never produces.
+  `PromptBound.from_pretrained(snapshot)` checks a prompt with the tokenizer alone (no weights load, milliseconds
+  for 100,000 characters), so the session refuses a long prompt before any model is loaded; `present` checks the
+  whole presentation (labels and vision blocks included) again before the encoder runs.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +67,70 @@ from ..errors import CheckpointError, ValidationError
 from .references import FPS, TEMPORAL_PATCH, TEXT_SAMPLE_FPS, AudioRef, ImageRef, Keyframe, Reference, VideoRef
 
 TEXT_ENCODER_LAYER = 50
+
+
+# ------------------------------------------------------------------------------------------------ length bound
+def token_limit(snapshot: str | Path) -> int:
+    """The text encoder's context, `text_config.max_position_embeddings` of `text_encoder/config.json`."""
+    path = Path(snapshot) / "text_encoder" / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        limit = data.get("text_config", data)["max_position_embeddings"]
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: does not state text_config.max_position_embeddings") from None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise CheckpointError(f"{path}: max_position_embeddings={limit!r} must be a positive integer")
+    return limit
+
+
+def check_token_count(count: int, limit: int, prompt: str, extra: int = 0) -> None:
+    """One-line `ValidationError` when `count` presented tokens (`extra` of them from labels and vision blocks)
+    exceed the encoder's context `limit` (see the module docstring: no truncation)."""
+    if count <= limit:
+        return
+    parts = f"{count:,} tokens" + (f" ({extra:,} of them for the anchors/references)" if extra else "")
+    raise ValidationError(
+        f"prompt of {len(prompt):,} characters: {parts}, above the text encoder's {limit:,}-token context "
+        "(text_encoder/config.json max_position_embeddings); the released pipeline does not truncate, so "
+        "shorten the prompt"
+    )
+
+
+class PromptBound:
+    """The length rule with the tokenizer alone (no weights): `check(prompt) -> token count`. `count(prompt)` is
+    the number of ids the pipeline's tokenizer gives with `add_special_tokens=False`; from `tokenizer/tokenizer.json`
+    it is counted by the `tokenizers` library directly (the fast tokenizer's own engine: same ids, without the
+    second of importing transformers), else by transformers' `AutoTokenizer`."""
+
+    def __init__(self, count: Callable[[str], int], limit: int):
+        self.count, self.limit = count, limit
+
+    @classmethod
+    def from_pretrained(cls, snapshot: str | Path) -> "PromptBound":
+        root = Path(snapshot)
+        folder = root / "tokenizer"
+        if not folder.is_dir():
+            raise CheckpointError(f"snapshot {str(root)!r} has no tokenizer/ folder")
+        limit = token_limit(root)
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
+                raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
+            return cls(lambda text: len(fast.encode(text, add_special_tokens=False).ids), limit)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return cls(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]), limit)
+
+    def check(self, prompt: str) -> int:
+        count = self.count(prompt)
+        check_token_count(count, self.limit, prompt)
+        return count
 
 
 # ------------------------------------------------------------------------------------------------ video frames
@@ -273,6 +346,7 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.processor = processor
         self.layer = layer
+        self.max_tokens = int(model.config.text_config.max_position_embeddings)
         self._special = {
             name: tokenizer.convert_tokens_to_ids(name)
             for name in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -387,9 +461,11 @@ class TextEncoder:
                     emit(self._vision("<|video_pad|>", video_tokens[counts["video"] - 1]))
             elif not isinstance(ref, AudioRef):
                 raise ValidationError(f"reference of type {type(ref).__name__}: must be ImageRef, VideoRef or AudioRef")
-        emit(self._text(prompt))
+        prompt_segment = self._text(prompt)
+        emit(prompt_segment)
         if not ids:
             raise ValidationError("empty prompt and no conditioning: nothing to encode")
+        check_token_count(len(ids), self.max_tokens, prompt, extra=len(ids) - len(prompt_segment[0]))
         return ids, tags, vision
 
     # -------------------------------------------------------------------------------------- encode

@@ -159,7 +159,23 @@ def test_audit_runs_torch_and_records_every_op_as_not_strict(model, kwargs, stri
 
 
 # --------------------------------------------------------------------------------------------------- auto
-def test_auto_is_strict_wherever_a_kernel_serves(model, kwargs, strict_run, spy):
+def test_auto_on_cpu_runs_torch_not_the_interpreter(model, kwargs, strict_run, spy):
+    """auto never runs Triton's interpreter: on CPU tensors every op is the torch op (recorded, with the reason), the
+    bytes are off's, and strict in the same process still runs every op strict."""
+    out, trace = run(model, kwargs, "auto")
+    assert spy.calls == Counter(r.op for r in trace.records)  # each op ran torch exactly once
+    off, _ = run(model, kwargs, "off")
+    assert same_bytes(out, off) and trace.records and trace.fallbacks == trace.records
+    for r in trace.records:
+        assert (r.requested, r.actual) == ("auto", "torch"), r
+        assert r.fallback == f"auto fallback: {runtime.AUTO_CPU_REASON}", r
+    assert all(r.actual == "strict" for r in strict_run[1].records)
+
+
+# The three tests below check auto's per-op dispatch (the rule it follows on CUDA) on this CPU machine, through the
+# interpreter: they ask for it with AUTO_ON_CPU = "interpreter".
+def test_auto_is_strict_wherever_a_kernel_serves(model, kwargs, strict_run, spy, monkeypatch):
+    monkeypatch.setattr(runtime, "AUTO_ON_CPU", "interpreter")
     strict_out, strict_trace, _ = strict_run
     out, trace = run(model, kwargs, "auto")
     assert spy.calls == Counter() and not trace.fallbacks
@@ -169,6 +185,7 @@ def test_auto_is_strict_wherever_a_kernel_serves(model, kwargs, strict_run, spy)
 
 
 def test_auto_records_the_fallback_of_an_unregistered_op(model, kwargs, strict_run, spy, monkeypatch):
+    monkeypatch.setattr(runtime, "AUTO_ON_CPU", "interpreter")
     monkeypatch.delitem(registry.STRICT_OPS, "rope")
     out, trace = run(model, kwargs, "auto")
     layers = model.config.num_layers
@@ -183,7 +200,8 @@ def test_auto_records_the_fallback_of_an_unregistered_op(model, kwargs, strict_r
     assert same_bytes(out, strict_run[0])
 
 
-def test_auto_records_the_fallback_of_a_refused_dtype(half_model, kwargs, spy):
+def test_auto_records_the_fallback_of_a_refused_dtype(half_model, kwargs, spy, monkeypatch):
+    monkeypatch.setattr(runtime, "AUTO_ON_CPU", "interpreter")
     out, trace = run(half_model, kwargs, "auto")
     assert all(torch.isfinite(o).all() and o.dtype == torch.float16 for o in out)
     fell_back = {r.op for r in trace.fallbacks}
