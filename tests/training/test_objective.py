@@ -10,7 +10,8 @@ from training_cases import SMALL, build_model, make_clip, make_layout
 
 from h3lab import sampler
 from h3lab.layout import CONDITION_VIDEO_T
-from h3lab.trajectory import DenoiseInputs, run_trajectory
+from h3lab.run import DenoiseInputs, RunSpec
+from h3lab.trajectory import record
 from h3lab.training import ClipRequest, Objective, TrainingError, flow_matching_loss, rollout_request, rollout_requests
 from h3lab.training.objective import shifted_sigma
 
@@ -152,7 +153,7 @@ def trajectory():
     noise = torch.randn(clip.video.shape, generator=torch.Generator().manual_seed(7))
     video = torch.cat([clip.video[:, :4], noise[:, 4:]], 1)
     inputs = DenoiseInputs.from_layout(layout, schedule, clip.text, video, torch.randn(clip.audio.shape))
-    return run_trajectory(model, inputs, schedule, mode="off", keep=("latents", "velocities"))
+    return record(RunSpec(inputs, schedule, mode="off"), model, keep=("latents", "velocities"))
 
 
 def test_rollout_request_targets_the_rollouts_final_latents(trajectory):
@@ -212,6 +213,6 @@ def test_bad_inputs_raise(trajectory):
         rollout_request(trajectory, trajectory.inputs.num_passes)
     with pytest.raises(TrainingError, match="item"):
         rollout_request(trajectory, 0, item=1)
-    bare = run_trajectory(build_model(SMALL, "float32", 4), trajectory.inputs, trajectory.schedule, mode="off")
+    bare = record(RunSpec(trajectory.inputs, trajectory.schedule, mode="off"), build_model(SMALL, "float32", 4))
     with pytest.raises(TrainingError, match="keep=\\('latents'"):
         rollout_request(bare, 1)

@@ -11,7 +11,8 @@ import torch
 from training_cases import SMALL, build_model, make_clip, make_dataset, make_layout
 
 from h3lab import sampler
-from h3lab.trajectory import DenoiseInputs, run_trajectory
+from h3lab.run import DenoiseInputs, RunSpec
+from h3lab.trajectory import record
 from h3lab.training import (
     Objective,
     SampleRequest,
@@ -171,7 +172,7 @@ def test_rollout_dataset_round_trip(tmp_path):
     schedule = sampler.DualSchedule.from_passes(2)
     clip = make_clip(SMALL, layout, seed=6)
     inputs = DenoiseInputs.from_layout(layout, schedule, clip.text, clip.video, clip.audio)
-    traj = run_trajectory(model, inputs, schedule, mode="off", keep=("latents",))
+    traj = record(RunSpec(inputs, schedule, mode="off"), model, keep=("latents",))
     data = rollout_requests(traj, weight=0.5)
     config = TrainConfig(steps=1, batch_size=2, mode="off", lr=1e-3)
     run = train(build_model(SMALL, "float32", 51), data, config)
