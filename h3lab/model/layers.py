@@ -68,8 +68,10 @@ class RMSNorm(nn.RMSNorm):
 
 
 def _plain(module: nn.Module, cls: type) -> bool:
-    """`module` is exactly `cls`, with its own forward and no torch hooks: calling it is the op it stands for."""
-    return type(module) is cls and "forward" not in module.__dict__ and not (
+    """`module` is exactly `cls`, with its own forward and no torch hooks: calling it is the op it stands for. (An
+    instance `forward` that is the class's own bound method counts as plain: accelerate leaves one on removal.)"""
+    own = module.__dict__.get("forward")
+    return type(module) is cls and (own is None or getattr(own, "__func__", None) is cls.forward) and not (
         module._forward_hooks or module._forward_pre_hooks
         or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
     )

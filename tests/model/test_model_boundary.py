@@ -302,3 +302,31 @@ def test_a_checkpoint_replay_dispatches_through_the_forwards_table():
     for key in results[0]:
         assert torch.equal(results[0][key], results[1][key]), key
     assert results[0]["transformer_blocks.0.attn.to_v.a"].abs().sum() > 0
+
+
+def test_accelerate_hooks_attach_to_blocks_and_norms():
+    """accelerate's `ModelHook` (what its block offload is built on) wraps a module's forward in place; on a block and
+    on a norm it runs once per forward, keeps the bytes, and the wrapped norm is no longer fused past."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Count(ModelHook):
+        def __init__(self):
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    model = build()
+    inputs = small_case(model.config, batch=1)
+    base, trace = run(model, inputs)
+    block, norm = model.transformer_blocks[1], model.transformer_blocks[0].norm2
+    hooks = Count(), Count()
+    add_hook_to_module(block, hooks[0])
+    add_hook_to_module(norm, hooks[1])
+    out, hooked = run(model, inputs)
+    remove_hook_from_module(block)
+    remove_hook_from_module(norm)
+    assert [h.calls for h in hooks] == [1, 1] and same(out, base)
+    assert ("rms_norm", "blocks.0.norm2") in ops_of(hooked) and ("rms_norm", "blocks.0.norm2") not in ops_of(trace)
+    assert ops_of(run(model, inputs)[1]) == ops_of(trace)
