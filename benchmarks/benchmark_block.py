@@ -41,7 +41,6 @@ def main(argv=None) -> dict:
     from h3lab import runtime
     from h3lab.config import H3Config
     from h3lab.layout import build_layout
-    from h3lab.model.layers import Run
 
     config = H3Config.tiny() if args.tiny else H3Config.full()
     shapes = ["tiny-64x64x22f"] if args.tiny else ["512x512x22f", "864x480x56f"]
@@ -64,7 +63,8 @@ def main(argv=None) -> dict:
         def forward(mode: str, grad: bool):
             x = x0.clone().requires_grad_(grad)
             with runtime.use_mode(mode), torch.set_grad_enabled(grad):
-                y = block(Run(runtime.ops(device=device, record=False), None), x, temb, adaln_idx, cos, sin)
+                with runtime.use_ops(runtime.ops(device=device, record=False)):
+                    y = block(x, temb, adaln_idx, (cos, sin))
             return x, y
 
         def fwd_bwd(mode: str):

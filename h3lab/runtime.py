@@ -4,6 +4,12 @@ Every arithmetic operator of `H3Transformer` is called through an `Ops` object o
 at the start of a forward. The op *signatures* are defined once, here, by the `off` table (`REFERENCE_OPS`): plain
 torch, written exactly as Diffusers' `MiniMaxH3Transformer3DModel` computes, so `off` on CPU is bit-equal to it.
 
+The table of the running forward is a context variable: `H3Transformer.forward` enters `use_ops(ops)` for its
+duration (and again around a gradient-checkpoint replay), and every module of the model — or a module outside code
+inserts (a LoRA layer, a tensor-parallel wrapper) — reads it with `current_ops()`, so its calls go through the same
+mode, overrides and trace as the model's own. Outside any forward `current_ops()` is a fresh table of the current
+mode and overrides that records nothing (a module called on its own still runs strict when strict is asked).
+
 Modes (`use_mode(...)`, a context manager over a context variable, so threads and notebooks stay independent):
 
 - ``off``     the reference torch arithmetic; the oracle strict is measured against.
@@ -14,6 +20,9 @@ Modes (`use_mode(...)`, a context manager over a context variable, so threads an
 - ``auto``    strict where the kernel accepts the call, else the torch op, recording each fallback and its reason.
               On the CPU the kernels are Triton's interpreter (exact, far slower): auto runs the torch op there
               (`AUTO_ON_CPU`), so exporting TRITON_INTERPRET=1 never changes what auto runs; strict still runs it.
+
+A kernel's `check` says "cannot serve" by raising `h3kernels.registry.StrictUnsupported` (auto then falls back,
+strict raises `StrictError`); any other exception from a check is a bug in the check and propagates unchanged.
 
 Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
 plant a perturbation, and the trace records them as backend ``override``.
@@ -184,6 +193,7 @@ OP_NAMES = tuple(REFERENCE_OPS)
 _mode: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_mode", default="off")
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_overrides", default={})
 _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
+_current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
 
 
 def check_mode(mode: str) -> str:
@@ -217,6 +227,27 @@ def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
+
+
+@contextlib.contextmanager
+def use_ops(table: "Ops") -> Iterator["Ops"]:
+    """Make `table` the op table of the enclosed code (`current_ops()`); `H3Transformer.forward` enters it."""
+    token = _current_ops.set(table)
+    try:
+        yield table
+    finally:
+        _current_ops.reset(token)
+
+
+def current_ops() -> "Ops":
+    """The op table of the running forward (what `use_ops` set). A module dispatches through it:
+    `runtime.current_ops().linear(x, weight, bias, point="blocks.0.q.lora_a")`. Outside any forward: a fresh table
+    of the current mode and overrides that records nothing."""
+    table = _current_ops.get()
+    if table is None:
+        mode = current_mode()
+        table = Ops(mode, Trace(mode=mode, device=""), record=False)
+    return table
 
 
 def last_trace() -> "Trace | None":
@@ -284,13 +315,28 @@ def versions() -> dict[str, str]:
     return out
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def _describe(args: tuple, kwargs: dict) -> tuple[list, list]:
+    """Shapes and dtype names of the tensor arguments (and of tensors one tuple/list deep), in argument order."""
     shapes, dtypes = [], []
-    for a in list(args) + list(kwargs.values()):
-        for t in a if isinstance(a, (tuple, list)) else (a,):
-            if isinstance(t, torch.Tensor):
-                shapes.append(list(t.shape))
-                dtypes.append(str(t.dtype).replace("torch.", ""))
+    for a in (args + tuple(kwargs.values())) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            shapes.append(list(a.shape))
+            dtypes.append(_DTYPE_NAMES.get(a.dtype) or _dtype_name(a.dtype))
+        elif isinstance(a, (tuple, list)):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    shapes.append(list(t.shape))
+                    dtypes.append(_DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype))
     return shapes, dtypes
 
 
@@ -307,15 +353,16 @@ _TORCH_INFO = {"kernel_id": "torch", "tile": "", "acc_dtype": "torch-default"}
 
 # ------------------------------------------------------------------------------------------------ dispatcher
 class Ops:
-    """The op table of one forward. `ops.linear(x, w, b, point="blocks.3.to_q")`: every op takes its reference
-    signature plus a keyword `point` (the hook point it serves, recorded in the trace)."""
+    """The op table of one forward. `ops.linear(x, w, b, point="blocks.3.q")`: every op takes its reference
+    signature plus a keyword `point` (the hook point it serves, recorded in the trace). The bound op callables are
+    built once per table (first attribute access), so a call costs one dict lookup before `_call`."""
 
     def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True):
         self.mode = check_mode(mode)
         self.trace = trace
         self.record = record
         self._overrides = _overrides.get() if overrides else {}
-        self._strict = _strict_registry() if mode in ("strict", "auto") else {}
+        self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
         """True when no override replaces any of the ops `names`: a fused op may then stand for their sequence
@@ -329,6 +376,8 @@ class Ops:
         def call(*args: Any, point: str = "", **kwargs: Any) -> Any:
             return self._call(name, point, args, kwargs)
 
+        call.__name__ = name
+        self.__dict__[name] = call  # later lookups skip __getattr__
         return call
 
     def _call(self, name: str, point: str, args: tuple, kwargs: dict) -> Any:
@@ -349,7 +398,7 @@ class Ops:
         else:
             try:
                 info = kernel.check(*args, **kwargs)
-            except Exception as exc:  # StrictUnsupported or a validation error: both mean "strict cannot serve"
+            except self._unsupported as exc:  # the kernel refuses the call; any other exception is a bug: it propagates
                 reason = str(exc)
             else:
                 self._log(name, point, "strict", info, args, kwargs)
@@ -367,13 +416,11 @@ class Ops:
         if not self.record:
             return
         shapes, dtypes = _describe(args, kwargs)
-        self.trace.records.append(
-            OpRecord(
-                op=name, point=point, requested=self.mode, actual=actual,
-                kernel_id=str(info.get("kernel_id", "")), tile=str(info.get("tile", "")),
-                acc_dtype=str(info.get("acc_dtype", "")), shapes=shapes, dtypes=dtypes, fallback=fallback,
-            )
-        )
+        get = info.get
+        self.trace.records.append(OpRecord(  # positional, in field order: this runs once per op call
+            name, point, self.mode, actual, str(get("kernel_id", "")), str(get("tile", "")), str(get("acc_dtype", "")),
+            shapes, dtypes, fallback,
+        ))
 
 
 def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool = True) -> Ops:
@@ -391,8 +438,9 @@ def mode_op(name: str) -> Callable[..., Any]:
     return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False), name)
 
 
-def _strict_registry() -> dict[str, Any]:
-    """op name -> strict kernel entry (`.check(*args)` -> provenance dict or raises; `.run(*args)`)."""
+def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:
+    """(op name -> strict kernel entry, the refusal exception). An entry's `.check(*args)` returns the provenance dict
+    or raises `StrictUnsupported`; `.run(*args)` computes the op."""
     from h3kernels import registry
 
-    return registry.STRICT_OPS
+    return registry.STRICT_OPS, registry.StrictUnsupported

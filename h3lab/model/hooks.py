@@ -2,7 +2,8 @@
 
 Contract (docs/ARCHITECTURE.md, "Hook points"):
 
-- `hook_points(config)` lists every `HookPoint(name, layer, op, rows)` in execution order. Each point is the output
+- `hook_points(config)` lists every `HookPoint(name, layer, op, rows, reshapable)` in execution order (`reshapable`
+  defaults to False, so `HookPoint(name, layer, op, rows)` still builds one). Each point is the output
   of one op-table call (`op`, a name of `h3lab.runtime.OP_NAMES`), exactly the tensor the next op consumes:
   `blocks.3.q` is the to_q projection (B, S, inner) before the head split, `blocks.3.attention` the attention output
   (B, S, H, D) before the head merge, `blocks.3.adaln_table` the AdaLN table viewed as (T*3, 6*hidden).
@@ -13,9 +14,23 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
   1 for (B, S, ...) activations, 0 for the tables ("table", "time") and for the rope tables `rope_cos` / `rope_sin`
   (shape (S, rotary_dim), one row per packed row).
 - A hook is `fn(point: HookPoint, tensor) -> tensor | None`. A returned tensor replaces the value (it must keep the
-  shape, dtype and device); None leaves it. Hooks run in registration order; each sees the previous one's result.
-  The tensor is live in the autograd graph: a capturing hook should store `tensor.detach()` (or a clone).
-- With no hook registered the forward does no hook work: each point costs one `if`.
+  dtype, the device and, unless the point is reshapable, the shape); None leaves it. Hooks run in registration
+  order; each sees the previous one's result. The tensor is live in the autograd graph: a capturing hook should
+  store `tensor.detach()` (or a clone).
+- Reshapable points (`HookPoint.reshapable`, declared in `RESHAPABLE`): the packed-row stream where it enters the
+  block stack (`pack`) and where it leaves each block (`blocks.{i}.residual2`, the next block's input). There a
+  replacement may have another shape (dtype and device still must match): these are the block boundaries where a
+  batch may be split or merged (every later op reads B from the tensor) and where a sequence-parallel plan shards
+  or gathers the stream. Every op after them indexes rows through per-row tables (`adaln_indices`, the rope tables,
+  `key_order`, the output indices), so a replacement with another row count needs those to change with it — which
+  a block-level wrapper or pre-hook (`transformer_blocks[i]` takes all of them as arguments) can do.
+- Call sites: each point fires in one line, `q = self.hook_q(self.to_q(x))`, where
+  `self.hook_q = HookSite("blocks.3.q")` is declared in the module that computes the value. It fires on the result
+  of the module call — what the next op consumes — so a hook sees a wrapper's output. A `HookSite` is a plain
+  callable, not an `nn.Module`, so `named_modules()` stays Diffusers' module tree (parallel plans, LoRA target
+  lists and offload maps see exactly the Diffusers paths). The registry it fires is the one `use_hooks` made current
+  for the running forward (`H3Transformer.forward` enters it, with None when no hook is registered): with no hook
+  registered a point costs one context-variable read and one `is None`.
 - Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
   (fully or up to torch's early stop), so a perturbation shapes the gradients exactly as it shaped the forward.
   `model.recomputing` is True during such a replay, for observers that must count each forward once.
@@ -24,13 +39,17 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
 
 The trace (`h3lab.runtime.last_trace()`) records every op call with the name of the point its result is exposed at;
 ops internal to a point record that point (the silu and first linear of `time_mlp`, the silu of `adaln_table` /
-`final_table`), and the single `rope_table` call records `rope_cos` (it produces `rope_cos` and `rope_sin`).
+`final_table`), and the single `rope_table` call records `rope_cos` (it produces `rope_cos` and `rope_sin`). A
+module that outside code inserts records its own calls under `<point of the module it wraps>.<suffix>` (e.g.
+`blocks.0.q.lora_a`); these are trace points, not hook points.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import OrderedDict
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -93,6 +112,10 @@ _STEM_POINTS = (
     ("rope_cos", "rope_table", "packed"),
     ("rope_sin", "rope_table", "packed"),
 )
+# Points whose replacement may change shape (see the module docstring): the packed stream entering the block stack
+# and each block's output. Refiner points are not: the text rows must still match `text_indices` at `pack`.
+RESHAPABLE = ("pack", "blocks.*.residual2")
+
 _END_POINTS = (
     ("final_table", "linear", "time"),
     ("final_norm", "rms_norm", "packed"),
@@ -113,6 +136,7 @@ class HookPoint(NamedTuple):
     layer: int | None
     op: str
     rows: str
+    reshapable: bool = False  # a hook's replacement may change the shape here (`RESHAPABLE`)
 
     @property
     def row_axis(self) -> int:
@@ -120,16 +144,21 @@ class HookPoint(NamedTuple):
         return 0 if self.rows in ("table", "time") or self.op == "rope_table" else 1
 
 
+def _point(name: str, layer: int | None, op: str, rows: str) -> HookPoint:
+    pattern = name if layer is None else name.replace(f".{layer}.", ".*.", 1)
+    return HookPoint(name, layer, op, rows, pattern in RESHAPABLE)
+
+
 def hook_points(config: H3Config) -> tuple[HookPoint, ...]:
     """Every hook point of a model with this config, in execution order."""
-    points = [HookPoint(name, None, op, rows) for name, op, rows in _INPUT_POINTS]
+    points = [_point(name, None, op, rows) for name, op, rows in _INPUT_POINTS]
     for i in range(config.num_refiner_layers):
-        points += [HookPoint(f"refiner.{i}.{s}", i, op, "text") for s, op in REFINER_POINTS]
-    points.append(HookPoint("refiner.final_norm", None, "rms_norm", "text"))
-    points += [HookPoint(name, None, op, rows) for name, op, rows in _STEM_POINTS]
+        points += [_point(f"refiner.{i}.{s}", i, op, "text") for s, op in REFINER_POINTS]
+    points.append(_point("refiner.final_norm", None, "rms_norm", "text"))
+    points += [_point(name, None, op, rows) for name, op, rows in _STEM_POINTS]
     for i in range(config.num_layers):
-        points += [HookPoint(f"blocks.{i}.{s}", i, op, rows) for s, op, rows in BLOCK_POINTS]
-    points += [HookPoint(name, None, op, rows) for name, op, rows in _END_POINTS]
+        points += [_point(f"blocks.{i}.{s}", i, op, rows) for s, op, rows in BLOCK_POINTS]
+    points += [_point(name, None, op, rows) for name, op, rows in _END_POINTS]
     return tuple(points)
 
 
@@ -172,15 +201,49 @@ class HookRegistry:
             out = fn(point, tensor)
             if out is None:
                 continue
-            if not isinstance(out, torch.Tensor) or out.shape != tensor.shape or out.dtype != tensor.dtype or (
-                out.device != tensor.device
+            if not isinstance(out, torch.Tensor) or out.dtype != tensor.dtype or out.device != tensor.device or (
+                out.shape != tensor.shape and not point.reshapable
             ):
                 got = f"{type(out).__name__} {list(out.shape)} {out.dtype} {out.device}" if isinstance(
                     out, torch.Tensor
                 ) else type(out).__name__
+                shape = "any shape (a reshapable point)" if point.reshapable else f"shape {list(tensor.shape)}"
                 raise HookError(
                     f"hook {getattr(fn, '__name__', fn)!r} at {name} returned {got}: a replacement must be a tensor "
-                    f"of shape {list(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}"
+                    f"of {shape}, dtype {tensor.dtype}, device {tensor.device}"
                 )
             tensor = out
         return tensor
+
+
+# ------------------------------------------------------------------------------------------------ call sites
+_active: contextvars.ContextVar[HookRegistry | None] = contextvars.ContextVar("h3lab_active_hooks", default=None)
+
+
+def active_hooks() -> HookRegistry | None:
+    """The registry the running forward fires (None: no hook registered, or no forward running)."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def use_hooks(registry: HookRegistry | None) -> Iterator[None]:
+    """Make `registry` the one every `HookSite` of the enclosed code fires (None: sites pass values through)."""
+    token = _active.set(registry)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+class HookSite:
+    """The call site of one hook point: `x = self.hook_pack(x)` returns x, or what the active hooks made of it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        hooks = _active.get()
+        return tensor if hooks is None else hooks.fire(self.name, tensor)
+
+    def __repr__(self) -> str:
+        return f"HookSite({self.name!r})"

@@ -5,8 +5,12 @@ Contract:
   non-persistent float32 buffer.
 - `forward(...)` has Diffusers' signature and semantics and returns the plain tuple `(video, audio)`. In `off` mode
   on CPU the output bytes equal Diffusers' for the same weights, under both dtype policies.
-- Every arithmetic step goes through `ops = runtime.ops(...)` (fetched at the start of each forward); reshapes,
-  chunk, views and the released cast points are plain torch. The cast points, as released: each input is cast to
+- Every arithmetic step goes through `ops = runtime.ops(...)`, created at the start of each forward and made the
+  current table (`runtime.use_ops`) for the forward's duration, together with the hook registry (`use_hooks`, None
+  when no hook is registered). Every projection, norm, block and head is a *called* module at its Diffusers path
+  (`layers.py`: the module boundary), so outside code may replace, wrap or hook any of them; modules dispatch
+  through `runtime.current_ops()`. Reshapes, chunk, views and the released cast points are plain torch and sit at
+  the call sites, so a wrapper receives the input already cast. The cast points, as released: each input is cast to
   its projection's parameter dtype; the text stream sets the packed dtype; the timestep MLP input is cast to
   `time_embedder`'s dtype; silu runs on the float32 `temb` and only its result is cast to each AdaLN linear's dtype;
   the `norm_out` result is cast to the heads' dtype.
@@ -14,7 +18,9 @@ Contract:
   built model (see `precision.py`). Use it rather than `model.to(dtype)`, which would also cast `inv_freq`.
 - Gradient checkpointing: `model.gradient_checkpointing = True` checkpoints each refiner block and each transformer
   block with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` while grad is enabled, as Diffusers does.
-  The replay in backward does not append to the runtime trace (the forward's records are the trace).
+  The replay in backward does not append to the runtime trace (the forward's records are the trace); it re-enters
+  the forward's op table and hook registry, since backward runs outside the forward's context (and, on CUDA, on
+  autograd's own thread).
 - Hooks (`hooks.py`): `hook_points()`, `add_hook(fn, names=None)` -> handle with `.remove()`, `recomputing`.
   `model.hook_context` is a plain dict owned by the caller (the denoise loop sets e.g. `{"step": 3}` before a
   forward) for hooks that hold the model to read; the model never reads or mutates it. During a checkpoint replay in
@@ -35,9 +41,9 @@ from torch import nn
 
 from .. import runtime
 from ..config import NUM_MODALITIES, H3Config
-from .hooks import HookFn, HookPoint, HookRegistry, hook_points
+from .hooks import HookFn, HookPoint, HookRegistry, HookSite, hook_points, use_hooks
 from .inputs import ModelInputError, check_inputs, check_key_order
-from .layers import AdaLNOut, Linear, RotaryTable, Run, TimestepMLP, TokenRefiner, TransformerBlock, norm_modulate
+from .layers import AdaLNOut, Linear, RotaryTable, TimestepMLP, TokenRefiner, TransformerBlock
 from .precision import check_policy, policy_dtype
 
 
@@ -52,16 +58,19 @@ class H3Transformer(nn.Module):
         c = config
         self.config = c
         # Registration order = Diffusers' state-dict order.
-        self.proj_in = Linear(c.video_patch_dim, c.hidden_size)
-        self.audio_proj_in = Linear(c.audio_in_channels, c.hidden_size)
-        self.context_embedder = Linear(c.text_dim, c.hidden_size)
+        self.proj_in = Linear(c.video_patch_dim, c.hidden_size, point="video_proj_in")
+        self.audio_proj_in = Linear(c.audio_in_channels, c.hidden_size, point="audio_proj_in")
+        self.context_embedder = Linear(c.text_dim, c.hidden_size, point="text_proj_in")
         self.time_embedder = TimestepMLP(c.freq_dim, c.time_embed_hidden_dim, c.time_embed_dim)
         self.rope = RotaryTable(c.rope_freq_dim, c.rope_theta)
         self.token_refiner = TokenRefiner(c)
         self.transformer_blocks = nn.ModuleList([TransformerBlock(c, i) for i in range(c.num_layers)])
         self.norm_out = AdaLNOut(c.hidden_size, c.time_embed_dim, c.final_norm_eps)
-        self.proj_out = Linear(c.hidden_size, c.video_patch_dim)
-        self.audio_proj_out = Linear(c.hidden_size, c.audio_in_channels)
+        self.proj_out = Linear(c.hidden_size, c.video_patch_dim, point="video_head")
+        self.audio_proj_out = Linear(c.hidden_size, c.audio_in_channels, point="audio_head")
+        for name in ("video_proj_in", "audio_proj_in", "text_proj_in", "pack", "time_sinusoid", "video_head",
+                     "audio_head", "video_out", "audio_out"):
+            setattr(self, f"hook_{name}", HookSite(name))
 
         self.gradient_checkpointing = False
         self.fingerprint = ""
@@ -163,102 +172,78 @@ class H3Transformer(nn.Module):
             check_key_order(key_order, position_ids)
         ops = runtime.ops(device=hidden_states.device, fingerprint=self.fingerprint)
         hooks = self._hooks if self._hooks else None
-        run = Run(ops, hooks, key_order)
+        with runtime.use_ops(ops), use_hooks(hooks):
+            return self._forward(
+                ops, hooks, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
+                token_tags, position_ids, video_indices, audio_indices, text_indices, key_order,
+            )
+
+    def _forward(self, ops, hooks, hidden_states, audio_hidden_states, encoder_hidden_states, timestep,
+                 timestep_indices, token_tags, position_ids, video_indices, audio_indices, text_indices, key_order):
+        """The forward body, run inside `use_ops(ops)` / `use_hooks(hooks)` (checked inputs)."""
         seq_len = position_ids.shape[0]
 
         # 1. Per-modality input projections, each input cast to its projection's dtype (float32 video/audio heads,
         # bfloat16 context_embedder in the release).
-        w = self.proj_in
-        video = ops.linear(hidden_states.to(w.weight.dtype), w.weight, w.bias, point="video_proj_in")
-        if hooks:
-            video = hooks.fire("video_proj_in", video)
-        w = self.audio_proj_in
-        audio = ops.linear(audio_hidden_states.to(w.weight.dtype), w.weight, w.bias, point="audio_proj_in")
-        if hooks:
-            audio = hooks.fire("audio_proj_in", audio)
-        w = self.context_embedder
-        text = ops.linear(encoder_hidden_states.to(w.weight.dtype), w.weight, w.bias, point="text_proj_in")
-        if hooks:
-            text = hooks.fire("text_proj_in", text)
+        video = self.hook_video_proj_in(self.proj_in(hidden_states.to(self.proj_in.weight.dtype)))
+        audio = self.hook_audio_proj_in(self.audio_proj_in(audio_hidden_states.to(self.audio_proj_in.weight.dtype)))
+        text = self.hook_text_proj_in(
+            self.context_embedder(encoder_hidden_states.to(self.context_embedder.weight.dtype))
+        )
 
         # 2. Token refiner over the text rows, then its final norm.
         for block in self.token_refiner.refiner_blocks:
-            text = self._run_block(run, block, text)
-        norm = self.token_refiner.final_norm
-        text = ops.rms_norm(text, norm.weight, norm.eps, point="refiner.final_norm")
-        if hooks:
-            text = hooks.fire("refiner.final_norm", text)
+            text = self._run_block(ops, hooks, block, text)
+        refiner = self.token_refiner
+        text = refiner.hook_final_norm(refiner.final_norm(text))
 
         # 3. Packed buffer (B, S, hidden) in the text stream's dtype; video/audio rows cast to it.
-        x = ops.pack_rows(seq_len, (text_indices, text), (video_indices, video), (audio_indices, audio), point="pack")
-        if hooks:
-            x = hooks.fire("pack", x)
+        x = self.hook_pack(ops.pack_rows(
+            seq_len, (text_indices, text), (video_indices, video), (audio_indices, audio), point="pack"
+        ))
 
         # 4. One timestep embedding per distinct noise level: float32 sinusoid, cast to time_embedder's dtype.
-        temb = ops.timestep_embedding(timestep, self.config.freq_dim, point="time_sinusoid")  # (T, freq_dim)
-        if hooks:
-            temb = hooks.fire("time_sinusoid", temb)
-        mlp = self.time_embedder
-        temb = ops.linear(temb.to(mlp.linear_1.weight.dtype), mlp.linear_1.weight, mlp.linear_1.bias, point="time_mlp")
-        temb = ops.silu(temb, point="time_mlp")
-        temb = ops.linear(temb, mlp.linear_2.weight, mlp.linear_2.bias, point="time_mlp")  # (T, time_embed_dim)
-        if hooks:
-            temb = hooks.fire("time_mlp", temb)
+        temb = self.hook_time_sinusoid(ops.timestep_embedding(timestep, self.config.freq_dim, point="time_sinusoid"))
+        temb = self.time_embedder(temb.to(self.time_embedder.linear_1.weight.dtype))  # (T, time_embed_dim)
 
         # 5. RoPE tables (S, 2*3*rope_freq_dim) float32, shared by every block. Layouts build positions in float64;
         # the released rope casts them to float32 first, so the cast sits here, before the op, in every mode.
-        cos, sin = ops.rope_table(position_ids.to(torch.float32), inv_freq, point="rope_cos")
-        if hooks:
-            cos = hooks.fire("rope_cos", cos)
-            sin = hooks.fire("rope_sin", sin)
+        rotary_emb = self.rope(position_ids.to(torch.float32))
 
         # 6. Block stack; each row reads AdaLN table row timestep_index*3 + tag (integer index arithmetic).
         adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
         for block in self.transformer_blocks:
-            x = self._run_block(run, block, x, temb, adaln_indices, cos, sin)
+            x = self._run_block(ops, hooks, block, x, temb, adaln_indices, rotary_emb, key_order)
 
-        # 7. Output norm, modulated per row from the per-timestep [shift | scale] table, at the stack's precision.
-        out = self.norm_out
-        a = ops.silu(temb, point="final_table").to(out.linear.weight.dtype)
-        table = ops.linear(a, out.linear.weight, out.linear.bias, point="final_table")  # (T, 2*hidden)
-        if hooks:
-            table = hooks.fire("final_table", table)
-        shift, scale = table.chunk(2, dim=-1)
-        x = norm_modulate(run, x, out.norm, scale, shift, timestep_indices, "final_norm", "final_modulate")
-
-        # 8. Both heads over every packed row (float32 in the release: cast to proj_out's dtype), then row selection.
-        x = x.to(self.proj_out.weight.dtype)
-        video = ops.linear(x, self.proj_out.weight, self.proj_out.bias, point="video_head")  # (B, S, video_patch_dim)
-        if hooks:
-            video = hooks.fire("video_head", video)
-        audio = ops.linear(x, self.audio_proj_out.weight, self.audio_proj_out.bias, point="audio_head")
-        if hooks:
-            audio = hooks.fire("audio_head", audio)
-        video = ops.select_rows(video, video_indices, point="video_out")  # (B, Nv, video_patch_dim)
-        if hooks:
-            video = hooks.fire("video_out", video)
-        audio = ops.select_rows(audio, audio_indices, point="audio_out")  # (B, Na, audio_in_channels)
-        if hooks:
-            audio = hooks.fire("audio_out", audio)
+        # 7. Output norm, modulated per row from the per-timestep [shift | scale] table, at the stack's precision;
+        # 8. both heads over every packed row (float32 in the release: cast to proj_out's dtype), then row selection.
+        x = self.norm_out(x, temb, timestep_indices).to(self.proj_out.weight.dtype)
+        video = self.hook_video_head(self.proj_out(x))  # (B, S, video_patch_dim)
+        audio = self.hook_audio_head(self.audio_proj_out(x))
+        video = self.hook_video_out(ops.select_rows(video, video_indices, point="video_out"))  # (B, Nv, patch_dim)
+        audio = self.hook_audio_out(ops.select_rows(audio, audio_indices, point="audio_out"))  # (B, Na, channels)
         return video, audio
 
-    def _run_block(self, run: Run, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-        """One refiner or transformer block, checkpointed while grad is enabled and `gradient_checkpointing` is set."""
+    def _run_block(self, ops: runtime.Ops, hooks, block: nn.Module, *args) -> torch.Tensor:
+        """One refiner or transformer block (called as a module, so outside code may wrap or hook it), checkpointed
+        while grad is enabled and `gradient_checkpointing` is set."""
         if not (torch.is_grad_enabled() and self.gradient_checkpointing):
-            return block(run, *args)
+            return block(*args)
         calls, context = [0], self.hook_context
 
-        def replayable(*tensors: torch.Tensor) -> torch.Tensor:
+        def replayable(*inputs) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == 1:
-                return block(run, *tensors)
-            # Replay during backward: same op table (same mode and overrides), same hooks seeing the forward's
-            # hook_context, but no second trace.
-            saved = run.ops.record, self.hook_context
-            run.ops.record, self.recomputing, self.hook_context = False, True, context
+                return block(*inputs)
+            # Replay during backward (outside the forward's contexts, possibly on another thread): the same op table
+            # (same mode and overrides) made current again, the same hooks seeing the forward's hook_context, but no
+            # second trace.
+            saved = ops.record, self.hook_context
+            ops.record, self.recomputing, self.hook_context = False, True, context
             try:
-                return block(run, *tensors)
+                with runtime.use_ops(ops), use_hooks(hooks):
+                    return block(*inputs)
             finally:
-                (run.ops.record, self.hook_context), self.recomputing = saved, False
+                (ops.record, self.hook_context), self.recomputing = saved, False
 
         return torch.utils.checkpoint.checkpoint(replayable, *args, use_reentrant=False)

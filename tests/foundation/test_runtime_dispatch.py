@@ -1,4 +1,5 @@
-"""runtime: mode validation, overrides, and `mode_op` (dispatch as the mode would, without overrides or records)."""
+"""runtime: mode validation, overrides, `mode_op` (dispatch as the mode would, without overrides or records), and
+which exceptions from a kernel's check mean "strict cannot serve"."""
 
 import pytest
 import torch
@@ -33,3 +34,33 @@ def test_mode_op_ignores_overrides_and_fails_closed(monkeypatch):
         runtime.mode_op("silu")(x)
     with runtime.use_mode("auto"):
         assert torch.equal(runtime.mode_op("silu")(x), torch.nn.functional.silu(x))
+
+
+def test_only_strict_unsupported_from_a_check_means_cannot_serve(monkeypatch):
+    """A kernel's check refusing a call (`StrictUnsupported`) lets auto fall back and makes strict fail closed; any
+    other exception from a check is a bug in the check and must surface in every mode, never a silent fallback."""
+    from h3kernels import registry
+
+    x = torch.randn(3, 5)
+    real = registry.STRICT_OPS["silu"]
+
+    def refusing(a):
+        raise registry.StrictUnsupported(f"silu: refused shape {list(a.shape)}")
+
+    def buggy(a):
+        return {"kernel_id": a.no_such_attribute}  # AttributeError: a bug inside the check
+
+    monkeypatch.setitem(registry.STRICT_OPS, "silu", registry.StrictOp("silu", run=real.run, check=refusing))
+    with runtime.use_mode("auto"):
+        ops = runtime.ops()
+        assert torch.equal(ops.silu(x, point="p"), torch.nn.functional.silu(x))
+    (rec,) = ops.trace.records
+    assert (rec.actual, rec.fallback) == ("torch", "auto fallback: silu: refused shape [3, 5]")
+    with runtime.use_mode("strict"), pytest.raises(runtime.StrictError, match=r"at p .*silu: refused shape \[3, 5\]$"):
+        runtime.ops().silu(x, point="p")
+
+    monkeypatch.setitem(registry.STRICT_OPS, "silu", registry.StrictOp("silu", run=real.run, check=buggy))
+    for mode in ("auto", "strict"):
+        with runtime.use_mode(mode), pytest.raises(AttributeError, match="no_such_attribute"):
+            runtime.ops().silu(x, point="p")
+        assert runtime.last_trace().records == []
