@@ -41,6 +41,8 @@ def test_only_strict_unsupported_from_a_check_means_cannot_serve(monkeypatch):
     other exception from a check is a bug in the check and must surface in every mode, never a silent fallback."""
     from h3kernels import registry
 
+    # auto's per-op dispatch on a CPU tensor (by default auto runs torch on CPU and never consults a check there)
+    monkeypatch.setattr(runtime, "AUTO_ON_CPU", "interpreter")
     x = torch.randn(3, 5)
     real = registry.STRICT_OPS["silu"]
 
