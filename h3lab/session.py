@@ -1,4 +1,10 @@
-"""`Session`: one resident MiniMax-H3 workbench -- snapshot, components, conditioning cache, `generate`.
+"""`Session`: one resident MiniMax-H3 workbench -- the orchestration of a generation, its lock and conditioning caches.
+
+The work is in three places below it: `h3lab.components.store.ComponentStore` (snapshot paths, loading each
+component, the variant switch, pinned injected transformers, residency, load timing), `h3lab.pipeline` (plain
+functions: read the media, encode text and conditions, build the layout, draw the noise in the released order, build
+the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` calls them in order, books the timings,
+holds the caches and serialises requests.
 
 Contract
 - `Session(path=None, device=None, residency="resident")`. `path=None` is the embedded tiny snapshot
@@ -50,9 +56,6 @@ Contract
 
 from __future__ import annotations
 
-import gc
-import json
-import math
 import os
 import resource
 import threading
@@ -64,13 +67,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import CheckpointError, H3Error, ValidationError
+from . import pipeline
+from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
+from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
-from .settings import AUDIO_SAMPLE_RATE, FPS, REFERENCE_KINDS, GenerationSettings, check_prompt
+from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt
 
-VARIANTS = ("transformer", "transformer_ref")
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
-RESIDENCIES = ("resident", "phased")
 
 
 class GenerationCancelled(H3Error):
@@ -213,15 +216,6 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def upscale_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
-    """uint8 (F, h, w, 3) -> uint8 (F, height, width, 3), bicubic (torch, align_corners=False), clamped, rounded."""
-    if frames.shape[1:3] == (height, width):
-        return frames
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2).to(torch.float32)
-    y = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", align_corners=False)
-    return y.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
-
-
 class _Timer:
     """Wall time of one phase, CUDA-synchronised, minus the component loading it triggered (booked as "load")."""
 
@@ -247,14 +241,6 @@ class _Timer:
 
 
 # ------------------------------------------------------------------------------------------------ session
-@dataclass
-class _Media:
-    """A request's conditioning media, decoded and normalised (numpy, CPU)."""
-
-    keyframes: list  # [components.references.Keyframe] on the canvas, packed order
-    references: list  # [ImageRef | VideoRef | AudioRef], normalised, request order
-
-
 class _LRU(dict):
     """A small insertion-ordered cache: the oldest entry goes when `limit` is exceeded; a hit moves to the end."""
 
@@ -275,33 +261,6 @@ class _LRU(dict):
             self.pop(next(iter(self)))
 
 
-@dataclass
-class _TextEntry:
-    embeds: torch.Tensor  # (1, L, text_dim) on the session device
-    tags: torch.Tensor  # (L,) int64 CPU
-    summary: str
-
-
-@dataclass
-class _CondEntry:
-    """One encoded keyframe or reference."""
-
-    video: torch.Tensor | None  # (C, T, h, w) float32 CPU, normalised (keyframe, image or video reference)
-    audio: torch.Tensor | None  # (2A, C) float32 CPU clean soundtrack rows (audio-bearing reference)
-    summary: str
-
-
-@dataclass
-class _CondSet:
-    """The conditioning latents of one request, in packed order."""
-
-    video: list  # [(C, T, h, w)]
-    audio: list  # [(2A, C)]
-
-
-COND_SALT = "h3lab-condition-latents"
-
-
 class Session:
     """A resident MiniMax-H3 workbench (see the module docstring)."""
 
@@ -310,224 +269,66 @@ class Session:
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
                  pipeline_config: dict[str, int] | None = None):
-        if residency not in RESIDENCIES:
-            raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
-        if path is None:
-            from .checkpoint.tiny import default_snapshot
-
-            path = default_snapshot()
-            self.model_name = "h3-tiny"
-        else:
-            self.model_name = Path(path).resolve().name or str(path)
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"snapshot {str(self.path)!r}: not a directory")
+        check_residency(residency)
+        self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
-        self.residency = residency
-        self.dtype_policy = dtype_policy
+        self.store = ComponentStore(self.path, self.device, residency, dtype_policy)
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
-        self._components: dict[str, Any] = {}
-        self._injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
-        self.load_seconds = 0.0  # cumulative component loading time
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = _LRU(self.CACHE_LIMIT)
         self._cond_cache = _LRU(4 * self.CACHE_LIMIT)
         self._prompt_bound = None  # components.text_encoder.PromptBound, loaded on the first prompt check
-        self.video_shift, self.audio_shift = self._read_shifts()
-        self.pipeline_config = self._read_pipeline_config(pipeline_config or {})
+        self.video_shift, self.audio_shift = self.store.read_shifts()
+        self.pipeline_config = self.store.read_pipeline_config(pipeline_config or {})
 
-    # -------------------------------------------------------------------------------------- snapshot
-    def _read_shifts(self) -> tuple[float, float]:
-        from .sampler import AUDIO_SHIFT, VIDEO_SHIFT
+    # -------------------------------------------------------------------------------------- components (the store)
+    @property
+    def residency(self) -> str:
+        return self.store.residency
 
-        shifts = []
-        for folder, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):
-            cfg = self.path / folder / "scheduler_config.json"
-            if cfg.is_file():
-                try:
-                    shifts.append(float(json.loads(cfg.read_text(encoding="utf-8"))["shift"]))
-                    continue
-                except (ValueError, KeyError, TypeError) as err:
-                    raise CheckpointError(f"{cfg}: cannot read 'shift' ({err})") from None
-            shifts.append(default)
-        return shifts[0], shifts[1]
+    @property
+    def dtype_policy(self) -> str:
+        return self.store.dtype_policy
 
-    def _read_pipeline_config(self, overrides: dict[str, int]) -> dict[str, int]:
-        """The pipeline's ConfigSpecs that shape reference media (canvas_short_edge, canvas_max_pixels,
-        reference_image_short_edge): the released values, replaced by the snapshot's `modular_model_index.json`
-        (or, without one, `model_index.json`, as Diffusers' modular loader reads them), then by `overrides`."""
-        from .components import references as refs
-
-        out = {
-            "canvas_short_edge": refs.CANVAS_SHORT_EDGE,
-            "canvas_max_pixels": refs.CANVAS_MAX_PIXELS,
-            "reference_image_short_edge": refs.IMAGE_SHORT_EDGE,
-        }
-        for name in ("modular_model_index.json", "model_index.json"):
-            index = self.path / name
-            if not index.is_file():
-                continue
-            try:
-                data = json.loads(index.read_text(encoding="utf-8"))
-            except ValueError as err:
-                raise CheckpointError(f"{index}: not JSON ({err})") from None
-            out.update({k: int(data[k]) for k in out if isinstance(data.get(k), int)})
-            break
-        for key, value in overrides.items():
-            if key not in out:
-                raise ValidationError(f"pipeline_config key {key!r}: must be one of {', '.join(out)}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 32:
-                raise ValidationError(f"pipeline_config {key}={value!r}: must be an integer >= 32")
-            out[key] = value
-        return out
-
-    # -------------------------------------------------------------------------------------- components
-    def _load(self, name: str) -> Any:
-        comp = self._components.get(name)
-        if comp is not None:
-            return comp
-        t0 = time.perf_counter()
-        try:
-            comp = self._load_component(name)
-        finally:
-            self.load_seconds += time.perf_counter() - t0
-        self._components[name] = comp
-        return comp
-
-    def _load_component(self, name: str) -> Any:
-        if name in ("transformer", "transformer_ref"):
-            # Two 33B partitions do not share a GPU: loading one variant releases the other.
-            self.release("transformer_ref" if name == "transformer" else "transformer")
-            comp = self._injected.get(name)  # pinned by set_transformer: no disk read
-            if comp is None:
-                from .model import H3Transformer
-
-                comp = H3Transformer.from_pretrained(
-                    self.path, subfolder=name, device=self.device, dtype_policy=self.dtype_policy
-                )
-                comp.eval().requires_grad_(False)
-        elif name == "text_encoder":
-            from .components.text_encoder import TextEncoder
-
-            comp = TextEncoder.from_pretrained(self.path, device=self.device)
-        elif name == "vae":
-            from .components.video_vae import VideoVAE
-
-            comp = VideoVAE.from_pretrained(self.path, device=self.device)
-        elif name == "audio_vae":
-            from .components.audio_vae import AudioVAE
-
-            comp = AudioVAE.from_pretrained(self.path, device=self.device)
-        else:  # pragma: no cover - internal names only
-            raise KeyError(name)
-        return comp
-
-    def release(self, *names: str) -> None:
-        """Drop components (all when no name is given); they reload on next use. Caches are kept. A transformer
-        injected with `set_transformer` is pinned and stays (see the module docstring)."""
-        dropped = False
-        for name in names or tuple(self._components):
-            if name in self._injected:
-                continue
-            dropped |= self._components.pop(name, None) is not None
-        if dropped:
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def _phase_done(self, *names: str) -> None:
-        if self.residency == "phased":
-            self.release(*names)
+    @property
+    def load_seconds(self) -> float:
+        """Cumulative component loading time (booked under "load" in a result's timings)."""
+        return self.store.load_seconds
 
     @property
     def loaded(self) -> list[str]:
-        return sorted(self._components)
+        return self.store.loaded
 
     @property
     def injected(self) -> list[str]:
         """Variants served by a model given with `set_transformer` (pinned)."""
-        return sorted(self._injected)
+        return sorted(self.store.injected)
+
+    def _load(self, name: str) -> Any:
+        return self.store.load(name)
+
+    def _phase_done(self, *names: str) -> None:
+        self.store.phase_done(*names)
+
+    def release(self, *names: str) -> None:
+        """Drop components (all when no name is given); they reload on next use. Caches are kept. A transformer
+        injected with `set_transformer` is pinned and stays (see the module docstring)."""
+        self.store.release(*names)
 
     def set_transformer(self, model: Any, variant: str = "transformer") -> None:
         """Serve `variant` ("transformer" or "transformer_ref") with `model`, an `H3Transformer` on the session
         device, instead of the snapshot's weights; `model=None` goes back to the snapshot's. Checked against the
         snapshot's interface before anything changes; the model is pinned (module docstring)."""
-        if variant not in VARIANTS:
-            raise ValidationError(f"variant={variant!r}: must be 'transformer' or 'transformer_ref'")
         with self._lock:
-            if model is None:
-                if self._injected.pop(variant, None) is not None:
-                    self._components.pop(variant, None)
-                return
-            self._check_interface(model, variant)
-            if isinstance(getattr(model, "fingerprint", None), str) and not model.fingerprint:
-                from .trajectory import model_fingerprint
-
-                model.fingerprint = model_fingerprint(model)
-            model.eval().requires_grad_(False)
-            self._components.pop(variant, None)  # the variant's previous model, if any; `_load` installs this one
-            self._injected[variant] = model
-
-    def _check_interface(self, model: Any, variant: str) -> None:
-        """The rules of `set_transformer`: an H3Transformer whose interface widths are the snapshot's, on the
-        session device, in the session's dtype policy, with no meta tensors."""
-        from .model import H3Transformer
-
-        where = f"set_transformer({variant})"
-        if not isinstance(model, H3Transformer):
-            raise ValidationError(f"{where}: model is a {type(model).__name__}; must be an h3lab H3Transformer")
-        c = model.config
-        text_cfg = self._component_config("text_encoder")
-        text_width = text_cfg.get("text_config", text_cfg).get("hidden_size")
-        wants: list[tuple[str, Any, Any, str]] = [
-            ("text_dim", c.text_dim, text_width, "the text encoder's hidden width (text_encoder/config.json)"),
-            ("in_channels", c.in_channels, self._component_config("vae").get("latent_channels"),
-             "the video VAE's latent channels (vae/config.json)"),
-            ("audio_in_channels", c.audio_in_channels, self._component_config("audio_vae").get("latent_channels"),
-             "the audio VAE's latent channels (audio_vae/config.json)"),
-        ]
-        if (self.path / variant / "config.json").is_file():
-            patch = self._component_config(variant).get("patch_size")
-            wants.append(("patch_size", c.patch_size, patch, f"the snapshot's {variant}/config.json patch_size"))
-        for key, got, want, rule in wants:
-            want = tuple(want) if isinstance(want, list) else want  # patch_size is a JSON list
-            if want is None:
-                raise CheckpointError(f"{self.path}: the snapshot does not state {rule}")
-            if got != want:
-                raise ValidationError(f"{where}: {key}={got!r} must equal {rule}, {want!r}")
-        if model.dtype_policy != self.dtype_policy:
-            raise ValidationError(
-                f"{where}: dtype_policy={model.dtype_policy!r} must be the session's, {self.dtype_policy!r}"
-            )
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_meta:
-                raise ValidationError(f"{where}: {name} is a meta tensor; materialise the model first")
-            if t.device.type != self.device.type or (
-                self.device.index is not None and t.device.index not in (None, self.device.index)
-            ):
-                raise ValidationError(f"{where}: {name} is on {t.device}; must be on the session device {self.device}")
-
-    def _component_config(self, folder: str) -> dict[str, Any]:
-        path = self.path / folder / "config.json"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as err:
-            raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
-        except ValueError as err:
-            raise CheckpointError(f"{path}: not JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: must hold a JSON object")
-        return data
+            self.store.set_transformer(model, variant)
 
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
-        if variant not in ("transformer", "transformer_ref"):
-            raise ValidationError(f"variant={variant!r}: must be 'transformer' or 'transformer_ref'")
-        return self._load(variant)
+        return self.store.transformer(variant)
 
     @staticmethod
     def variant_for(task: str) -> str:
-        return "transformer_ref" if task == "ref2va" else "transformer"
+        return pipeline.variant_for(task)
 
     # -------------------------------------------------------------------------------------- status / cache
     def status(self) -> dict[str, Any]:
@@ -581,47 +382,8 @@ class Session:
             self._prompt_bound = PromptBound.from_pretrained(self.path)
         return self._prompt_bound.check(prompt)
 
-    def _load_media(self, s: GenerationSettings) -> _Media:
-        from .components import conditioning, media
-        from .components import references as refmod
-
-        width, height = s.canvas
-        keyframes = []
-        if s.anchors:
-            first = media.read_image(s.first) if s.first is not None else None
-            last = media.read_image(s.last) if s.last is not None else None
-            keyframes = conditioning.prepare_keyframes(first, last, height, width)
-        refs = []
-        for r in s.references:
-            flag = "--" + REFERENCE_KINDS[r.kind]
-            if r.kind == "image":
-                refs.append(refmod.ImageRef(media.read_image(r.path), source=r.path))
-                continue
-            if r.kind == "audio":
-                media.check_audio_file(r.path, flag)
-                refs.append(refmod.AudioRef(media.read_audio(r.path), AUDIO_SAMPLE_RATE, source=r.path))
-                continue
-            # Kind and completeness first, each error naming the file that is wrong: an image given as a video, a
-            # truncated file, a missing soundtrack, a replacement audio file without sound.
-            info = media.check_video(r.path, flag, needs_audio=r.kind == "video")
-            if r.kind == "video-audio":
-                media.check_audio_file(r.audio_path, f"{flag} audio")
-            # Decode only what the 24 fps resampling and the truncation to num_frames can use.
-            bound = math.ceil(s.num_frames * info.video.fps / FPS) + 2
-            frames, fps = media.read_video(r.path, max_frames=bound)
-            audio = media.read_audio(r.audio_path) if r.audio_path is not None else None
-            refs.append(refmod.VideoRef(frames, fps, audio, AUDIO_SAMPLE_RATE, source=r.path,
-                                        audio_source=r.audio or ""))
-        if refs:
-            cfg = self.pipeline_config
-            refs = refmod.normalize_references(
-                refs,
-                s.num_frames,
-                image_short_edge=cfg["reference_image_short_edge"],
-                canvas_short_edge=cfg["canvas_short_edge"],
-                canvas_max_pixels=cfg["canvas_max_pixels"],
-            )
-        return _Media(keyframes, refs)
+    def _load_media(self, s: GenerationSettings) -> pipeline.Media:
+        return pipeline.read_media(s, self.pipeline_config)
 
     # -------------------------------------------------------------------------------------- generate
     def generate(
@@ -669,12 +431,12 @@ class Session:
             )
 
         with _Timer(self, timings, "text_encode"):
-            text, text_cached = self._encode_text(s, media)
+            text, text_cached = pipeline.encode_text(s, media, self._text_cache, self._load)
         _book_cache_hit(timings, "text_encode", text_cached)
         self._phase_done("text_encoder")
 
         with _Timer(self, timings, "condition_encode"):
-            cond, cond_cached = self._encode_conditions(media)
+            cond, cond_cached = pipeline.encode_conditions(media, self._cond_cache, self._load)
         _book_cache_hit(timings, "condition_encode", cond_cached)
         self._phase_done("vae", "audio_vae")
 
@@ -688,11 +450,7 @@ class Session:
             )
 
         with _Timer(self, timings, "decode_video"):
-            frames = self._load("vae").decode(loop["latents"])
-            if frames.shape[0] != s.num_frames:
-                raise RuntimeError(f"video VAE decoded {frames.shape[0]} frames for {s.num_frames} requested")
-            if s.render_width is not None:
-                frames = upscale_frames(frames, s.width, s.height)
+            frames = pipeline.decode_video(self._load("vae"), loop["latents"], s)
         self._phase_done("vae")
         with _Timer(self, timings, "decode_audio"):
             audio = self._load("audio_vae").decode(loop["audio_rows"])
@@ -732,117 +490,23 @@ class Session:
             result.outputs = [Path(p).resolve() for p in (output, wav, frames_dir) if p]
         return result
 
-    # -------------------------------------------------------------------------------------- phases
-    def _encode_text(self, s: GenerationSettings, media: _Media) -> tuple[_TextEntry, bool]:
-        """Prompt (+ presented keyframes / references) -> layer-50 embeddings and row tags, cached by content."""
-        from .components.text_encoder import cache_key
-
-        key = cache_key(s.prompt, media.keyframes, media.references)
-        hit = self._text_cache.hit(key)
-        if hit is not None:
-            return hit, True
-        enc = self._load("text_encoder").encode(s.prompt, media.keyframes, media.references)
-        summary = f"{len(enc.token_ids)} rows: {s.prompt[:40]!r}" + (
-            f" + {len(media.keyframes)} anchors" if media.keyframes else ""
-        ) + (f" + {len(media.references)} refs" if media.references else "")
-        entry = _TextEntry(enc.embeds.detach(), enc.tags.cpu(), summary)
-        self._text_cache.put(key, entry)
-        return entry, False
-
-    def _encode_conditions(self, media: _Media) -> tuple[_CondSet, bool | None]:
-        """VAE encodes of anchors / references, cached per item by content (the normalised media bytes, so the
-        canvas and the truncation are part of the key): adding a reference encodes only the new one. Returns
-        (latents in packed order, cached) with cached None when the request has no conditioning, True when every
-        item came from the cache."""
-        from .components import conditioning
-        from .components.text_encoder import cache_key
-
-        items = [("keyframe", k) for k in media.keyframes] + [("reference", r) for r in media.references]
-        if not items:
-            return _CondSet([], []), None
-        video, audio, all_cached = [], [], True
-        for kind, item in items:
-            key = (
-                cache_key("", [item], (), salt=COND_SALT) if kind == "keyframe"
-                else cache_key("", (), [item], salt=COND_SALT)
-            )
-            entry = self._cond_cache.hit(key)
-            if entry is None:
-                all_cached = False
-                if kind == "keyframe":
-                    v = conditioning.encode_keyframes(self._load("vae"), [item])[0]
-                    entry = _CondEntry(v, None, f"{item.anchor} keyframe -> {tuple(v.shape)}")
-                else:
-                    vae = self._load("vae") if item.kind != "audio" else None
-                    audio_vae = self._load("audio_vae") if item.has_audio else None
-                    lat = conditioning.encode_references(vae, audio_vae, [item])
-                    v = lat.video[0] if lat.video else None
-                    a = lat.audio[0] if lat.audio else None
-                    shapes = " + ".join(str(tuple(x.shape)) for x in (v, a) if x is not None)
-                    entry = _CondEntry(v, a, f"{item.kind} reference {item.source} -> {shapes}")
-                self._cond_cache.put(key, entry)
-            if entry.video is not None:
-                video.append(entry.video)
-            if entry.audio is not None:
-                audio.append(entry.audio)
-        return _CondSet(video, audio), all_cached
-
-    def _layout(self, s: GenerationSettings, media: _Media, text: _TextEntry, cond: _CondSet, patch):
-        from . import layout as L
-
-        refs = []
-        video_iter, audio_iter = iter(cond.video), iter(cond.audio)
-        for ref in media.references:
-            if ref.kind == "image":
-                lat = next(video_iter)
-                refs.append(L.Reference.image(lat.shape[2], lat.shape[3]))
-            elif ref.kind == "video":
-                lat = next(video_iter)
-                sound = next(audio_iter).shape[0] // 2 if ref.has_audio else 0
-                refs.append(L.Reference.video(lat.shape[1], lat.shape[2], lat.shape[3], sound))
-            else:
-                refs.append(L.Reference.audio(next(audio_iter).shape[0] // 2))
-        return L.build_layout(
-            s.task,
-            text.tags,
-            s.num_latent_frames,
-            s.latent_height,
-            s.latent_width,
-            s.num_audio_latents,
-            anchors=tuple(k.anchor for k in media.keyframes),
-            references=refs,
-            patch_size=patch,
-        )
-
+    # -------------------------------------------------------------------------------------- denoise
     def _denoise(self, s, schedule, media, text, cond, progress, cancel, preview) -> dict[str, Any]:
-        """Layout, the request's noise in the released order, its `RunSpec` (`_arm`), and the one loop
-        (`h3lab.run.denoise`) with a trajectory recorder."""
+        """Layout, the request's noise in the released order, its `RunSpec`, and the one loop (`h3lab.run.denoise`)
+        with a trajectory recorder; the pipeline functions do the work, this wires the callbacks."""
         from . import trajectory as T
-        from .components import conditioning
-        from .components.video_vae import patchify, unpatchify
-        from .run import DenoiseCancelled, DenoiseInputs, denoise
-        from .sampler import draw_noise
+        from .components.video_vae import unpatchify
+        from .run import DenoiseCancelled, denoise
 
         variant = self.variant_for(s.task)
         model = self._load(variant)
         cfg = model.config
         patch = tuple(cfg.patch_size)
-        layout = self._layout(s, media, text, cond, patch)
-
-        # Draw order on the one CPU generator: conditions, target video latents, target audio rows.
-        generator = torch.Generator().manual_seed(s.seed)
-        noised = conditioning.augment_conditions(cond.video, generator)
-        video_noise = draw_noise((1, cfg.in_channels, s.num_latent_frames, s.latent_height, s.latent_width), generator)
-        audio_noise = draw_noise((2 * s.num_audio_latents, cfg.audio_in_channels), generator)
-        video_rows = torch.cat([patchify(c, patch) for c in noised] + [patchify(video_noise[0], patch)])
-        audio_rows = torch.cat([a.to(torch.float32) for a in cond.audio] + [audio_noise])
-        inputs = DenoiseInputs.from_layout(
-            layout, schedule, text=text.embeds.to(self.device), video=video_rows, audio=audio_rows,
-            seeds={"request": s.seed, "condition_encode": 42},
-        ).to(self.device)
-        spec = self._arm(s, model, layout, schedule, inputs)
+        layout = pipeline.build_layout(s, media, text, cond, patch)
+        inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
+        spec = pipeline.build_spec(s, model, layout, schedule, inputs)
         nv = inputs.num_condition_video_rows
-        recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": _settings_meta(s)})
+        recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
         state = {"prev": inputs.video, "t0": time.perf_counter(), "evaluations": 0, "trace": None}
 
@@ -864,12 +528,11 @@ class Session:
             state["t0"] = time.perf_counter()
 
         try:
-            video, audio = denoise(spec, model, recorder, callback, cancel, models=self._arm_model(variant, model))
+            video, audio = denoise(spec, model, recorder, callback, cancel,
+                                   models=self.store.models_for(variant, model))
         except DenoiseCancelled as err:
             raise GenerationCancelled(f"{err}; the session is unchanged") from None
-        final_video = video[0, nv:].float().cpu()
-        latents = unpatchify(final_video, s.num_latent_frames, s.latent_height, s.latent_width, patch)
-        audio_rows = audio[0, inputs.num_condition_audio_rows:].float().cpu()
+        latents, audio_rows = pipeline.final_latents(s, inputs, video, audio, patch)
         trajectory = recorder.finish()
         return {
             "layout": layout,
@@ -881,59 +544,11 @@ class Session:
             "arm": trajectory.spec,
         }
 
-    # -------------------------------------------------------------------------------------- ablations
-    def _other_variant(self, variant: str):
-        """The other transformer partition, loaded beside the resident one without registering it (H16 only)."""
-        from .model import H3Transformer
-
-        other = "transformer" if variant == "transformer_ref" else "transformer_ref"
-        if other in self._injected:
-            return self._injected[other]
-        t0 = time.perf_counter()
-        model = H3Transformer.from_pretrained(self.path, subfolder=other, device=self.device,
-                                              dtype_policy=self.dtype_policy)
-        self.load_seconds += time.perf_counter() - t0
-        return model.eval().requires_grad_(False)
-
-    def _arm_model(self, variant: str, model) -> Callable[[str], Any]:
-        """The `models` lookup a run resolves its factors against: `variant` is `model`; the other partition is
-        loaded on first ask (`_other_variant`, only a factor that swaps the transformer asks, H16) and kept for the
-        runs of this lookup (drift's three executions load it once)."""
-        loaded = {variant: model}
-
-        def lookup(name: str):
-            if name not in VARIANTS:
-                raise ValidationError(f"model {name!r}: the session serves {', '.join(VARIANTS)}")
-            if name not in loaded:
-                loaded[name] = self._other_variant(variant)
-            return loaded[name]
-
-        return lookup
-
-    def _arm(self, s: GenerationSettings, model, layout, schedule, inputs):
-        """The request's `RunSpec`: its sealed inputs, schedule and layout, its mode, the transformer partition and
-        its fingerprint, the ablation factors by name (`h3lab.ablation` applies them inside the loop, the same way
-        each time the spec runs) and the reuse interval. Factor names are checked here (known factors, H1 alone,
-        no two that change one thing)."""
-        from .hashing import model_fingerprint
-        from .run import RunSpec
-
-        return RunSpec(inputs, schedule, mode=s.mode, variant=self.variant_for(s.task),
-                       fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                       reuse=s.reuse)
-
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
-        """The preview of a latent clip (C, T, h, w): the smallest window of middle latent frames the video VAE can
-        decode (`VideoVAE.min_decode_frames`, 3 as released: its temporal chunking yields nothing for fewer),
-        decoded, and the middle pixel frame of that window: uint8 (H, W, 3) at the render canvas. It is the
-        cheapest honest decode of the clip's middle; it is close to, not identical with, the middle frame of a full
-        decode (the decoder's temporal windows see less context)."""
-        vae = self._load("vae")
-        n = min(max(2, vae.min_decode_frames), latents.shape[1])
-        start = max(0, min(latents.shape[1] // 2 - n // 2, latents.shape[1] - n))
-        frames = vae.decode(latents[:, start : start + n])
-        return frames[frames.shape[0] // 2]
+        """The preview of a latent clip (C, T, h, w): the middle frame of the smallest decodable window of middle
+        latent frames, uint8 (H, W, 3) at the render canvas (`pipeline.preview_frame`)."""
+        return pipeline.preview_frame(self._load("vae"), latents)
 
     # ---------------------------------------------------------------------------------------- save
     def save(self, result: GenerationResult, path: str | os.PathLike) -> Path:
@@ -965,7 +580,7 @@ class Session:
         with self._lock:
             variant = variants.pop()
             model = self._load(variant)
-            models = self._arm_model(variant, model)
+            models = self.store.models_for(variant, model)
             arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
                     for spec, r in zip(specs, (a, b))]
             return drift.compare(*arms)
@@ -985,7 +600,7 @@ class Session:
                                   f"{', '.join(VARIANTS)}")
         with self._lock:
             model = self._load(variant)
-            return T.verify(traj, model, device=self.device, models=self._arm_model(variant, model))
+            return T.verify(traj, model, device=self.device, models=self.store.models_for(variant, model))
 
 
 def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:
@@ -1005,16 +620,6 @@ def _drift_lines(report) -> list[str]:
     for note in report.metadata[:3]:
         lines.append(f"layout differs: {note}")
     return lines
-
-
-def _settings_meta(s: GenerationSettings) -> dict[str, Any]:
-    """What a trajectory manifest records about the request beyond its run spec (which holds the mode, the reuse
-    interval and the ablation factors): geometry, seed, media kinds. No file paths: they differ between machines."""
-    return {
-        "task": s.task, "seed": s.seed, "width": s.width, "height": s.height, "canvas": list(s.canvas),
-        "num_frames": s.num_frames, "steps": s.steps, "references": [r.kind for r in s.references],
-        "anchors": [name for name, _ in s.anchors],
-    }
 
 
 def ablation_factors() -> dict[str, str]:

@@ -1,0 +1,297 @@
+"""`ComponentStore`: the components of one snapshot -- where they are, loading them, which stay loaded.
+
+Contract
+- `resolve_snapshot(path) -> (Path, model name)`: `None` is the embedded tiny snapshot
+  (`h3lab.checkpoint.tiny.default_snapshot()`, named "h3-tiny"); anything else must be a directory (one-line
+  `CheckpointError`).
+- `ComponentStore(path, device, residency="resident", dtype_policy="released")` serves the text encoder, the DiT of
+  each variant (`transformer/` for t2va/fl2va, `transformer_ref/` for ref2va), the video VAE and the audio VAE,
+  each loaded on first use by `load(name)`. Loading one DiT variant releases the other: two 33B partitions do not
+  share a GPU. `load_seconds` accumulates the wall time spent loading (the session books it under "load").
+- Residency: `"resident"` keeps every loaded component; `"phased"` releases each after its phase (`phase_done`:
+  text encode, condition encode, denoise, decode), so the 32B encoder, the 33B DiT and the decoders never coexist.
+  `release(*names)` drops components (all without names); they reload on next use.
+- Pinned transformers: `set_transformer(model, variant)` serves `variant` with an already-built `H3Transformer`
+  instead of the snapshot's weights, after `check_interface` (text_dim = the text encoder's hidden width,
+  in_channels / audio_in_channels = the VAEs' latent channels, patch_size = the snapshot variant's when it has one;
+  the session device and dtype policy; no meta tensors: one-line `ValidationError`, an unreadable snapshot config is
+  a `CheckpointError`). It is served by `load` (booked under "load" at ~0 s) and pinned: `release`, phased
+  residency and a variant switch keep it, because dropping the store's reference frees nothing while the caller
+  holds the model and a reload would silently swap in the snapshot's weights. `set_transformer(None, variant)`
+  unpins it. A model with an empty `fingerprint` gets its weights digest once, at injection.
+- `models_for(variant, model)`: the variant lookup a run resolves its factors against (the other partition is
+  loaded beside the resident one only when a factor asks for it, H16).
+- Snapshot metadata: `read_shifts()` (the two schedulers' `shift`), `read_pipeline_config(overrides)` (the
+  ConfigSpecs that shape reference media), `component_config(folder)`.
+
+The store holds no lock: `Session` serialises its calls.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointError, ValidationError
+
+VARIANTS = ("transformer", "transformer_ref")
+RESIDENCIES = ("resident", "phased")
+
+
+def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
+    """The snapshot directory and its display name (see the module docstring)."""
+    if path is None:
+        from ..checkpoint.tiny import default_snapshot
+
+        path = default_snapshot()
+        name = "h3-tiny"
+    else:
+        name = Path(path).resolve().name or str(path)
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"snapshot {str(path)!r}: not a directory")
+    return path, name
+
+
+def check_residency(residency: str) -> str:
+    if residency not in RESIDENCIES:
+        raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
+    return residency
+
+
+def check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValidationError(f"variant={variant!r}: must be 'transformer' or 'transformer_ref'")
+    return variant
+
+
+class ComponentStore:
+    """The loaded components of one snapshot and their residency (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, device: torch.device, residency: str = "resident",
+                 dtype_policy: str = "released"):
+        self.path = Path(path)
+        self.device = device
+        self.residency = check_residency(residency)
+        self.dtype_policy = dtype_policy
+        self.components: dict[str, Any] = {}
+        self.injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
+        self.load_seconds = 0.0  # cumulative component loading time
+
+    # -------------------------------------------------------------------------------------- snapshot
+    def read_shifts(self) -> tuple[float, float]:
+        from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT
+
+        shifts = []
+        for folder, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):
+            cfg = self.path / folder / "scheduler_config.json"
+            if cfg.is_file():
+                try:
+                    shifts.append(float(json.loads(cfg.read_text(encoding="utf-8"))["shift"]))
+                    continue
+                except (ValueError, KeyError, TypeError) as err:
+                    raise CheckpointError(f"{cfg}: cannot read 'shift' ({err})") from None
+            shifts.append(default)
+        return shifts[0], shifts[1]
+
+    def read_pipeline_config(self, overrides: dict[str, int]) -> dict[str, int]:
+        """The pipeline's ConfigSpecs that shape reference media (canvas_short_edge, canvas_max_pixels,
+        reference_image_short_edge): the released values, replaced by the snapshot's `modular_model_index.json`
+        (or, without one, `model_index.json`, as Diffusers' modular loader reads them), then by `overrides`."""
+        from . import references as refs
+
+        out = {
+            "canvas_short_edge": refs.CANVAS_SHORT_EDGE,
+            "canvas_max_pixels": refs.CANVAS_MAX_PIXELS,
+            "reference_image_short_edge": refs.IMAGE_SHORT_EDGE,
+        }
+        for name in ("modular_model_index.json", "model_index.json"):
+            index = self.path / name
+            if not index.is_file():
+                continue
+            try:
+                data = json.loads(index.read_text(encoding="utf-8"))
+            except ValueError as err:
+                raise CheckpointError(f"{index}: not JSON ({err})") from None
+            out.update({k: int(data[k]) for k in out if isinstance(data.get(k), int)})
+            break
+        for key, value in overrides.items():
+            if key not in out:
+                raise ValidationError(f"pipeline_config key {key!r}: must be one of {', '.join(out)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 32:
+                raise ValidationError(f"pipeline_config {key}={value!r}: must be an integer >= 32")
+            out[key] = value
+        return out
+
+    def component_config(self, folder: str) -> dict[str, Any]:
+        path = self.path / folder / "config.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
+        except ValueError as err:
+            raise CheckpointError(f"{path}: not JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: must hold a JSON object")
+        return data
+
+    # -------------------------------------------------------------------------------------- loading
+    def load(self, name: str) -> Any:
+        """Component `name` ("text_encoder", "transformer", "transformer_ref", "vae", "audio_vae"), loaded on first
+        use; the loading time goes to `load_seconds`."""
+        comp = self.components.get(name)
+        if comp is not None:
+            return comp
+        t0 = time.perf_counter()
+        try:
+            comp = self._load_component(name)
+        finally:
+            self.load_seconds += time.perf_counter() - t0
+        self.components[name] = comp
+        return comp
+
+    def _load_component(self, name: str) -> Any:
+        if name in VARIANTS:
+            # Two 33B partitions do not share a GPU: loading one variant releases the other.
+            self.release("transformer_ref" if name == "transformer" else "transformer")
+            comp = self.injected.get(name)  # pinned by set_transformer: no disk read
+            if comp is None:
+                comp = self._load_transformer(name)
+        elif name == "text_encoder":
+            from .text_encoder import TextEncoder
+
+            comp = TextEncoder.from_pretrained(self.path, device=self.device)
+        elif name == "vae":
+            from .video_vae import VideoVAE
+
+            comp = VideoVAE.from_pretrained(self.path, device=self.device)
+        elif name == "audio_vae":
+            from .audio_vae import AudioVAE
+
+            comp = AudioVAE.from_pretrained(self.path, device=self.device)
+        else:  # pragma: no cover - internal names only
+            raise KeyError(name)
+        return comp
+
+    def _load_transformer(self, variant: str):
+        """The snapshot's DiT of `variant` on the store device, in the store's dtype policy, frozen."""
+        from ..model import H3Transformer
+
+        model = H3Transformer.from_pretrained(self.path, subfolder=variant, device=self.device,
+                                              dtype_policy=self.dtype_policy)
+        return model.eval().requires_grad_(False)
+
+    def transformer(self, variant: str = "transformer"):
+        """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
+        return self.load(check_variant(variant))
+
+    def release(self, *names: str) -> None:
+        """Drop components (all when no name is given); they reload on next use. A transformer injected with
+        `set_transformer` is pinned and stays (see the module docstring)."""
+        dropped = False
+        for name in names or tuple(self.components):
+            if name in self.injected:
+                continue
+            dropped |= self.components.pop(name, None) is not None
+        if dropped:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def phase_done(self, *names: str) -> None:
+        """A phase that used `names` ended: phased residency releases them."""
+        if self.residency == "phased":
+            self.release(*names)
+
+    @property
+    def loaded(self) -> list[str]:
+        return sorted(self.components)
+
+    # -------------------------------------------------------------------------------------- pinned transformers
+    def set_transformer(self, model: Any, variant: str = "transformer") -> None:
+        """Serve `variant` with `model` (or, with None, the snapshot's weights again); see the module docstring."""
+        check_variant(variant)
+        if model is None:
+            if self.injected.pop(variant, None) is not None:
+                self.components.pop(variant, None)
+            return
+        self.check_interface(model, variant)
+        if isinstance(getattr(model, "fingerprint", None), str) and not model.fingerprint:
+            from ..hashing import model_fingerprint
+
+            model.fingerprint = model_fingerprint(model)
+        model.eval().requires_grad_(False)
+        self.components.pop(variant, None)  # the variant's previous model, if any; `load` installs this one
+        self.injected[variant] = model
+
+    def check_interface(self, model: Any, variant: str) -> None:
+        """The rules of `set_transformer`: an H3Transformer whose interface widths are the snapshot's, on the
+        store device, in the store's dtype policy, with no meta tensors."""
+        from ..model import H3Transformer
+
+        where = f"set_transformer({variant})"
+        if not isinstance(model, H3Transformer):
+            raise ValidationError(f"{where}: model is a {type(model).__name__}; must be an h3lab H3Transformer")
+        c = model.config
+        text_cfg = self.component_config("text_encoder")
+        text_width = text_cfg.get("text_config", text_cfg).get("hidden_size")
+        wants: list[tuple[str, Any, Any, str]] = [
+            ("text_dim", c.text_dim, text_width, "the text encoder's hidden width (text_encoder/config.json)"),
+            ("in_channels", c.in_channels, self.component_config("vae").get("latent_channels"),
+             "the video VAE's latent channels (vae/config.json)"),
+            ("audio_in_channels", c.audio_in_channels, self.component_config("audio_vae").get("latent_channels"),
+             "the audio VAE's latent channels (audio_vae/config.json)"),
+        ]
+        if (self.path / variant / "config.json").is_file():
+            patch = self.component_config(variant).get("patch_size")
+            wants.append(("patch_size", c.patch_size, patch, f"the snapshot's {variant}/config.json patch_size"))
+        for key, got, want, rule in wants:
+            want = tuple(want) if isinstance(want, list) else want  # patch_size is a JSON list
+            if want is None:
+                raise CheckpointError(f"{self.path}: the snapshot does not state {rule}")
+            if got != want:
+                raise ValidationError(f"{where}: {key}={got!r} must equal {rule}, {want!r}")
+        if model.dtype_policy != self.dtype_policy:
+            raise ValidationError(
+                f"{where}: dtype_policy={model.dtype_policy!r} must be the session's, {self.dtype_policy!r}"
+            )
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta:
+                raise ValidationError(f"{where}: {name} is a meta tensor; materialise the model first")
+            if t.device.type != self.device.type or (
+                self.device.index is not None and t.device.index not in (None, self.device.index)
+            ):
+                raise ValidationError(f"{where}: {name} is on {t.device}; must be on the session device {self.device}")
+
+    # -------------------------------------------------------------------------------------- factor lookups
+    def other_variant(self, variant: str):
+        """The other transformer partition, loaded beside the resident one without registering it (H16 only)."""
+        other = "transformer" if variant == "transformer_ref" else "transformer_ref"
+        if other in self.injected:
+            return self.injected[other]
+        t0 = time.perf_counter()
+        try:
+            return self._load_transformer(other)
+        finally:
+            self.load_seconds += time.perf_counter() - t0
+
+    def models_for(self, variant: str, model) -> Callable[[str], Any]:
+        """The `models` lookup a run resolves its factors against: `variant` is `model`; the other partition is
+        loaded on first ask (`other_variant`, only a factor that swaps the transformer asks, H16) and kept for the
+        runs of this lookup (drift's three executions load it once)."""
+        loaded = {variant: model}
+
+        def lookup(name: str):
+            if name not in VARIANTS:
+                raise ValidationError(f"model {name!r}: the session serves {', '.join(VARIANTS)}")
+            if name not in loaded:
+                loaded[name] = self.other_variant(variant)
+            return loaded[name]
+
+        return lookup
