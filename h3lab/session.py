@@ -326,6 +326,7 @@ class Session:
         self.residency = residency
         self.dtype_policy = dtype_policy
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
+        self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._components: dict[str, Any] = {}
         self._injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
         self.load_seconds = 0.0  # cumulative component loading time
@@ -920,7 +921,21 @@ class Session:
 
         return RunSpec(inputs, schedule, mode=s.mode, variant=self.variant_for(s.task),
                        fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                       reuse=s.reuse)
+                       reuse=s.reuse, adapters=list(self.adapters))
+
+    # -------------------------------------------------------------------------------------- adapters
+    def load_lora(self, path: str | os.PathLike, scale: float = 1.0) -> dict[str, Any]:
+        """Generate with the LoRA adapter at `path` (PEFT folder or Diffusers .safetensors) from now on: checked
+        against the snapshot's transformer config before any model loads, sealed by its sha256 in every run spec
+        and applied by the spec's `adapters` field (`h3lab.training.adapters`). Returns the spec entry."""
+        from .training.adapters import adapter_entry
+
+        self.adapters = (adapter_entry(path, scale, snapshot=self.path),)
+        return self.adapters[0]
+
+    def unload_lora(self) -> None:
+        """Generate without an adapter from now on."""
+        self.adapters = ()
 
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
