@@ -14,7 +14,7 @@ variants); keys that are not `lora_A`/`lora_B` weights; a module with one factor
 not floating point, not finite, or whose rank disagrees with the config. Tensors are read from the bytes that were
 hashed, so what is checked is what runs.
 
-Digest (`files_digest`): SHA-256 of `h3lab-adapter/1` and each file's name and SHA-256 in name order, so a PEFT
+Digest (`lora.files_digest`): SHA-256 of `h3lab-adapter/1` and each file's name and SHA-256 in name order, so a PEFT
 directory's digest covers its config (alpha!) and its weights; `AdapterFile.sha256`. `expect_sha256` refuses a file
 whose bytes changed since a run recorded it.
 
@@ -24,7 +24,6 @@ the path must be a projection (`layers.Linear`) and the factors must be (r, in_f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -34,20 +33,11 @@ from typing import Any
 
 import torch
 
-from .lora import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterError, check_plain
+from .lora import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterError, check_plain, files_digest
 
-FORMAT = "h3lab-adapter/1"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 DIFFUSERS_PREFIXES = ("transformer.", "transformer_ref.")
 METADATA_KEY = "lora_adapter_metadata"  # Diffusers' safetensors metadata entry holding the LoraConfig
-
-
-def files_digest(files: dict[str, bytes]) -> str:
-    """SHA-256 over `h3lab-adapter/1` and (name, sha256) of every file, in name order."""
-    h = hashlib.sha256(FORMAT.encode())
-    for name in sorted(files):
-        h.update(f"|{name}={hashlib.sha256(files[name]).hexdigest()}".encode())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True, eq=False)

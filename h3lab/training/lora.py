@@ -30,7 +30,7 @@ Contract
 - Files: `adapter_files(model)` is the adapter in PEFT's format -- `adapter_config.json` (the `LoraConfig`, sorted
   keys, sets as sorted lists, no runtime config) and `adapter_model.safetensors` (float32 factors under peft's
   `PeftModel.save_pretrained` keys `base_model.model.<module path>.lora_A.weight`, metadata `{"format": "pt"}`),
-  as bytes; `save_adapter` writes them atomically; `adapter_digest` is their sha256 (`adapter_file.files_digest`).
+  as bytes; `save_adapter` writes them atomically; `adapter_digest` is their sha256 (`files_digest`).
   `load_adapter_weights` copies a state dict (module paths) into an injected adapter through peft's
   `set_peft_model_state_dict` and refuses missing or unexpected keys.
 """
@@ -38,6 +38,7 @@ Contract
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import numbers
@@ -56,6 +57,16 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel.save_pretrained's key prefix
 INITS = ("default", "gaussian")
+FILES_FORMAT = "h3lab-adapter/1"
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    """An adapter's sha256: SHA-256 over `h3lab-adapter/1` and (name, sha256) of every file, in name order, so a
+    PEFT directory's digest covers its config (alpha!) and its weights."""
+    h = hashlib.sha256(FILES_FORMAT.encode())
+    for name in sorted(files):
+        h.update(f"|{name}={hashlib.sha256(files[name]).hexdigest()}".encode())
+    return h.hexdigest()
 
 
 class AdapterError(H3Error):
@@ -355,16 +366,12 @@ def adapter_files(model: nn.Module) -> dict[str, bytes]:
 
 
 def adapter_digest(model: nn.Module) -> str:
-    """The sha256 the adapter's PEFT files would have (`adapter_file.files_digest` of `adapter_files(model)`)."""
-    from .adapter_file import files_digest
-
+    """The sha256 the adapter's PEFT files would have (`files_digest` of `adapter_files(model)`)."""
     return files_digest(adapter_files(model))
 
 
 def save_adapter(model: nn.Module, path: str | Path) -> tuple[Path, str]:
     """Write the adapter as a PEFT directory (atomically: a temp folder renamed into place); returns (path, sha256)."""
-    from .adapter_file import files_digest
-
     files = adapter_files(model)
 
     def write(tmp: Path) -> None:
