@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep components resident (default), or load/release them per phase")
     p.add_argument("--session-dir", metavar="DIR", default=None,
                    help="REPL outputs, previews and history (default ./h3lab-session)")
+    p.add_argument("--lora", metavar="PATH", default=None,
+                   help="generate with this LoRA adapter (PEFT folder or Diffusers .safetensors)")
     p.set_defaults(references=[])
     return p
 
@@ -191,7 +193,10 @@ def session_from_args(args: argparse.Namespace):
     from .session import Session
 
     quiet_libraries()
-    return Session(args.model, device=args.device, residency=args.residency or "resident")
+    session = Session(args.model, device=args.device, residency=args.residency or "resident")
+    if getattr(args, "lora", None):
+        session.load_lora(args.lora)  # checked against the snapshot's config; no model loads
+    return session
 
 
 # ------------------------------------------------------------------------------------------------ fail early
@@ -204,12 +209,13 @@ SETTINGS_FLAGS = {
 }
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
-               "update": "--update", "session_dir": "--session-dir", "residency": "--residency"}
+               "update": "--update", "session_dir": "--session-dir", "residency": "--residency", "lora": "--lora"}
 ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
     "replay": {"replay", "update", "session_dir", "profile", "residency"},
-    "one-shot": {"prompt", "json", "show", "profile", "residency", "session_dir", *SETTINGS_FLAGS, *OUTPUT_FLAGS},
-    "repl": {"session_dir", "show", "profile", "residency", *SETTINGS_FLAGS},
+    "one-shot": {"prompt", "json", "show", "profile", "residency", "session_dir", "lora", *SETTINGS_FLAGS,
+                 *OUTPUT_FLAGS},
+    "repl": {"session_dir", "show", "profile", "residency", "lora", *SETTINGS_FLAGS},
 }
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
@@ -263,6 +269,10 @@ def preflight(args: argparse.Namespace, action: str) -> None:
     cache = os.environ.get("TRITON_CACHE_DIR")
     if cache and device.type == "cuda":  # Triton compiles (and writes its cache) only on the GPU
         check_output_dir(cache, "TRITON_CACHE_DIR")
+    if getattr(args, "lora", None):
+        from .training.adapter_file import read_adapter
+
+        read_adapter(args.lora)  # format and factors; the shapes are checked against the snapshot with the session
     if action == "one-shot":
         check_prompt(args.prompt)
         output = "h3lab.mp4" if args.output is None else args.output
@@ -385,6 +395,10 @@ def _replay(args) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # `h3lab train ...`: the training front end
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     as_json = "--json" in argv  # known before parsing, so a usage error is JSON too
     try:
         args = build_parser().parse_args(argv)

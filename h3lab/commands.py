@@ -363,6 +363,19 @@ def _p_plot(name, args):
     return (_choice(name, args[0], kinds), args[1])
 
 
+def _p_lora(name, args):
+    if len(args) == 1 and args[0] == "off":
+        return ("off",)
+    if len(args) not in (1, 2):
+        raise CommandError(f"!{name} takes PATH [SCALE] or off, got {len(args)} arguments")
+    if len(args) == 1:
+        return (args[0], 1.0)
+    try:
+        return (args[0], float(args[1]))
+    except ValueError:
+        raise CommandError(f"!{name} {args[0]} {args[1]}: SCALE must be a number") from None
+
+
 def _ablation_factors() -> tuple[str, ...]:
     from .session import ablation_factors
 
@@ -566,6 +579,17 @@ def _h_ablate(state, *args):
     current = current | {name} if switch == "on" else current - {name}
     _set(state, ablations=tuple(sorted(current)))
     return [f"ablation {name} {switch}: {factors[name]}"]
+
+
+@command("lora", "!lora PATH [SCALE]|off", "generate with a LoRA adapter (PEFT folder or .safetensors), or without",
+         parse=_p_lora, args=(Arg(("off",), path=True),), drain=True)
+def _h_lora(state, path, scale=None):
+    session = state.get_session()
+    if path == "off":
+        session.unload_lora()
+        return ["lora off"]
+    entry = session.load_lora(state.resolve(path), scale)  # checked before any model loads; state unchanged on error
+    return [f"lora {entry['name']} scale {entry['scale']:g} (sha256 {entry['sha256'][:16]}) for the next generations"]
 
 
 def _last_two(state, what: str) -> tuple:

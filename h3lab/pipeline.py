@@ -16,7 +16,7 @@ Contract
   generator seeded with the request seed in the released order -- one draw per visual condition (augmentation), the
   video noise as a latent tensor, the audio noise in row layout -- then the sealed inputs on `device`.
 - `build_spec(settings, model, layout, schedule, inputs) -> RunSpec`: mode, variant, fingerprint, layout, ablation
-  factors by name (checked here), reuse.
+  factors by name (checked here), reuse, adapters.
 - `final_latents(settings, inputs, video, audio, patch)`: the target rows after the loop as (C, T, h, w) video
   latents and (2A, C) audio rows, float32 CPU. `decode_video(vae, latents, settings)` -> uint8 frames at the output
   size (`upscale_frames` from the render canvas); `preview_frame(vae, latents)` -> the middle frame of the smallest
@@ -222,17 +222,17 @@ def draw_inputs(s: GenerationSettings, layout, schedule, text: TextEntry, cond: 
     ).to(device)
 
 
-def build_spec(s: GenerationSettings, model, layout, schedule, inputs):
+def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=()):
     """The request's `RunSpec`: its sealed inputs, schedule and layout, its mode, the transformer partition and
     its fingerprint, the ablation factors by name (`h3lab.ablation` applies them inside the loop, the same way
-    each time the spec runs) and the reuse interval. Factor names are checked here (known factors, H1 alone,
-    no two that change one thing)."""
+    each time the spec runs), the reuse interval and the LoRA adapters (`Session.load_lora` entries, applied by the
+    spec's `adapters` field). Factor names are checked here (known factors, H1 alone, no two that change one thing)."""
     from .hashing import model_fingerprint
     from .run import RunSpec
 
     return RunSpec(inputs, schedule, mode=s.mode, variant=variant_for(s.task),
                    fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                   reuse=s.reuse)
+                   reuse=s.reuse, adapters=list(adapters))
 
 
 def variant_for(task: str) -> str:

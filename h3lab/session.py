@@ -274,6 +274,7 @@ class Session:
         self.device = resolve_device(device)
         self.store = ComponentStore(self.path, self.device, residency, dtype_policy)
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
+        self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = _LRU(self.CACHE_LIMIT)
         self._cond_cache = _LRU(4 * self.CACHE_LIMIT)
@@ -504,7 +505,7 @@ class Session:
         patch = tuple(cfg.patch_size)
         layout = pipeline.build_layout(s, media, text, cond, patch)
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
-        spec = pipeline.build_spec(s, model, layout, schedule, inputs)
+        spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters)
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
@@ -543,6 +544,20 @@ class Session:
             "evaluations": state["evaluations"],
             "arm": trajectory.spec,
         }
+
+    # -------------------------------------------------------------------------------------- adapters
+    def load_lora(self, path: str | os.PathLike, scale: float = 1.0) -> dict[str, Any]:
+        """Generate with the LoRA adapter at `path` (PEFT folder or Diffusers .safetensors) from now on: checked
+        against the snapshot's transformer config before any model loads, sealed by its sha256 in every run spec
+        and applied by the spec's `adapters` field (`h3lab.training.adapters`). Returns the spec entry."""
+        from .training.adapters import adapter_entry
+
+        self.adapters = (adapter_entry(path, scale, snapshot=self.path),)
+        return self.adapters[0]
+
+    def unload_lora(self) -> None:
+        """Generate without an adapter from now on."""
+        self.adapters = ()
 
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:

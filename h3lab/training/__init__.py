@@ -9,9 +9,17 @@ verifiable training runs.
 - `optim.py`          `StrictAdamW`
 - `data_parallel.py`  `data_parallel_gradients` over a torch.distributed group (gather + the same tree)
 - `run.py`            `TrainConfig`, `train`, `TrainingRun.seal`, `load`, `verify`
+- `lora.py`           `add_lora` / `remove_lora` through peft, `LoraLinear` (factors on the op table), PEFT-format
+                      adapter files (`save_adapter`, `adapter_files`, `adapter_digest`)
+- `adapter_file.py`   `read_adapter` (PEFT directory or Diffusers .safetensors, checked before any model loads),
+                      `check_shapes`, `files_digest`
+- `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
 - `_deps.py`          every name taken from the rest of h3lab (one place to update when those rooms move)
 """
 
+from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider
+from .adapter_file import AdapterFile, check_shapes, read_adapter
+from .adapters import adapter_entry
 from .combine import TreeAccumulator, tree_nodes, tree_sum, tree_sum_nodes
 from .data_parallel import data_parallel_gradients, rank_block
 from .objective import (
@@ -26,6 +34,16 @@ from .objective import (
 )
 from .optim import StrictAdamW
 from .run import RunVerifyReport, TrainConfig, TrainingRun, load, train, verify
+from .lora import (
+    PROJECTIONS,
+    AdapterError,
+    add_lora,
+    adapter_digest,
+    adapter_files,
+    adapter_state_dict,
+    remove_lora,
+    save_adapter,
+)
 from .step import RequestGradient, StepResult, compute_gradients, request_gradient, train_step, trainable_parameters
 
 __all__ = [
@@ -33,5 +51,6 @@ __all__ = [
     "ClipRequest", "Objective", "SampleRequest", "TrainingError", "TrainingSample", "flow_matching_loss",
     "rollout_request", "rollout_requests", "StrictAdamW", "RunVerifyReport", "TrainConfig", "TrainingRun", "load",
     "train", "verify", "RequestGradient", "StepResult", "compute_gradients", "request_gradient", "train_step",
-    "trainable_parameters",
+    "trainable_parameters", "AdapterFile", "check_shapes", "read_adapter", "adapter_entry", "PROJECTIONS",
+    "AdapterError", "add_lora", "adapter_digest", "adapter_files", "adapter_state_dict", "remove_lora", "save_adapter",
 ]

@@ -128,6 +128,24 @@ class StrictAdamW:
         """`<param>.<exp_avg|exp_avg_sq|master>` -> tensor, for sealing and hashing."""
         return {f"{name}.{k}": t for name, st in self.state.items() for k, t in st.items()}
 
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
+        """Restore the state `state_tensors()` returned after `step_count` steps (a resumed run): the same keys,
+        shapes and float32 dtype, copied exactly onto each parameter's device; a mismatch raises `TrainingError`."""
+        mine = self.state_tensors()
+        if set(tensors) != set(mine):
+            odd = sorted(set(tensors) ^ set(mine))
+            raise TrainingError(f"AdamW state {odd[:3]}: does not match the optimiser's parameters")
+        for key, t in tensors.items():
+            if t.dtype != torch.float32 or t.shape != mine[key].shape:
+                raise TrainingError(f"AdamW state {key!r} is {t.dtype} {tuple(t.shape)}: must be float32 "
+                                    f"{tuple(mine[key].shape)}")
+        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 1:
+            raise TrainingError(f"AdamW step count {step_count!r}: must be an integer >= 1")
+        for key, t in tensors.items():
+            mine[key].copy_(t)
+        self.step_count = step_count
+
     def state_digest(self) -> str:
         """SHA-256 over the step count and every state tensor's digest, in parameter order."""
         h = hashlib.sha256(f"step={self.step_count};".encode())

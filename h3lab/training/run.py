@@ -24,6 +24,17 @@ A sealed run is a directory (written through `io_utils.atomic_write_dir`, the ma
 - `weights.safetensors`: `initial.<param>` (unless `keep_initial=False`), `final.<param>`,
   `optimizer.<param>.<state>`.
 
+A model carrying a LoRA adapter (`lora.add_lora`) trains its adapter factors (its trainable parameters); the manifest
+then records `adapter`: the peft config and the sha256 of the adapter's PEFT files (`lora.adapter_digest`) before
+and after the run, so `lora.save_adapter(model, ...)` after `train` writes exactly the `final_sha256` bytes. The
+checkpoint fingerprint is the base weights' (`lora.base_fingerprint`), whether or not an adapter is attached.
+
+Interrupt and resume: `on_step(k, record, optimizer, trace)` is called after every step (a front end writes checkpoints
+there; an exception it raises stops the run); `resume=RunState(...)` continues a run from the state a checkpoint
+holds (the step records so far, the optimiser's state and step count, the run's initial trainable weights, the
+trace summary): the model must hold the weights after the last recorded step, and the steps, weights, optimiser
+state and digest of the finished run are byte-equal to an uninterrupted one.
+
 Hashes are `tensor_digest` under the scheme of the model's device ("sha256" on CPU, "device" on accelerators; digests
 of different schemes are not comparable). `load(path)` re-hashes every tensor against the manifest and the digest
 against the steps. `verify(run, model)` puts the run's initial trainable weights into `model` (or checks that it
@@ -55,11 +66,11 @@ from ._deps import (
     atomic_write_dir,
     atomic_write_json,
     code_revision,
-    model_fingerprint,
     runtime,
     tensor_digest,
 )
 from .data_parallel import data_parallel_gradients
+from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample
 from .optim import StrictAdamW
 from .step import StepResult, compute_gradients, model_device, split_flat, trainable_parameters
@@ -234,15 +245,18 @@ def _scheme(model: nn.Module) -> str:
 
 def _run_steps(model: nn.Module, dataset: Sequence[Any], config: TrainConfig, *, data_parallel: bool, group: Any,
                trace: TraceSummary, check: Callable[[dict], bool] | None = None,
-               steps: int | None = None) -> tuple[list[dict], StrictAdamW]:
-    """The one loop `train` and `verify` share; `check(record)` returning True stops it."""
+               steps: int | None = None, start: int = 0, optimizer: StrictAdamW | None = None,
+               on_step: Callable[[int, dict, StrictAdamW, TraceSummary], None] | None = None,
+               ) -> tuple[list[dict], StrictAdamW]:
+    """The one loop `train` and `verify` share, from step `start` (with `optimizer` holding that step's state);
+    `check(record)` returning True stops it; `on_step(k, record, optimizer, trace)` after each step."""
     params = trainable_parameters(model)
     if not params:
         raise TrainingError("the model has no trainable parameters (requires_grad): nothing to train")
-    optimizer = config.optimizer(params)
+    optimizer = config.optimizer(params) if optimizer is None else optimizer
     scheme = _scheme(model)
     records: list[dict] = []
-    for k in range(config.steps if steps is None else steps):
+    for k in range(start, config.steps if steps is None else steps):
         indices = step_batch(config, k, len(dataset))
         seeds = [request_seed(config.seed, k, i) if isinstance(dataset[i], ClipRequest) else None for i in indices]
         requests = [dataset[i].with_seed(s) if s is not None else dataset[i] for i, s in zip(indices, seeds)]
@@ -253,6 +267,8 @@ def _run_steps(model: nn.Module, dataset: Sequence[Any], config: TrainConfig, *,
             result = compute_gradients(model, requests, config.objective, **kwargs)
         optimizer.step(result.gradient)
         records.append(_step_record(k, indices, seeds, result, params, optimizer, scheme))
+        if on_step is not None:
+            on_step(k, records[-1], optimizer, trace)
         if check is not None and check(records[-1]):
             break
     return records, optimizer
@@ -260,6 +276,50 @@ def _run_steps(model: nn.Module, dataset: Sequence[Any], config: TrainConfig, *,
 
 def _host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in tensors.items()}
+
+
+@dataclass
+class RunState:
+    """Where an interrupted run stands (what a checkpoint holds): the step records so far, the optimiser's state
+    tensors (`StrictAdamW.state_tensors`) and step count, the run's initial trainable weights (host), the adapter's
+    initial sha256 (None without an adapter) and the trace summary so far."""
+
+    records: list[dict]
+    optimizer: dict[str, torch.Tensor]
+    optimizer_steps: int
+    initial: dict[str, torch.Tensor]
+    initial_adapter: str | None = None
+    trace: dict[str, Any] = field(default_factory=dict)
+
+
+def _trace_from(data: dict[str, Any]) -> TraceSummary:
+    """A `TraceSummary` continued from its `to_dict()` (a resumed run)."""
+    trace = TraceSummary()
+    if data:
+        trace.forwards, trace.untraced = int(data["forwards"]), int(data["untraced_forwards"])
+        trace.ops = {op: dict(b) for op, b in data["ops"].items()}
+        trace.kernels, trace.fallbacks = set(data["kernels"]), int(data["non_strict_calls"])
+        trace.head = {k: data[k] for k in ("mode", "device", "fingerprint", "versions") if k in data}
+    return trace
+
+
+def _resume(model: nn.Module, config: TrainConfig, state: RunState, params) -> StrictAdamW:
+    """The optimiser of a resumed run; refuses a state that does not fit the model or the config."""
+    if not 0 < len(state.records) < config.steps:
+        raise TrainingError(f"resume after {len(state.records)} of {config.steps} steps: nothing left to resume")
+    if [r["step"] for r in state.records] != list(range(len(state.records))):
+        raise TrainingError("resume: the recorded steps are not 0, 1, 2, ... in order")
+    scheme = _scheme(model)
+    now = {name: tensor_digest(p.detach(), scheme) for name, p in params}
+    if now != state.records[-1]["weights"]:
+        name = next((n for n in now if now[n] != state.records[-1]["weights"].get(n)), "?")
+        raise TrainingError(f"resume: the model's trainable weight {name!r} is not the one recorded after step "
+                            f"{len(state.records) - 1}")
+    optimizer = config.optimizer(params)
+    optimizer.load_state_tensors(state.optimizer, state.optimizer_steps)
+    if optimizer.state_digest() != state.records[-1]["optimizer"]:
+        raise TrainingError("resume: the optimiser state does not match the last recorded step")
+    return optimizer
 
 
 def train(
@@ -271,16 +331,26 @@ def train(
     group: Any = None,
     keep_initial: bool = True,
     meta: dict[str, Any] | None = None,
+    on_step: Callable[[int, dict, StrictAdamW, TraceSummary], None] | None = None,
+    resume: RunState | None = None,
 ) -> TrainingRun:
     """Train `model` in place (module docstring) and return the in-memory run (`.seal(path)` writes it). With
-    `data_parallel`, every rank of `group` calls this with the same arguments and gets the same run."""
+    `data_parallel`, every rank of `group` calls this with the same arguments and gets the same run. `on_step` and
+    `resume`: interrupt and resume (module docstring)."""
     dataset = list(dataset)
     if not dataset:
         raise TrainingError("the dataset is empty: a run needs at least one request")
     entries = [_dataset_entry(i, r) for i, r in enumerate(dataset)]  # refuses unknown request kinds first
     params = trainable_parameters(model)
     scheme = _scheme(model)
-    initial = _host({name: p for name, p in params})
+    optimizer = _resume(model, config, resume, params) if resume is not None else None
+    initial = _host({name: p for name, p in params}) if resume is None else dict(resume.initial)
+    if [n for n, _ in params] != list(initial):
+        raise TrainingError("resume: the run's initial weights name other parameters than the model's trainable ones")
+    adapter = None
+    if has_lora(model):
+        first = adapter_digest(model) if resume is None else resume.initial_adapter
+        adapter = {"config": json.loads(config_json(model.peft_config["default"])), "initial_sha256": first}
     header = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -290,15 +360,20 @@ def train(
         "hash_scheme": scheme,
         "data_parallel": bool(data_parallel),
         "config": config.to_dict(),
-        "checkpoint": {"fingerprint": model_fingerprint(model), "dtype_policy": getattr(model, "dtype_policy", "")},
+        "checkpoint": {"fingerprint": base_fingerprint(model), "dtype_policy": getattr(model, "dtype_policy", "")},
         "trainable": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                       for n, p in params],
         "initial_weights": _named_digests(initial, scheme),
         "meta": dict(meta or {}),
     }
     weights = {f"initial.{k}": v for k, v in initial.items()} if keep_initial else {}
-    trace = TraceSummary()
-    records, optimizer = _run_steps(model, dataset, config, data_parallel=data_parallel, group=group, trace=trace)
+    trace = _trace_from(resume.trace) if resume is not None else TraceSummary()
+    done = list(resume.records) if resume is not None else []
+    records, optimizer = _run_steps(model, dataset, config, data_parallel=data_parallel, group=group, trace=trace,
+                                    start=len(done), optimizer=optimizer, on_step=on_step)
+    records = done + records
+    if adapter is not None:
+        adapter["final_sha256"] = adapter_digest(model)
     weights.update({f"final.{n}": p for n, p in _host(dict(params)).items()})
     weights.update({f"optimizer.{k}": v for k, v in _host(optimizer.state_tensors()).items()})
     dataset_manifest = []
@@ -306,6 +381,7 @@ def train(
         dataset_manifest.append({"index": i, **entry, "sha256": _named_digests(tensors, "sha256")})
     manifest = {
         **header,
+        **({"adapter": adapter} if adapter is not None else {}),
         "dataset": dataset_manifest,
         "steps": records,
         "trace": trace.to_dict(),
@@ -335,20 +411,28 @@ def _check_hashes(path: Path, tensors: dict[str, torch.Tensor], expected: dict[s
             raise TrainingError(f"{path}: tensor {name!r} does not match its recorded sha256")
 
 
+def read_manifest(root: Path, fmt: str, what: str) -> dict[str, Any]:
+    """`root/manifest.json` as a dict of format `fmt`; a missing, unreadable or other-format manifest raises
+    `TrainingError` saying `root` is not `what`."""
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise TrainingError(f"{str(root)!r} is not {what}: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TrainingError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise TrainingError(f"{manifest_path}: format {got!r} is not {fmt!r}")
+    return manifest
+
+
 def load(path: str | os.PathLike) -> TrainingRun:
     """Read a sealed run and check it: format, the steps digest, every dataset and weights tensor against the
     manifest. Any mismatch raises `TrainingError` naming it."""
     root = Path(path)
     manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        raise TrainingError(f"{str(root)!r} is not a sealed training run: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TrainingError(f"{manifest_path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise TrainingError(f"{manifest_path}: format {got!r} is not {FORMAT!r}")
+    manifest = read_manifest(root, FORMAT, "a sealed training run")
     for key in ("steps", "dataset", "config", "trainable", "weights_file", "digest"):
         if key not in manifest:
             raise TrainingError(f"{manifest_path}: manifest lacks {key!r}")
@@ -447,7 +531,7 @@ def verify(
             name = next(n for n in now if now[n] != manifest["initial_weights"].get(n))
             raise TrainingError(f"the model's trainable weight {name!r} differs from the run's initial weights and the "
                                 "run kept none (seal with keep_initial=True)")
-        fp_match = model_fingerprint(model) == manifest["checkpoint"]["fingerprint"]
+        fp_match = base_fingerprint(model) == manifest["checkpoint"]["fingerprint"]
 
         def check(record: dict) -> bool:
             diff = _first_difference(manifest["steps"][record["step"]], record)

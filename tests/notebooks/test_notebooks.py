@@ -9,7 +9,8 @@ from nbclient import NotebookClient
 
 from nb_helpers import NOTEBOOKS, write_benchmark_sample
 
-NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_performance"]
+NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_performance",
+         "05_reward_weighted_update"]
 CELL_TIMEOUT_S = 300
 
 
@@ -90,3 +91,10 @@ def test_performance_runs_on_a_sample_folder(tmp_path, monkeypatch):
         assert f"skipped: {skipped}" in text
     assert "forward_sample" in text and "1.240" in text  # 0.31 / 0.25, the ratio to Diffusers
     assert _images(nb) == 1
+
+
+def test_reward_weighted_update_runs():
+    nb = _execute("05_reward_weighted_update")
+    text = _text(nb)
+    assert "8 requests" in text and "no transition log-probabilities" in text
+    assert "trajectory hash differs" in text and "verify: OK: 2/2 passes byte-equal" in text

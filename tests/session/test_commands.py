@@ -41,6 +41,7 @@ EXAMPLES = {
     "profile": ("!profile on", ("on",)),
     "show": ("!show off", ("off",)),
     "quit": ("!quit", ()),
+    "lora": ("!lora fox-lora 0.5", ("fox-lora", 0.5)),
 }
 
 

@@ -1,0 +1,126 @@
+"""One LoRA training step of the full-size H3 DiT, strict against torch (`off`), at 512x512x22f (issue 12 target:
+strict <= 1.3x the torch step).
+
+The released 33B DiT (seeded random bf16 weights, float32 heads as released) gets a rank-64 LoRA through peft
+(`h3lab.training.add_lora`, alpha 64) on every attention and FFN projection of the 50 blocks and the 2 refiner blocks
+(B factors random, so every factor has a gradient). One step = `compute_gradients` on one t2va clip request (its
+sigma/noise drawn from its seed; gradient checkpointing on) + `StrictAdamW.step`, in each mode, the two modes'
+calls interleaved: CUDA-event seconds per step (median of `--runs` after one warm-up each), peak memory, and whether
+two gradient computations from the same weights give byte-equal LoRA gradients (strict: the contract; torch: reported
+as it comes). The ratio strict / off is measured in the same run.
+
+    python benchmarks/benchmark_lora.py --out benchmarks/results/lora.json     # one H200, ~2-3 minutes
+    python benchmarks/benchmark_lora.py --tiny --out /tmp/lora.json             # CPU smoke (tiny config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+from _common import header, prepare, sync, table, timed_interleaved, write
+
+from benchmark_forward import SHAPES, init_random_  # noqa: E402 - the shapes and weight law of the forward benchmark
+
+TINY_SHAPE = ("tiny-smoke", (1, 4, 4, 3, 4))  # 1 latent frame of 2x2 patches, 3 audio latents, 4 text rows
+MODES = ("strict", "off")
+
+
+def build(config, device: str, rank: int, seed: int):
+    from h3lab.model import H3Transformer
+    from h3lab.training import add_lora
+
+    with torch.device("meta"):
+        model = H3Transformer(config)  # released dtype policy: bf16 blocks, float32 projections in/out
+    model = model.to_empty(device=device)
+    init_random_(model, seed)
+    model.reset_buffers(device)
+    add_lora(model, rank, float(rank), seed=seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:  # peft starts B at zero; random B gives every factor a gradient
+                p.copy_(torch.randn(p.shape, generator=gen, device=device).mul_(p.shape[1] ** -0.5))
+    return model
+
+
+def clip_request(config, shape, seed: int):
+    from h3lab.layout import build_layout
+    from h3lab.training import ClipRequest
+
+    frames, lh, lw, audio, text = shape
+    layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio,
+                          patch_size=config.patch_size)
+    gen = torch.Generator().manual_seed(seed)
+    return layout, ClipRequest(
+        layout, text=torch.randn(1, text, config.text_dim, generator=gen),
+        video=torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, generator=gen),
+        audio=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels, generator=gen), seed=seed)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (H3Config.tiny() with one block, Triton "
+                        "interpreter)")
+    parser.add_argument("--runs", type=int, default=3, help="timed steps per mode after one warm-up (default 3)")
+    parser.add_argument("--rank", type=int, default=64)
+    args = parser.parse_args(argv)
+    device = prepare(parser, cpu=args.tiny, flag="--tiny")
+
+    from h3lab.config import H3Config
+    from h3lab.training import Objective, StrictAdamW, compute_gradients, trainable_parameters
+
+    # the smoke: the tiny config cut to one block and one refiner block (the interpreter runs every program in Python)
+    config = dataclasses.replace(H3Config.tiny(), num_layers=1, num_refiner_layers=1) if args.tiny else H3Config.full()
+    shape_name, shape = TINY_SHAPE if args.tiny else ("512x512x22f", SHAPES["512x512x22f"])
+    model = build(config, device, args.rank, seed=0)
+    params = trainable_parameters(model)
+    layout, request = clip_request(config, shape, seed=5)
+    objective = Objective()
+    lora_numel = sum(p.numel() for _, p in params)
+    doc = header("lora", __file__, argv, device, config={"hidden": config.hidden_size, "layers": config.num_layers},
+                 lora={"rank": args.rank, "alpha": float(args.rank), "modules": len(params) // 2,
+                       "parameters": lora_numel, "dtype": "float32", "gradient_checkpointing": True},
+                 target_ratio=1.3)
+
+    optimizers = {m: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for m in MODES}  # one per mode: a mode's
+    # steps see only its own optimiser state; both move the same factors, which changes no timing
+
+    def gradients(mode: str):
+        return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
+
+    def step(mode: str):
+        def run():
+            result = gradients(mode)
+            optimizers[mode].step(result.gradient)
+        return run
+
+    repeat, calls = {}, {}
+    for mode in MODES:  # byte-repeatability from the same weights, before any optimiser step
+        a, b = gradients(mode), gradients(mode)
+        repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
+        calls[mode] = a.trace.to_dict()
+        sync(device)
+    timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
+    for mode in MODES:
+        times, peak = timings[mode]
+        doc["results"].append({
+            "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
+            "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+            "peak_mem_gib": round(peak, 3) if peak == peak else None,
+            "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
+            "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
+        })
+    strict, off = (r["median_s"] for r in doc["results"])
+    doc["ratio_strict_over_off"] = strict / off
+    print(table(doc["results"], ["impl", "shape", "rows", "median_s", "peak_mem_gib", "grad_repeat_equal"]))
+    print(f"strict / off = {doc['ratio_strict_over_off']:.3f} (target <= {doc['target_ratio']})")
+    write(args.out, doc)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

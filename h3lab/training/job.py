@@ -1,0 +1,267 @@
+"""A training job of the `h3lab train` front end: a LoRA fine-tune on a sealed clip dataset, or a reward-weighted
+update over sealed rollouts, with periodic atomic checkpoints and a byte-equal resume.
+
+Contract
+--------
+`TrainJob` (frozen) is everything a job varies: snapshot, variant, device, data (`clips` folder or `rollouts`
+(path, reward) pairs), the LoRA (rank, alpha, targets, init seed), the `TrainConfig` (steps, batch, seed, mode,
+checkpointing, AdamW, objective), `checkpoint_every`, `out`. `check()` validates every value and every path, loads
+and checks the data and fits it and the LoRA targets to the snapshot's transformer config -- all before any model
+loads -- raising one-line `TrainingError` / `AdapterError` / `ValidationError`s.
+
+The output folder `out`:
+    job.json                    the job (written first; `--resume` must name the same job, else refused)
+    initial/                    the adapter before step 0 (PEFT format)
+    checkpoints/step-NNNNNN/    after every `checkpoint_every` steps, atomically (temp folder renamed): adapter/ (PEFT
+                                format), optimizer.safetensors (StrictAdamW state, step count in its metadata),
+                                state.json (the step records and trace summary so far); older ones are removed
+    adapter/                    the final adapter (PEFT format), its sha256 the run's adapter.final_sha256
+    run/                        the sealed training run (`h3lab.training.load` / `verify`)
+`run_job(job, model, resume=False, progress=None)` trains; with `resume`, the newest checkpoint's adapter and
+optimiser state are put back and the run continues from there (`run.RunState`): the final adapter bytes, the step
+records and the run digest equal an uninterrupted run's. `progress(k, steps, record)` is called after each step
+(after any checkpoint of that step), so an interruption there leaves a checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ._deps import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from .adapter_file import read_adapter
+from .dataset import check_fits, load_dataset, rollout_dataset
+from .lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
+from .objective import TrainingError
+from .run import RunState, TrainConfig, train
+from .step import trainable_parameters
+
+JOB = "job.json"
+CHECKPOINTS = "checkpoints"
+VARIANTS = ("transformer", "transformer_ref")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise TrainingError(f"{name}={value!r}: must be an integer >= {minimum}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One `h3lab train` job (module docstring). `snapshot=None` is the embedded tiny snapshot."""
+
+    out: str
+    config: TrainConfig
+    clips: str | None = None
+    rollouts: tuple[tuple[str, float], ...] = ()
+    snapshot: str | None = None
+    variant: str = "transformer"
+    device: str | None = None
+    rank: int = 16
+    alpha: float | None = None
+    targets: tuple[str, ...] = PROJECTIONS
+    lora_seed: int = 0
+    checkpoint_every: int = 10
+    data: list = field(default_factory=list, compare=False, repr=False)  # filled by check()
+    data_digest: str = field(default="", compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What job.json holds (paths resolved); two jobs with equal dicts are the same job."""
+        return {"config": self.config.to_dict(), "clips": self.clips,
+                "rollouts": [[p, r] for p, r in self.rollouts], "snapshot": self.snapshot, "variant": self.variant,
+                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "lora_seed": self.lora_seed,
+                "checkpoint_every": self.checkpoint_every, "data_digest": self.data_digest}
+
+    # ---------------------------------------------------------------------------------------------- checks
+    def check(self, resume: bool = False) -> "TrainJob":
+        """Every value, path and the data, before any model loads; returns the job with its data and paths filled."""
+        from ..io_utils import check_output_dir
+        from ..session import resolve_device
+
+        if self.variant not in VARIANTS:
+            raise TrainingError(f"--variant {self.variant!r}: must be one of {', '.join(VARIANTS)}")
+        rank = _int("--rank", self.rank, 1)
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
+                                       or not math.isfinite(self.alpha) or self.alpha <= 0):
+            raise TrainingError(f"--alpha {self.alpha!r}: must be a finite number > 0")
+        every = _int("--checkpoint-every", self.checkpoint_every, 1)
+        lora_seed = _int("--lora-seed", self.lora_seed, 0)
+        targets = parse_targets(self.targets)
+        device = resolve_device(self.device)
+        if self.config.mode == "strict" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise TrainingError("--mode strict on the cpu: strict kernels run there only under TRITON_INTERPRET=1 "
+                                "(export it before starting), or use --mode off")
+        snapshot = self._snapshot()
+        if (self.clips is None) == (not self.rollouts):
+            raise TrainingError("give the data once: --clips DATASET (fine-tune) or --rollout TRAJECTORY REWARD "
+                                "(reward-weighted update), not both, not neither")
+        out = Path(self.out).expanduser()
+        check_output_dir(out, "--out")
+        has_job = (out / JOB).is_file()
+        if resume and not has_job:
+            raise TrainingError(f"--resume: {str(out)!r} holds no training job ({JOB}); start it without --resume")
+        if not resume and out.exists() and any(out.iterdir()):
+            why = "holds a training job: add --resume to continue it" if has_job else "is a folder of other files"
+            raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
+        if self.clips is not None:
+            data, digest = load_dataset(self.clips)
+            clips, rollouts = str(Path(self.clips).resolve()), ()
+        else:
+            data, digest = rollout_dataset(self.rollouts)
+            clips, rollouts = None, tuple((str(Path(p).resolve()), float(r)) for p, r in self.rollouts)
+        config = _snapshot_config(snapshot, self.variant)
+        check_fits(data, config)
+        _check_targets(targets, config)
+        return dataclasses.replace(self, out=str(out.resolve()), clips=clips, rollouts=rollouts, snapshot=str(snapshot),
+                                   rank=rank, checkpoint_every=every, lora_seed=lora_seed, targets=targets,
+                                   data=data, data_digest=digest)
+
+    def _snapshot(self) -> Path:
+        from ..errors import CheckpointError
+
+        if self.snapshot is None:
+            from ..checkpoint.tiny import default_snapshot
+
+            return Path(default_snapshot()).resolve()
+        path = Path(self.snapshot).expanduser()
+        if not (path / self.variant / "config.json").is_file():
+            raise CheckpointError(f"snapshot {self.snapshot!r}: no {self.variant}/config.json (not a MiniMax-H3 "
+                                  "snapshot folder)")
+        return path.resolve()
+
+
+def _snapshot_config(snapshot: Path, variant: str):
+    from .adapters import snapshot_config
+
+    return snapshot_config(snapshot, variant)
+
+
+def _check_targets(targets, config) -> None:
+    from ..model import H3Transformer
+
+    with torch.device("meta"):
+        match_targets(H3Transformer(config), targets)
+
+
+# ============================================================================================== checkpoints
+def _step_dir(k: int) -> str:
+    return f"step-{k + 1:06d}"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    root = out / CHECKPOINTS
+    found = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")) if root.is_dir() else []
+    return found[-1] if found else None
+
+
+def write_checkpoint(out: Path, k: int, model, optimizer, records: list[dict], trace, initial_sha: str) -> Path:
+    """Checkpoint after step k (module docstring), atomically; removes older checkpoints once it is in place."""
+    files = adapter_files(model)
+    state = {"step": k, "records": records, "trace": trace.to_dict(), "optimizer_steps": optimizer.step_count,
+             "initial_adapter": initial_sha}
+    tensors = {key: t.detach().cpu().contiguous() for key, t in optimizer.state_tensors().items()}
+
+    def write(tmp: Path) -> None:
+        (tmp / "adapter").mkdir()
+        for name, data in files.items():
+            (tmp / "adapter" / name).write_bytes(data)
+        atomic_save_safetensors(tmp / "optimizer.safetensors", tensors,
+                                metadata={"format": "h3lab-adamw/1", "step_count": str(optimizer.step_count)})
+        atomic_write_json(tmp / "state.json", state)
+
+    (out / CHECKPOINTS).mkdir(exist_ok=True)
+    path = atomic_write_dir(out / CHECKPOINTS / _step_dir(k), write)
+    for old in (out / CHECKPOINTS).iterdir():
+        if old.is_dir() and old.name.startswith("step-") and old.name < path.name:
+            shutil.rmtree(old)
+    return path
+
+
+def read_checkpoint(path: Path, model) -> RunState:
+    """Put a checkpoint's adapter into `model` (which carries the job's adapter) and return its `RunState`."""
+    from safetensors.torch import load_file
+
+    from .lora import load_adapter_weights
+
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        optimizer = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise TrainingError(f"checkpoint {str(path)!r}: unreadable ({exc})") from None
+    adapter = read_adapter(path / "adapter")
+    device = next(model.parameters()).device
+    load_adapter_weights(model, {k: v.to(device, torch.float32) for k, v in adapter.tensors.items()})
+    initial = read_adapter(path.parent.parent / "initial").tensors
+    names = [n for n, _ in trainable_parameters(model)]  # the run's parameter order
+    module_key = {n: n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.") for n in names}
+    if sorted(module_key.values()) != sorted(initial):
+        raise TrainingError(f"checkpoint {str(path)!r}: the initial adapter does not match the job's LoRA")
+    return RunState(records=state["records"], optimizer=optimizer, optimizer_steps=int(state["optimizer_steps"]),
+                    initial={n: initial[module_key[n]].to(torch.float32) for n in names},
+                    initial_adapter=state["initial_adapter"], trace=state["trace"])
+
+
+# ===================================================================================================== run
+def load_model(job: TrainJob):
+    """The job's base transformer, loaded from its snapshot onto its device."""
+    from ..model import H3Transformer
+    from ..session import resolve_device
+
+    model = H3Transformer.from_pretrained(job.snapshot, subfolder=job.variant, device=resolve_device(job.device))
+    return model
+
+
+def run_job(job: TrainJob, model, *, resume: bool = False,
+            progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
+    """Train `job` (checked) on `model` (its base transformer) and write its folder (module docstring); returns a
+    summary {steps, loss, adapter, adapter_sha256, run, digest}."""
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        recorded = json.loads((out / JOB).read_text(encoding="utf-8"))
+        now = json.loads(json.dumps(job.to_dict()))
+        if recorded != now:
+            key = next(k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k))
+            raise TrainingError(f"--resume: this command's {key} differs from the job in {str(out / JOB)!r} "
+                                f"({now.get(key)!r} vs {recorded.get(key)!r}); resume with the same arguments")
+    else:
+        atomic_write_json(out / JOB, job.to_dict())
+    handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
+    try:
+        state = None
+        if resume:
+            last = latest_checkpoint(out)
+            if last is None:
+                raise TrainingError(f"--resume: {str(out)!r} has no checkpoint yet; start it again without --resume "
+                                    "in a new folder")
+            state = read_checkpoint(last, model)
+        else:
+            save_adapter(model, out / "initial")
+        initial_sha = read_adapter(out / "initial").sha256
+        records = list(state.records) if state is not None else []
+
+        def on_step(k: int, record: dict, optimizer, trace) -> None:
+            records.append(record)
+            if (k + 1) % job.checkpoint_every == 0 and k + 1 < job.config.steps:
+                write_checkpoint(out, k, model, optimizer, records, trace, initial_sha)
+            if progress is not None:
+                progress(k + 1, job.config.steps, record)
+
+        run = train(model, job.data, job.config, on_step=on_step, resume=state,
+                    meta={"job": job.to_dict()})
+        adapter_path, sha = save_adapter(model, out / "adapter")
+        run_path = run.seal(out / "run")
+        return {"steps": len(run.steps), "loss": run.steps[-1]["loss"], "adapter": str(adapter_path),
+                "adapter_sha256": sha, "run": str(run_path), "digest": run.digest}
+    finally:
+        remove_lora(model, handle)

@@ -1,0 +1,177 @@
+"""`h3lab train`: a table of bad arguments, each refused with exit 2, one stderr line naming the value and the rule,
+before any model loads and fast; a LoRA fine-tune on a sealed clip dataset run uninterrupted and, in another folder,
+interrupted after a checkpoint and resumed -- byte-equal adapter, step records, run digest and weights; and a
+reward-weighted update over sealed rollouts through `h3lab train` (the console dispatch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from training_cases import make_clip, make_layout
+
+from h3lab import H3Config, cli, train
+from h3lab.session import Session
+from h3lab.training import load, read_adapter, verify
+from h3lab.training.dataset import save_dataset
+from h3lab.training.job import CHECKPOINTS, latest_checkpoint, load_model, run_job
+
+TINY = H3Config.tiny()
+LIMIT_S = 5.0
+
+
+class Tripwire(BaseException):
+    """Raised if a bad argument got as far as loading a model."""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_snapshot):
+    d = tmp_path_factory.mktemp("train-data")
+    layout = make_layout("fl2va")
+    save_dataset(d / "clips", [make_clip(TINY, layout, seed=s) for s in (1, 2, 3)])
+    from training_cases import SMALL
+
+    save_dataset(d / "wide", [make_clip(SMALL, layout, seed=1)])  # rows of another model's widths
+    session = Session(tiny_snapshot, device="cpu")
+    gen = dict(width=64, height=64, frames=22, steps=2, mode="off")
+    session.generate("a red fox", seed=1, **gen).trajectory.seal(d / "nokeep")
+    session.keep = ("latents",)
+    for seed in (1, 2):
+        session.generate("a red fox", seed=seed, **gen).trajectory.seal(d / f"rollout{seed}")
+    (d / "junk").mkdir()
+    (d / "junk" / "x.txt").write_text("x")
+    return d
+
+
+def run(argv, capsys) -> tuple[int, list[str], str]:
+    code = train.main(argv)
+    out = capsys.readouterr()
+    return code, out.err.strip().splitlines(), out.out
+
+
+def bad_cases(d, snap):
+    c = ["--clips", str(d / "clips")]
+    o = ["--out", str(d / "fresh-out")]
+    return [
+        ("no-out", c, "--out"),
+        ("no-data", o, "give the data once"),
+        ("both-data", c + o + ["--rollout", str(d / "rollout1"), "1"], "not both"),
+        ("clips-missing", ["--clips", str(d / "nope")] + o, "is not a sealed clip dataset"),
+        ("clips-not-dataset", ["--clips", str(d / "junk")] + o, "manifest.json is missing"),
+        ("clips-wrong-width", ["--clips", str(d / "wide")] + o, "rows are 12 wide; this transformer takes 16"),
+        ("rollout-missing", ["--rollout", str(d / "nope"), "1"] + o, "--rollout"),
+        ("rollout-reward", ["--rollout", str(d / "rollout1"), "good"] + o, "reward 'good': must be a number"),
+        ("rollout-reward-inf", ["--rollout", str(d / "rollout1"), "inf"] + o, "must be a finite number"),
+        ("rollout-no-latents", ["--rollout", str(d / "nokeep"), "1"] + o, "lacks kept latents"),
+        ("rank", c + o + ["--rank", "0"], "--rank=0: must be an integer >= 1"),
+        ("rank-text", c + o + ["--rank", "two"], "invalid int value: 'two'"),
+        ("alpha", c + o + ["--alpha", "-1"], "--alpha -1.0: must be a finite number > 0"),
+        ("targets", c + o + ["--targets", "to_q,to_qq"], "LoRA target 'to_qq' matches no module"),
+        ("targets-empty", c + o + ["--targets", "to_q,"], "LoRA target ''"),
+        ("targets-norm", c + o + ["--targets", "norm1"], "LoRA wraps projections"),
+        ("steps", c + o + ["--steps", "0"], "TrainConfig.steps=0"),
+        ("batch", c + o + ["--batch-size", "0"], "TrainConfig.batch_size=0"),
+        ("lr", c + o + ["--lr", "0"], "AdamW lr=0.0"),
+        ("weight-decay", c + o + ["--weight-decay", "-1"], "AdamW weight_decay=-1.0"),
+        ("objective", c + o + ["--video-weight", "0", "--audio-weight", "0"], "at least one modality"),
+        ("mode", c + o + ["--mode", "fast-ish"], "invalid choice: 'fast-ish'"),
+        ("checkpoint-every", c + o + ["--checkpoint-every", "0"], "--checkpoint-every=0"),
+        ("lora-seed", c + o + ["--lora-seed", "-2"], "--lora-seed=-2"),
+        ("variant", c + o + ["--variant", "transformer_x"], "--variant 'transformer_x'"),
+        ("device", c + o + ["--device", "cuda"], "cuda"),
+        ("snapshot", c + o + ["-d", str(d / "junk")], "not a MiniMax-H3 snapshot folder"),
+        ("out-is-file", c + ["--out", str(d / "junk" / "x.txt")], "x.txt"),
+        ("out-not-job", c + ["--out", str(d / "junk")], "is a folder of other files"),
+        ("resume-nothing", c + o + ["--resume"], "holds no training job"),
+        ("unknown-flag", c + o + ["--lora-rank", "4"], "unrecognized arguments: --lora-rank"),
+    ]
+
+
+def test_bad_arguments_fail_fast_with_one_line(data, tiny_snapshot, monkeypatch, capsys):
+    import h3lab.training.job as job_module
+
+    def tripwire(*a, **k):
+        raise Tripwire("a model was loaded")
+
+    monkeypatch.setattr(job_module, "load_model", tripwire)
+    for name, argv, message in bad_cases(data, tiny_snapshot):
+        if name == "device" and torch.cuda.is_available():
+            continue
+        t0 = time.perf_counter()
+        code, err, out = run(argv + ["--mode", "off"] if "--mode" not in argv else argv, capsys)
+        took = time.perf_counter() - t0
+        assert code == 2, (name, err)
+        assert len(err) == 1 and err[0].startswith("h3lab train: error: "), (name, err)
+        assert message in err[0], (name, err[0])
+        assert "Traceback" not in err[0] and "Error:" not in err[0].removeprefix("h3lab train: error:"), err[0]
+        assert took < LIMIT_S, (name, took)
+        assert not (data / "fresh-out").exists(), name
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, err, _ = run(["--clips", str(data / "clips"), "--out", str(data / "fresh-out"), "--device", "cpu"], capsys)
+    assert code == 2 and "TRITON_INTERPRET=1" in err[0]  # strict (the default) on the CPU needs the interpreter
+
+
+def job_argv(data, out, *extra):
+    return ["--clips", str(data / "clips"), "--out", str(out), "--rank", "2", "--alpha", "4", "--steps", "4",
+            "--batch-size", "2", "--lr", "1e-2", "--checkpoint-every", "2", "--mode", "off", "--seed", "3",
+            "--device", "cpu", *extra]
+
+
+def test_resume_is_byte_equal_to_an_uninterrupted_run(data, tmp_path, capsys):
+    code, err, out = run(job_argv(data, tmp_path / "whole"), capsys)
+    assert code == 0, err
+    assert "trained 4 steps" in out and "sealed run in" in out
+    whole = tmp_path / "whole"
+    assert sorted(p.name for p in whole.iterdir()) == ["adapter", "checkpoints", "initial", "job.json", "run"]
+    assert [p.name for p in (whole / CHECKPOINTS).iterdir()] == ["step-000002"]  # older ones removed
+
+    # interrupted after step 3 (the checkpoint of step 2 is on disk), then resumed with the same arguments
+    parsed = train.build_parser().parse_args(job_argv(data, tmp_path / "cut"))
+    job = train.job_from_args(parsed)
+
+    def stop(step, total, record):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, load_model(job), progress=stop)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-000002" and not (tmp_path / "cut" / "adapter").exists()
+    code, err, _ = run(job_argv(data, tmp_path / "cut", "--resume"), capsys)
+    assert code == 0, err
+
+    a, b = load(whole / "run"), load(tmp_path / "cut" / "run")
+    assert a.digest == b.digest and a.steps == b.steps and len(a.steps) == 4
+    assert a.manifest["adapter"] == b.manifest["adapter"]
+    assert a.manifest["adapter"]["final_sha256"] == read_adapter(whole / "adapter").sha256
+    assert a.manifest["adapter"]["initial_sha256"] != a.manifest["adapter"]["final_sha256"]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (whole / "adapter" / name).read_bytes() == (tmp_path / "cut" / "adapter" / name).read_bytes()
+    assert set(a.weights) == set(b.weights) and all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+    assert a.manifest["trace"] == b.manifest["trace"] and a.manifest["trace"]["forwards"] == 8
+
+    # the sealed run verifies on a model carrying the job's adapter
+    from h3lab.training import add_lora
+
+    model = load_model(job)
+    add_lora(model, 2, 4.0)
+    assert verify(whole / "run", model).ok
+
+    # resuming with other arguments is refused, naming what differs
+    code, err, _ = run(job_argv(data, tmp_path / "cut", "--resume", "--lr", "2e-2"), capsys)
+    assert code == 2 and "config differs" in err[0]
+
+
+def test_reward_weighted_update_through_the_console(data, tmp_path, capsys):
+    out = tmp_path / "rl"
+    argv = ["train", "--rollout", str(data / "rollout1"), "1.0", "--rollout", str(data / "rollout2"), "-1.0",
+            "--out", str(out), "--rank", "2", "--steps", "1", "--batch-size", "4", "--lr", "1e-3", "--mode", "off",
+            "--device", "cpu"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    run_ = load(out / "run")
+    assert len(run_.dataset) == 4 and [r.weight for r in run_.dataset] == [1.0, 1.0, -1.0, -1.0]
+    assert all(r.origin["kind"] == "rollout" for r in run_.dataset)
+    assert not any("log_prob" in k or "logprob" in k for k in json.dumps(run_.manifest).split('"'))
+    assert os.path.isdir(out / "adapter")
