@@ -93,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="FILE", default=None, help="run a .h3 replay and check its expect lines")
     p.add_argument("--update", action="store_true", help="with --replay: rewrite the expect lines")
     p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--residency", choices=("resident", "phased"), default="resident",
-                   help="keep components resident, or load/release them per phase")
+    p.add_argument("--residency", choices=("resident", "phased", "streamed"), default=None,
+                   help="keep components resident (default), load/release them per phase, or stream the DiT's blocks "
+                        "from host memory through two GPU slots")
+    p.add_argument("--gpu-memory", metavar="GiB", type=float, default=None,
+                   help="GPU budget of the streamed DiT: blocks that fit stay resident, the rest stream (implies "
+                        "--residency streamed)")
     p.add_argument("--session-dir", metavar="DIR", default=None,
                    help="REPL outputs, previews and history (default ./h3lab-session)")
     p.set_defaults(references=[])
@@ -183,7 +187,8 @@ def session_from_args(args: argparse.Namespace):
     from .session import Session
 
     quiet_libraries()
-    return Session(args.model, device=args.device, residency=args.residency)
+    residency = args.residency or ("streamed" if args.gpu_memory is not None else "resident")
+    return Session(args.model, device=args.device, residency=residency, gpu_memory=args.gpu_memory)
 
 
 def _info(args) -> int:
