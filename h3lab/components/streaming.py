@@ -256,7 +256,7 @@ class BlockStreamer:
         with torch.no_grad():
             inside = {id(e.get()) for u in self.units for e in u.entries}
             for _, owner, key, is_param, t in list(registered(self.model)):
-                if id(t) not in inside and t.device != self.device:
+                if id(t) not in inside and not _on(t, self.device):
                     bind(owner, key, is_param, t.to(self.device))
             for unit in self.units:
                 if unit.name not in names:
@@ -291,7 +291,7 @@ class BlockStreamer:
             unit.host, unit.host_views = None, []
         else:
             for e in unit.entries:
-                if e.get().device != self.device:
+                if not _on(e.get(), self.device):
                     e.bind(e.get().to(self.device))
 
     def remove(self, restore: bool = True) -> None:
@@ -421,6 +421,11 @@ class BlockStreamer:
         self._copies, self._uses, self._recording = [], [], False
         _last_stats.set(stats)
         return stats
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """`t` lives on `device` ("cuda" without an index means the current GPU, as torch places it)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def _view(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
