@@ -254,10 +254,7 @@ class BlockStreamer:
         self._remove_hooks()
         names = set(plan.streamed)
         with torch.no_grad():
-            inside = {id(e.get()) for u in self.units for e in u.entries}
-            for _, owner, key, is_param, t in list(registered(self.model)):
-                if id(t) not in inside and not _on(t, self.device):
-                    bind(owner, key, is_param, t.to(self.device))
+            self.place_extras(self.units)  # the units themselves are placed below, as the plan says
             for unit in self.units:
                 if unit.name not in names:
                     self._make_resident(unit)
@@ -284,6 +281,21 @@ class BlockStreamer:
         self.model.__dict__["_h3lab_streamer"] = self
         empty_caches(self.device)
         return self
+
+    def place_extras(self, skip: list[_Unit] | None = None) -> list[str]:
+        """Move every tensor onto the device except the packed tensors of `skip` (default: the streamed units);
+        returns their names. The tensors outside the units go there when the model is placed; tensors that appear
+        later inside a unit -- a LoRA adapter injected for one run (`RunSpec.adapters`, applied before the
+        residency), whose factors peft creates where the unit's weights are between forwards, in host memory -- stay
+        resident beside the streamed ones (called by `begin_run`)."""
+        packed = {id(e.get()) for u in (self.streamed if skip is None else skip) for e in u.entries}
+        moved = []
+        with torch.no_grad():
+            for path, owner, key, is_param, t in list(registered(self.model)):
+                if id(t) not in packed and not _on(t, self.device):
+                    bind(owner, key, is_param, t.to(self.device))
+                    moved.append(f"{path + '.' if path else ''}{key}")
+        return moved
 
     def _make_resident(self, unit: _Unit) -> None:
         if unit.host is not None:
@@ -402,6 +414,8 @@ class BlockStreamer:
 
     # -------------------------------------------------------------------------------------- statistics
     def begin_run(self) -> None:
+        """Start a run's statistics; first place the tensors that appeared since the model was placed."""
+        self.place_extras()
         self._copies, self._uses, self._on_demand, self._recording = [], [], 0, True
 
     def end_run(self) -> StreamStats:

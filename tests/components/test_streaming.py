@@ -216,6 +216,32 @@ def test_inference_only(spec):
             model_forward(model, spec.inputs, video, spec.inputs.audio, 0)
 
 
+def test_tensors_added_inside_a_streamed_unit_are_placed_and_kept(spec, monkeypatch):
+    """A LoRA-like factor injected into a streamed block after streaming (as `RunSpec.adapters` does for a run)
+    is not packed: `begin_run` puts it on the device (here: a move the test observes through `_on`), the packed
+    tensors are never touched, and the run equals a resident model carrying the same extra factor."""
+
+    def add_extra(model):
+        block = model.transformer_blocks[1]
+        torch.manual_seed(0)
+        extra = torch.nn.Parameter(torch.randn(CONFIG.hidden_size).to(torch.bfloat16), requires_grad=False)
+        block.register_parameter("extra_scale", extra)
+        block.register_forward_hook(lambda m, a, out: out * (1 + 0.01 * m.extra_scale).to(out.dtype))
+        return extra
+
+    ref_model = fresh_model()
+    add_extra(ref_model)
+    ref = T.record(spec, ref_model)
+    model = fresh_model()
+    streamer = streamed(model)
+    extra = add_extra(model)
+    real_on = S._on
+    monkeypatch.setattr(S, "_on", lambda t, device: False if t is extra else real_on(t, device))
+    assert streamer.place_extras() == ["transformer_blocks.1.extra_scale"]  # only the new tensor moves
+    monkeypatch.setattr(S, "_on", real_on)
+    assert T.record(spec, model).digest == ref.digest
+
+
 def test_remove_restores_a_resident_model(spec, resident):
     model = fresh_model()
     params = {n: p for n, p in model.named_parameters()}
