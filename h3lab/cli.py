@@ -100,8 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="FILE", default=None, help="run a .h3 replay and check its expect lines")
     p.add_argument("--update", action="store_true", help="with --replay: rewrite the expect lines")
     p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--residency", choices=("resident", "phased"), default=None,
-                   help="keep components resident (default), or load/release them per phase")
+    p.add_argument("--residency", choices=("resident", "phased", "streamed"), default=None,
+                   help="keep components resident (default), load/release them per phase, or stream the DiT's blocks "
+                        "from host memory through two GPU slots")
+    p.add_argument("--gpu-memory", metavar="GiB", type=float, default=None,
+                   help="GPU budget of the streamed DiT: blocks that fit stay resident, the rest stream (implies "
+                        "--residency streamed)")
     p.add_argument("--session-dir", metavar="DIR", default=None,
                    help="REPL outputs, previews and history (default ./h3lab-session)")
     p.add_argument("--lora", metavar="PATH", default=None,
@@ -193,7 +197,8 @@ def session_from_args(args: argparse.Namespace):
     from .session import Session
 
     quiet_libraries()
-    session = Session(args.model, device=args.device, residency=args.residency or "resident")
+    residency = args.residency or ("streamed" if args.gpu_memory is not None else "resident")
+    session = Session(args.model, device=args.device, residency=residency, gpu_memory=args.gpu_memory)
     if getattr(args, "lora", None):
         session.load_lora(args.lora)  # checked against the snapshot's config; no model loads
     return session
@@ -209,18 +214,20 @@ SETTINGS_FLAGS = {
 }
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
-               "update": "--update", "session_dir": "--session-dir", "residency": "--residency", "lora": "--lora"}
+               "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
+               "gpu_memory": "--gpu-memory",
+               "lora": "--lora"}
 ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
-    "replay": {"replay", "update", "session_dir", "profile", "residency"},
-    "one-shot": {"prompt", "json", "show", "profile", "residency", "session_dir", "lora", *SETTINGS_FLAGS,
+    "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory"},
+    "one-shot": {"prompt", "json", "show", "profile", "residency", "gpu_memory", "session_dir", "lora", *SETTINGS_FLAGS,
                  *OUTPUT_FLAGS},
-    "repl": {"session_dir", "show", "profile", "residency", "lora", *SETTINGS_FLAGS},
+    "repl": {"session_dir", "show", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS},
 }
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
     "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
-              "--session-dir, --profile, --update)",
+              "--gpu-memory, --session-dir, --profile, --update)",
     "one-shot": "-p generates once and writes -o/--wav/--frames-dir; --session-dir only goes with --show",
     "repl": "the interactive session (no -p) numbers its videos in --session-dir; -o/--wav/--frames-dir/--json go "
             "with -p",

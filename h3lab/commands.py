@@ -402,6 +402,7 @@ def _h_status(state):
     st = session.status()
     lines = [
         f"model {st['model']} ({st['snapshot']}) on {st['device']}, residency {st['residency']}",
+        *st.get("streaming", ()),
         f"loaded: {', '.join(st['loaded']) or 'nothing'}; conditioning cache {st['cache_entries']} entries",
         f"next: {s.summary()}",
     ]
@@ -702,6 +703,14 @@ def _h_profile(state, switch):
 def _h_show(state, *switch):
     state.show = (not state.show) if not switch else switch[0] == "on"
     return [f"show {'on' if state.show else 'off'}"]
+
+
+@command("streaming", "!streaming on|off", "stream the DiT's blocks from host memory through two GPU slots, or keep "
+         "them resident", parse=_p_on_off, args=(ON_OFF,), drain=True)
+def _h_streaming(state, switch):
+    session = state.get_session()
+    residency = "streamed" if switch == "on" else "resident"
+    return session.set_residency(residency, session.gpu_memory if switch == "on" else None)
 
 
 @command("quit", "!quit", "leave (also !exit, Ctrl-D)", parse=no_args, aliases=("exit", "q"))

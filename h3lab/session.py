@@ -7,12 +7,16 @@ the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` calls t
 holds the caches and serialises requests.
 
 Contract
-- `Session(path=None, device=None, residency="resident")`. `path=None` is the embedded tiny snapshot
+- `Session(path=None, device=None, residency="resident", gpu_memory=None)`. `path=None` is the embedded tiny snapshot
   (`h3lab.checkpoint.tiny.default_snapshot()`); `device=None` is CUDA when available, else the CPU. Components load on
   first use: the text encoder, the DiT of the variant a request needs (`transformer/` for t2va/fl2va,
   `transformer_ref/` for ref2va; switching variants releases the other, two 33B partitions do not share a GPU), the
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
-  encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist.
+  encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist;
+  `"streamed"` keeps them but streams the DiT's blocks from pinned host memory through two GPU slots (byte-identical
+  to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `set_residency(residency, gpu_memory)`
+  switches it (`!streaming on|off`); a streamed run records it in `RunSpec.residency` and `result.streaming` holds
+  its copy statistics (`--profile`).
 - `set_transformer(model, variant="transformer")` gives the session an already-built `H3Transformer` for a variant
   instead of the snapshot's weights (a full-size random DiT built on the GPU, an edited model). It is checked against
   the snapshot's interface -- `text_dim` = the text encoder's hidden width, `in_channels` = the video VAE's latent
@@ -68,6 +72,7 @@ import numpy as np
 import torch
 
 from . import pipeline
+from .components import streaming
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
@@ -111,6 +116,7 @@ class GenerationResult:
     outputs: list[Path] = field(default_factory=list)
     evaluations: int = 0  # transformer forwards run
     arm: Any = field(default=None, repr=False)  # the `RunSpec` that ran (= trajectory.spec): `Session.drift`
+    streaming: Any = None  # components.streaming.StreamStats of a streamed run (bytes moved, wait not hidden)
 
     @property
     def total_seconds(self) -> float:
@@ -135,6 +141,8 @@ class GenerationResult:
         lines.append(f"  {'total':<16} {self.total_seconds:8.3f} s")
         lines.append(f"  peak memory      {self.peak_memory / 2**20:8.1f} MiB ({self.memory_kind})")
         lines.append(f"  forwards         {self.evaluations:8d}")
+        if self.streaming is not None:
+            lines += self.streaming.lines()
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +161,7 @@ class GenerationResult:
             "memory_kind": self.memory_kind,
             "evaluations": self.evaluations,
             "outputs": [str(p) for p in self.outputs],
+            "streaming": None if self.streaming is None else self.streaming.to_dict(),
         }
 
 
@@ -268,11 +277,11 @@ class Session:
 
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
-                 pipeline_config: dict[str, int] | None = None):
-        check_residency(residency)
+                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None):
+        check_residency(residency, gpu_memory)
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
-        self.store = ComponentStore(self.path, self.device, residency, dtype_policy)
+        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory)
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
@@ -290,6 +299,17 @@ class Session:
     @property
     def dtype_policy(self) -> str:
         return self.store.dtype_policy
+
+    @property
+    def gpu_memory(self) -> float | None:
+        """The streamed DiT's GPU budget in GiB (None: every block streams, or not streamed)."""
+        return self.store.gpu_memory
+
+    def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
+        """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed) and re-place the
+        loaded DiT in place; returns what it does now. A refusal changes nothing."""
+        with self._lock:
+            return self.store.set_residency(residency, gpu_memory)
 
     @property
     def load_seconds(self) -> float:
@@ -338,6 +358,8 @@ class Session:
             "snapshot": str(self.path),
             "device": str(self.device),
             "residency": self.residency,
+            "gpu_memory_gib": self.gpu_memory,
+            "streaming": self.store.describe()[1:],
             "loaded": self.loaded,
             "cache_entries": len(self._text_cache) + len(self._cond_cache),
         }
@@ -476,6 +498,7 @@ class Session:
             trace=loop["trace"],
             evaluations=loop["evaluations"],
             arm=loop["arm"],
+            streaming=loop["streaming"],
         )
         with _Timer(self, timings, "write"):
             from .components import media as media_io
@@ -505,7 +528,8 @@ class Session:
         patch = tuple(cfg.patch_size)
         layout = pipeline.build_layout(s, media, text, cond, patch)
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
-        spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters)
+        spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
+                                   residency=self.store.residency_value())
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
@@ -535,6 +559,7 @@ class Session:
             raise GenerationCancelled(f"{err}; the session is unchanged") from None
         latents, audio_rows = pipeline.final_latents(s, inputs, video, audio, patch)
         trajectory = recorder.finish()
+        streamed = streaming.last_stats() if spec.residency else None
         return {
             "layout": layout,
             "latents": latents,
@@ -543,6 +568,7 @@ class Session:
             "trace": state["trace"],
             "evaluations": state["evaluations"],
             "arm": trajectory.spec,
+            "streaming": streamed,
         }
 
     # -------------------------------------------------------------------------------------- adapters

@@ -28,8 +28,8 @@ rename, so a reader sees the old artifact or the new one, never a mix.
 `Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`); replays' `# expect`
 lines check it. `load(path)` re-hashes the sealed tensors and kept tensors against the manifest, rebuilds the
 `RunSpec` and checks its `sha256`, and recomputes the digest (a tampered file raises `TrajectoryError`).
-`verify(path, model)` replays exactly the sealed spec (mode, factors, stepper, reuse, preset, placement, adapters)
-and reports the first pass (and tensor) whose hash differs, or OK. A spec with custom callables cannot be replayed
+`verify(path, model)` replays exactly the sealed spec (mode, factors, stepper, reuse, preset, placement, adapters,
+residency) and reports the first pass (and tensor) whose hash differs, or OK. A spec with custom callables cannot be replayed
 from its description: `verify` refuses it. A manifest written before run specs existed (no `spec`) is read as a
 plain spec of its mode, stepper and reuse; one that recorded ablation factors is refused (its factors were not sealed
 by name).

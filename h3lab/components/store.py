@@ -4,12 +4,18 @@ Contract
 - `resolve_snapshot(path) -> (Path, model name)`: `None` is the embedded tiny snapshot
   (`h3lab.checkpoint.tiny.default_snapshot()`, named "h3-tiny"); anything else must be a directory (one-line
   `CheckpointError`).
-- `ComponentStore(path, device, residency="resident", dtype_policy="released")` serves the text encoder, the DiT of
+- `ComponentStore(path, device, residency="resident", dtype_policy="released", gpu_memory=None)` serves the text encoder, the DiT of
   each variant (`transformer/` for t2va/fl2va, `transformer_ref/` for ref2va), the video VAE and the audio VAE,
   each loaded on first use by `load(name)`. Loading one DiT variant releases the other: two 33B partitions do not
   share a GPU. `load_seconds` accumulates the wall time spent loading (the session books it under "load").
 - Residency: `"resident"` keeps every loaded component; `"phased"` releases each after its phase (`phase_done`:
-  text encode, condition encode, denoise, decode), so the 32B encoder, the 33B DiT and the decoders never coexist.
+  text encode, condition encode, denoise, decode), so the 32B encoder, the 33B DiT and the decoders never coexist;
+  `"streamed"` keeps the components like resident but the DiT's blocks live in (pinned) host memory and stream
+  through two GPU slots while they run (`h3lab.components.streaming`): a snapshot DiT is mapped on the CPU and
+  packed block by block, never whole on the GPU. `gpu_memory` (GiB, streamed only) is a budget for the DiT's tensors
+  on the GPU: the blocks that fit stay resident, the rest stream (refused at construction when even streaming every
+  block does not fit). `set_residency(residency, gpu_memory)` switches the policy and re-places the loaded DiTs in
+  place (`!streaming on|off`). `residency_value()` is what a run records in `RunSpec.residency`.
   `release(*names)` drops components (all without names); they reload on next use.
 - Pinned transformers: `set_transformer(model, variant)` serves `variant` with an already-built `H3Transformer`
   instead of the snapshot's weights, after `check_interface` (text_dim = the text encoder's hidden width,
@@ -24,7 +30,8 @@ Contract
 - Snapshot metadata: `read_shifts()` (the two schedulers' `shift`), `read_pipeline_config(overrides)` (the
   ConfigSpecs that shape reference media), `component_config(folder)`.
 
-The store holds no lock: `Session` serialises its calls.
+The store holds no lock: `Session` serialises its calls. Importing it registers the provider of the run-spec field
+`residency` (`streaming.check_residency_value` / `streaming.apply_residency`).
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError, ValidationError
+from ..run import FieldProvider, register_field
+from . import streaming
 
 VARIANTS = ("transformer", "transformer_ref")
-RESIDENCIES = ("resident", "phased")
+RESIDENCIES = ("resident", "phased", "streamed")
+
+register_field("residency", FieldProvider(validate=streaming.check_residency_value, apply=streaming.apply_residency),
+               replace=True)
 
 
 def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
@@ -59,9 +71,14 @@ def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
     return path, name
 
 
-def check_residency(residency: str) -> str:
+def check_residency(residency: str, gpu_memory: float | None = None) -> str:
     if residency not in RESIDENCIES:
         raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
+    if gpu_memory is not None:
+        if residency != "streamed":
+            raise ValidationError(f"gpu_memory={gpu_memory!r}: a GPU memory budget needs residency='streamed' (the "
+                                  f"blocks that do not fit stream), not {residency!r}")
+        streaming.check_gpu_memory(gpu_memory)
     return residency
 
 
@@ -75,14 +92,17 @@ class ComponentStore:
     """The loaded components of one snapshot and their residency (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, device: torch.device, residency: str = "resident",
-                 dtype_policy: str = "released"):
+                 dtype_policy: str = "released", gpu_memory: float | None = None):
         self.path = Path(path)
         self.device = device
-        self.residency = check_residency(residency)
+        self.residency = check_residency(residency, gpu_memory)
+        self.gpu_memory = None if gpu_memory is None else streaming.check_gpu_memory(gpu_memory)
         self.dtype_policy = dtype_policy
         self.components: dict[str, Any] = {}
         self.injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
         self.load_seconds = 0.0  # cumulative component loading time
+        if self.gpu_memory is not None:
+            self.plan_for("transformer")  # an impossible budget fails here, before anything loads
 
     # -------------------------------------------------------------------------------------- snapshot
     def read_shifts(self) -> tuple[float, float]:
@@ -161,8 +181,7 @@ class ComponentStore:
             # Two 33B partitions do not share a GPU: loading one variant releases the other.
             self.release("transformer_ref" if name == "transformer" else "transformer")
             comp = self.injected.get(name)  # pinned by set_transformer: no disk read
-            if comp is None:
-                comp = self._load_transformer(name)
+            comp = self._load_transformer(name) if comp is None else self._place(comp)
         elif name == "text_encoder":
             from .text_encoder import TextEncoder
 
@@ -180,12 +199,75 @@ class ComponentStore:
         return comp
 
     def _load_transformer(self, variant: str):
-        """The snapshot's DiT of `variant` on the store device, in the store's dtype policy, frozen."""
+        """The snapshot's DiT of `variant` on the store device, in the store's dtype policy, frozen. Streamed: mapped
+        on the CPU, then placed (the blocks never sit on the GPU all at once)."""
         from ..model import H3Transformer
 
-        model = H3Transformer.from_pretrained(self.path, subfolder=variant, device=self.device,
+        streamed = self.residency == "streamed"
+        model = H3Transformer.from_pretrained(self.path, subfolder=variant, device=None if streamed else self.device,
                                               dtype_policy=self.dtype_policy)
-        return model.eval().requires_grad_(False)
+        return self._place(model.eval().requires_grad_(False))
+
+    # -------------------------------------------------------------------------------------- residency
+    def _place(self, model):
+        """Make a DiT's placement the policy's: streamed with the store's budget, or resident on the device."""
+        current = streaming.streamer_of(model)
+        if self.residency == "streamed":
+            plan = self.plan_for(model)
+            if current is None or current.plan != plan or current.device != self.device:
+                streaming.stream_blocks(model, self.device, gpu_memory_gib=self.gpu_memory)
+        elif current is not None:
+            current.remove(restore=True)
+        return model
+
+    def plan_for(self, model_or_variant):
+        """The streaming plan of a model (or of a snapshot variant, read on the meta device) under the store's
+        budget; raises when the budget cannot hold even the streamed DiT."""
+        model = model_or_variant
+        if isinstance(model, str):
+            from ..config import H3Config
+            from ..model import H3Transformer
+
+            with torch.device("meta"):
+                model = H3Transformer(H3Config.from_dict(self.component_config(model)), dtype_policy=self.dtype_policy)
+        return streaming.plan_for_model(model, self.gpu_memory)
+
+    def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
+        """Switch the policy and re-place every loaded DiT in place; returns what each now does. The refusals (an
+        unknown policy, a budget that cannot hold the streamed DiT, blocks that do not fit back on the GPU) are
+        checked before any block moves."""
+        check_residency(residency, gpu_memory)
+        dits = [(v, self.components[v]) for v in VARIANTS if v in self.components]
+        before = (self.residency, self.gpu_memory)
+        self.residency, self.gpu_memory = residency, None if gpu_memory is None else float(gpu_memory)
+        try:
+            if residency == "streamed":
+                for _, model in dits:
+                    self.plan_for(model)  # every plan checked before any block moves
+            for _, model in dits:
+                self._place(model)
+        except Exception:
+            self.residency, self.gpu_memory = before
+            raise
+        return self.describe()
+
+    def residency_value(self) -> dict:
+        """`RunSpec.residency` of a run on this store's DiT: {} unless streamed."""
+        if self.residency != "streamed":
+            return {}
+        return streaming.residency_value("streamed", self.gpu_memory)
+
+    def describe(self) -> list[str]:
+        """The policy, and per loaded DiT what stays on the GPU."""
+        budget = f", budget {self.gpu_memory:g} GiB" if self.gpu_memory is not None else ""
+        lines = [f"residency {self.residency}{budget}"]
+        for variant in VARIANTS:
+            streamer = streaming.streamer_of(self.components[variant]) if variant in self.components else None
+            if streamer is not None and streamer.plan is not None:
+                lines.append(f"  {variant}: {streamer.plan.describe()}")
+        if self.residency == "streamed" and len(lines) == 1:
+            lines.append("  the DiT's blocks stream from host memory once it loads")
+        return lines
 
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
@@ -201,8 +283,7 @@ class ComponentStore:
             dropped |= self.components.pop(name, None) is not None
         if dropped:
             gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            streaming.empty_caches(self.device)  # device blocks, and the pinned host buffers of a streamed DiT
 
     def phase_done(self, *names: str) -> None:
         """A phase that used `names` ended: phased residency releases them."""
@@ -261,9 +342,12 @@ class ComponentStore:
             raise ValidationError(
                 f"{where}: dtype_policy={model.dtype_policy!r} must be the session's, {self.dtype_policy!r}"
             )
+        streamer = streaming.streamer_of(model)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_meta:
                 raise ValidationError(f"{where}: {name} is a meta tensor; materialise the model first")
+            if streamer is not None and streamer.device == self.device:
+                continue  # streamed: its blocks live in host memory by design
             if t.device.type != self.device.type or (
                 self.device.index is not None and t.device.index not in (None, self.device.index)
             ):
@@ -274,7 +358,7 @@ class ComponentStore:
         """The other transformer partition, loaded beside the resident one without registering it (H16 only)."""
         other = "transformer" if variant == "transformer_ref" else "transformer_ref"
         if other in self.injected:
-            return self.injected[other]
+            return self._place(self.injected[other])
         t0 = time.perf_counter()
         try:
             return self._load_transformer(other)

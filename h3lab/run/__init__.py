@@ -3,7 +3,7 @@
   registry.py  `RunSpecError`; `Registry`, name -> provider with a lazy import of the providing room
   inputs.py    `DenoiseInputs`, the sealed tensors of a run
   steppers.py  `Stepper`, `ScheduleStepper` (the Euler step), steppers by registered name
-  fields.py    the extension fields (adapters, factors, preset, placement): `FieldProvider`, `register_field`
+  fields.py    the extension fields (adapters, factors, preset, placement, residency): `FieldProvider`, `register_field`
   spec.py      `RunSpec`, `Custom`; JSON description, sealed tensors, `sha256`
   loop.py      `resolve(spec, model)` -> `ResolvedRun`; `loop(run)`; `denoise(spec, model)` = resolve + loop
 

@@ -8,9 +8,12 @@ Fields, their JSON defaults, the room that provides them, in the order they are 
                  adaptation, residency, e.g. {"layers": 45, "token_reduction": true}  h3lab.presets (issue 16)
   placement  {}  device topology, e.g. {"tp": 2, "cp": 1, "sp": 1}; {} = one
                  process, on the device of the model and the inputs                   h3lab.distributed (issue 11)
+  residency  {}  where the DiT's blocks live during the run, e.g. {"policy":
+                 "streamed", "slots": 2, "gpu_memory_gib": 40.0}; {} = resident      h3lab.components.store (issue 16)
 
 Adapters first (they define the weights that run), then the factors (perturbations), then the preset (what a speed
-preset changes is applied to the perturbed run), then the placement (sharding wraps the finished model, outermost).
+preset changes is applied to the perturbed run), then the placement (sharding wraps the finished model), then the
+residency (it moves whatever weights the blocks of the final model hold; it never changes a byte of the result).
 
 A default value is never looked up: a plain run imports none of those rooms. A non-default value needs a provider:
 
@@ -49,15 +52,16 @@ from .registry import Registry, RunSpecError
 if TYPE_CHECKING:  # pragma: no cover
     from .loop import ResolvedRun
 
-EXTENSION_FIELDS = ("adapters", "factors", "preset", "placement")  # application order
+EXTENSION_FIELDS = ("adapters", "factors", "preset", "placement", "residency")  # application order
 DEFAULTS: dict[str, Any] = {"adapters": (), "factors": (), "preset": MappingProxyType({}),
-                            "placement": MappingProxyType({})}
+                            "placement": MappingProxyType({}), "residency": MappingProxyType({})}
 
 FIELDS = Registry("run-spec field", {
     "adapters": "h3lab.training",
     "factors": "h3lab.ablation",
     "preset": "h3lab.presets",
     "placement": "h3lab.distributed",
+    "residency": "h3lab.components.store",
 })
 
 

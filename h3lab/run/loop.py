@@ -11,7 +11,7 @@ the layout, the stepper name, op overrides, perturbation hooks, the forward func
 the spec's frame -- and holds, for the duration of the `with`, in this order:
   1. the spec's runtime mode (`runtime.use_mode`);
   2. each non-default extension field's provider, in `EXTENSION_FIELDS` order (adapters, factors, preset,
-     placement): `provider.apply(value, run)` is entered as a context manager and yields the run to continue with
+     placement, residency): `provider.apply(value, run)` is entered as a context manager and yields the run to continue with
      (ablation factors change overrides / hooks / stepper / inputs / schedule / model here, re-derived from their
      names on every resolve, so a replay perturbs exactly as the original run did);
   3. the op overrides (`runtime.use_overrides`) and the hooks (`model.add_hook`), removed on exit.

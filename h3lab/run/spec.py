@@ -4,7 +4,8 @@ ablation matrix and the arms build, run and seal.
 Contract
 --------
 `RunSpec(inputs, schedule, mode="off", variant="transformer", fingerprint="", layout=None, factors=(),
-stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), custom=None, label="")`
+stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), residency={}, custom=None,
+label="")`
 
   inputs       `DenoiseInputs`, the sealed tensors (text, initial rows, layout index tensors, per-pass plan)
   schedule     the sealed `DualSchedule` (its plan must match the inputs' pass count)
@@ -17,9 +18,11 @@ stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters
   stepper      registered stepper name (`steppers.py`): "euler", "diffusers", "negated_velocity", ...
   reuse        whole-denoiser reuse: evaluate every `reuse`-th pass (+ first and last), extrapolate the others
                with `reuse_mode` ("linear" | "hold"), `sampler.reuse_plan` / `extrapolate_velocity`
-  preset, placement, adapters   extension fields (speed presets, device topology, LoRA adapters): JSON values with
-               empty defaults, validated and applied by the rooms that register them (`fields.py`); a non-default
-               value nobody provides fails closed when the spec is built
+  preset, placement, adapters, residency   extension fields (speed presets, device topology, LoRA adapters, where
+               the DiT's blocks live): JSON values with empty defaults, validated and applied by the rooms that
+               register them (`fields.py`); a non-default value nobody provides fails closed when the spec is built.
+               `residency` (streamed blocks, `h3lab.components.streaming`) never changes a result byte; it is in the
+               JSON description only when it is not the default, so specs sealed before it existed keep their sha256
   custom       `Custom` research callables (op overrides, hooks, a stepper object); a spec carrying them is not
                sealable by name (`sealable` is False): its JSON records what was attached but cannot re-create it,
                and `verify` refuses to replay such a trajectory
@@ -48,7 +51,7 @@ from .. import runtime
 from ..hashing import digest_mismatch, json_sha256, tensor_digest
 from ..layout import PackedLayout
 from ..sampler import REUSE_MODES, DualSchedule, Schedule, ScheduleError, timesteps
-from .fields import DEFAULTS, EXTENSION_FIELDS, check_field, thaw
+from .fields import DEFAULTS, EXTENSION_FIELDS, check_field, is_default, thaw
 from .inputs import DenoiseInputs
 from .registry import RunSpecError
 from .steppers import check_stepper
@@ -133,6 +136,7 @@ class RunSpec:
     preset: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["preset"])
     placement: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["placement"])
     adapters: tuple = ()
+    residency: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["residency"])
     custom: Custom | None = None
     label: str = ""
 
@@ -236,6 +240,7 @@ class RunSpec:
             **{name: thaw(getattr(self, name)) for name in ("preset", "placement", "adapters")},
             "custom": None if self.custom is None else self.custom.describe(),
             "sealable": self.sealable,
+            **({} if is_default("residency", self.residency) else {"residency": thaw(self.residency)}),
         }
 
     @functools.cached_property
@@ -266,7 +271,8 @@ class RunSpec:
                 variant=data["model"]["variant"], fingerprint=data["model"]["fingerprint"], layout=layout,
                 factors=tuple(data["factors"]), stepper=data["stepper"], reuse=data["reuse"]["k"],
                 reuse_mode=data["reuse"]["mode"], preset=data["preset"], placement=data["placement"],
-                adapters=data["adapters"], custom=custom, label=data.get("label", ""),
+                adapters=data["adapters"], residency=data.get("residency"), custom=custom,
+                label=data.get("label", ""),
             )
         except (KeyError, TypeError) as err:
             raise RunSpecError(f"run spec: missing or malformed field ({err})") from None

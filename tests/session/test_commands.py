@@ -40,6 +40,7 @@ EXAMPLES = {
     "cache": ("!cache", ()),
     "profile": ("!profile on", ("on",)),
     "show": ("!show off", ("off",)),
+    "streaming": ("!streaming on", ("on",)),
     "quit": ("!quit", ()),
     "lora": ("!lora fox-lora 0.5", ("fox-lora", 0.5)),
 }
