@@ -519,6 +519,29 @@ class Session:
             raise CheckpointError(f"{path}: must hold a JSON object")
         return data
 
+    def check_preset(self, s: GenerationSettings) -> None:
+        """The speed-preset rules that need the DiT's depth (`h3lab.presets.check_depth`), read from the injected
+        model or the snapshot's config -- no model loads."""
+        from .presets import check_depth
+
+        if s.layers is None and not s.token_reduction:
+            return
+        variant = self.variant_for(s.task)
+        model = self._injected.get(variant)
+        depth = len(model.transformer_blocks) if model is not None else self._component_config(variant).get("num_layers", 50)
+        check_depth(s, int(depth))
+
+    def _dit(self, variant: str, layers: int | None = None, blocks=None):
+        """The DiT of `variant` with the blocks a run needs resident (`layers` of them, or exactly `blocks`; None:
+        all): a snapshot model whose blocks layer thinning released is loaded again (`h3lab.presets`)."""
+        from .presets import needs_reload
+
+        model = self._load(variant)
+        if variant not in self._injected and needs_reload(model, layers, blocks):
+            self._components.pop(variant, None)
+            model = self._load(variant)
+        return model
+
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
         if variant not in ("transformer", "transformer_ref"):
@@ -566,6 +589,7 @@ class Session:
         encoder's context (`check_prompt_length`), without loading any model or encoding anything. Returns the
         settings with validated paths."""
         settings = settings.checked_paths()
+        self.check_preset(settings)
         if settings.prompt.strip():
             self.check_prompt_length(settings.prompt)
         self._load_media(settings)
@@ -644,6 +668,7 @@ class Session:
         check_prompt(s.prompt)
         outputs = check_outputs(output, wav, frames_dir)
         self.check_prompt_length(s.prompt)
+        self.check_preset(s)
         if s.ablations:
             unknown = [n for n in s.ablations if n not in ablation_factors()]
             if unknown:  # fail before any work
@@ -824,7 +849,7 @@ class Session:
         from .sampler import draw_noise
 
         variant = self.variant_for(s.task)
-        model = self._load(variant)
+        model = self._dit(variant, layers=s.layers)
         cfg = model.config
         patch = tuple(cfg.patch_size)
         layout = self._layout(s, media, text, cond, patch)
@@ -841,6 +866,10 @@ class Session:
             seeds={"request": s.seed, "condition_encode": 42},
         ).to(self.device)
         spec = self._arm(s, model, layout, schedule, inputs)
+        if "blocks" in spec.preset and variant not in self._injected:  # a pinned model stays whole
+            from .presets import release_dropped
+
+            release_dropped(model, spec.preset["blocks"])
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": _settings_meta(s)})
 
@@ -916,11 +945,12 @@ class Session:
         each time the spec runs) and the reuse interval. Factor names are checked here (known factors, H1 alone,
         no two that change one thing)."""
         from .hashing import model_fingerprint
+        from .presets import preset_for
         from .run import RunSpec
 
         return RunSpec(inputs, schedule, mode=s.mode, variant=self.variant_for(s.task),
                        fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                       reuse=s.reuse)
+                       reuse=s.reuse, preset=preset_for(s, model, layout))
 
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
@@ -954,6 +984,7 @@ class Session:
         re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse -- with every operator boundary
         hashed."""
         from . import drift
+        from .presets import needed_blocks
 
         specs = [r.trajectory.spec for r in (a, b)]
         variants = {spec.variant for spec in specs}
@@ -964,7 +995,7 @@ class Session:
             )
         with self._lock:
             variant = variants.pop()
-            model = self._load(variant)
+            model = self._dit(variant, *needed_blocks([spec.preset for spec in specs]))
             models = self._arm_model(variant, model)
             arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
                     for spec, r in zip(specs, (a, b))]
@@ -977,6 +1008,7 @@ class Session:
         """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with this session's DiT of
         the spec's variant (`trajectory.verify`); a trajectory with custom callables is refused."""
         from . import trajectory as T
+        from .presets import needed_blocks
 
         traj = T.load(path)
         variant = traj.spec.variant
@@ -984,7 +1016,7 @@ class Session:
             raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
                                   f"{', '.join(VARIANTS)}")
         with self._lock:
-            model = self._load(variant)
+            model = self._dit(variant, *needed_blocks([traj.spec.preset]))
             return T.verify(traj, model, device=self.device, models=self._arm_model(variant, model))
 
 

@@ -40,6 +40,11 @@ EXAMPLES = {
     "cache": ("!cache", ()),
     "profile": ("!profile on", ("on",)),
     "show": ("!show off", ("off",)),
+    "layers": ("!layers 45", (45,)),
+    "core-reuse": ("!core-reuse 4", (4,)),
+    "token-reduction": ("!token-reduction on", ("on",)),
+    "reference-rope": ("!reference-rope off", ("off",)),
+    "zoom": ("!zoom 1", (1,)),
     "quit": ("!quit", ()),
 }
 
