@@ -138,7 +138,8 @@ class TerminalPreview:
             height, width = (int(d) for d in frame.shape[:2])
             if self.protocol == "kitty":
                 cell = cell_pixels(stream)
-                cells = None if cell is None else (math.ceil(width * zoom / cell[0]), math.ceil(height * zoom / cell[1]))
+                cells = None if cell is None else (math.ceil(width * zoom / cell[0]),
+                                                   math.ceil(height * zoom / cell[1]))
                 stream.write(kitty_escape(png, cells))
             else:
                 stream.write(iterm_escape(png, f"{name}.png", (width * zoom, height * zoom)))

@@ -528,7 +528,8 @@ class Session:
             return
         variant = self.variant_for(s.task)
         model = self._injected.get(variant)
-        depth = len(model.transformer_blocks) if model is not None else self._component_config(variant).get("num_layers", 50)
+        config = {} if model is not None else self._component_config(variant)
+        depth = len(model.transformer_blocks) if model is not None else config.get("num_layers", 50)  # 50: the default
         check_depth(s, int(depth))
 
     def _dit(self, variant: str, layers: int | None = None, blocks=None):

@@ -41,6 +41,7 @@ register_field("preset", FieldProvider(validate=validate_preset, apply=apply_pre
 __all__ = [
     "DEFAULT_SCHEDULE", "KEYS", "MAX_CORE_REUSE", "PresetError", "apply_core_reuse", "apply_layer_thinning",
     "apply_preset", "apply_rope_halving", "apply_token_reduction", "check_depth", "check_settings", "choose_blocks",
-    "core_plan", "gate_scores", "is_native_256", "layer_range", "missing_blocks", "needed_blocks", "needs_reload", "preset_for",
+    "core_plan", "gate_scores", "is_native_256", "layer_range", "missing_blocks", "needed_blocks", "needs_reload",
+    "preset_for",
     "preset_lines", "release_dropped", "released_blocks", "validate_preset",
 ]

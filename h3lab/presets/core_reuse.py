@@ -34,7 +34,8 @@ MAX_CORE_REUSE = 6  # the seed: "values above 6 are not exposed because validati
 
 def check_core_reuse(k: Any, what: str = "core_reuse") -> int:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CORE_REUSE:
-        raise PresetError(f"{what}={k!r}: must be an integer between 1 and {MAX_CORE_REUSE} (1 runs the core every pass)")
+        raise PresetError(f"{what}={k!r}: must be an integer between 1 and {MAX_CORE_REUSE} "
+                          "(1 runs the core every pass)")
     return k
 
 

@@ -79,7 +79,8 @@ def test_presets_under_strict_two_runs_one_digest_and_verify(tmp_path):
     kernels through Triton's interpreter, so small. The second run is `verify`'s replay: byte-equal to the first."""
     model = deep_model(5)
     layout = build_layout("t2va", torch.ones(3, dtype=torch.long), 1, 2, 6, 1)
-    preset = {"layers": 4, "blocks": list(presets.choose_blocks(model, 4)), "core_reuse": 2, "token_reduction": SMALL_TR}
+    preset = {"layers": 4, "blocks": list(presets.choose_blocks(model, 4)), "core_reuse": 2,
+              "token_reduction": SMALL_TR}
     a = T.record(spec_for(model, layout, passes=3, mode="strict", preset=preset), model)
     backends = {backend for ops in a.manifest["trace"]["ops"].values() for backend in ops}
     assert backends == {"strict"}

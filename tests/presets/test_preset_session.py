@@ -8,7 +8,6 @@ import re
 import shutil
 
 import pytest
-import torch
 from preset_cases import deep_model
 
 from h3lab import commands, presets
