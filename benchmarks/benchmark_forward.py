@@ -111,6 +111,27 @@ def make_inputs(config, shape: str, batch: int, device, seed: int):
     return layout, inputs
 
 
+def t2va_spec(config, shape: str, passes: int, mode: str, device, seed: int = 42):
+    """A `RunSpec` of `passes` over the t2va layout of `shape`: random bf16 text rows, seeded float32 noise rows."""
+    from h3lab.layout import build_layout
+    from h3lab.run import DenoiseInputs, RunSpec
+    from h3lab.sampler import DualSchedule
+
+    frames, lh, lw, audio, text = SHAPES[shape]
+    layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio)
+    schedule = DualSchedule.from_passes(passes)
+    gen = torch.Generator().manual_seed(seed)
+    nv, na = layout.video_indices.numel(), layout.audio_indices.numel()
+    inputs = DenoiseInputs.from_layout(
+        layout, schedule,
+        text=torch.randn(1, text, config.text_dim, generator=gen).to(torch.bfloat16),
+        video=torch.randn(1, nv, config.video_patch_dim, generator=gen),
+        audio=torch.randn(1, na, config.audio_in_channels, generator=gen),
+        seeds={"noise": seed},
+    ).to(device)
+    return RunSpec(inputs, schedule, mode=mode, layout=layout)
+
+
 def kernel_profile(fn, top: int = 25) -> list[dict]:
     """GPU time of one call of fn() per kernel name (torch.profiler, self device time), largest first:
     [{name, ms, calls}]."""

@@ -16,7 +16,7 @@ import time
 import torch
 
 from _common import header, peak_mem_gib, prepare, rel_l2, sync, write
-from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared
+from benchmark_forward import build_diffusers, build_h3lab_shared, t2va_spec
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,9 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     from h3lab.arms import rollout, run_arm, sides
     from h3lab.config import H3Config
     from h3lab.hashing import device_lanes, model_fingerprint
-    from h3lab.layout import build_layout
-    from h3lab.run import DenoiseInputs, RunSpec, denoise, model_forward
-    from h3lab.sampler import DualSchedule
+    from h3lab.run import denoise, model_forward
     from h3lab.trajectory import STEP_FIELDS, TrajectoryRecorder, record
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -43,19 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     dm = build_diffusers(config, device, seed=1234)
     hm = build_h3lab_shared(config, dm, device)
 
-    frames, lh, lw, audio_latents, text = SHAPES[shape]
-    layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio_latents)
-    schedule = DualSchedule.from_passes(args.passes)
-    gen = torch.Generator().manual_seed(42)
-    nv, na = layout.video_indices.numel(), layout.audio_indices.numel()
-    inputs = DenoiseInputs.from_layout(
-        layout, schedule,
-        text=torch.randn(1, text, config.text_dim, generator=gen).to(torch.bfloat16),
-        video=torch.randn(1, nv, config.video_patch_dim, generator=gen),
-        audio=torch.randn(1, na, config.audio_in_channels, generator=gen),
-        seeds={"noise": 42},
-    ).to(device)
-    spec = RunSpec(inputs, schedule, mode="strict", layout=layout)
+    spec = t2va_spec(config, shape, args.passes, "strict", device)
+    layout, schedule, inputs = spec.layout, spec.schedule, spec.inputs
 
     def plain() -> float:
         sync(device)

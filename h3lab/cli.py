@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed (default 42)")
     p.add_argument("--mode", choices=MODES, default=None, help="transformer arithmetic (default auto)")
     p.add_argument("--reuse", type=int, default=None, help="whole-velocity reuse interval (default 1)")
+    # Speed presets (h3lab.presets; the seed's h3-metal presets), each sealed in the run.
+    p.add_argument("--layers", type=int, default=None, help="run N transformer blocks ranked by AdaLN gates")
+    p.add_argument("--core-reuse", type=int, default=None,
+                   help="run the block stack every K passes (1-6), heads every pass; exclusive with --reuse")
+    p.add_argument("--token-reduction", action="store_true", default=None,
+                   help="pair horizontal video tokens inside the middle blocks (refused at 256x256)")
+    p.add_argument("--use-reference-rope", dest="reference_rope", action="store_true", default=None,
+                   help="at 256x256 keep the released RoPE coordinates (default: spatial coordinates halved)")
     p.add_argument("--first-frame", metavar="IMAGE", default=None, help="first-frame anchor (fl2va)")
     p.add_argument("--last-frame", metavar="IMAGE", default=None, help="last-frame anchor (fl2va)")
     p.add_argument("--ref-image", action=_RefAction, const="image", metavar="IMAGE", help="image reference")
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames-dir", metavar="DIR", default=None, help="also write every frame as PNG")
     p.add_argument("--wav", metavar="OUT.wav", default=None, help="also write the soundtrack as float32 WAV")
     p.add_argument("--show", action="store_true", help="preview the middle frame after every denoising pass")
+    p.add_argument("--zoom", type=int, default=None, help="--show display factor (default 2 for Retina; 1-8)")
     p.add_argument("--profile", action="store_true", help="print phase timings and peak memory")
     p.add_argument("--info", action="store_true", help="report the snapshot (and one forward) without generating")
     p.add_argument("--json", action="store_true", help="machine-readable output for --info and generations")
@@ -149,7 +158,9 @@ def settings_from_args(args: argparse.Namespace, base=None):
     changes: dict[str, Any] = {}
     for flag, name in (("width", "width"), ("height", "height"), ("steps", "steps"), ("seed", "seed"),
                        ("mode", "mode"), ("reuse", "reuse"), ("render_width", "render_width"),
-                       ("render_height", "render_height"), ("first_frame", "first"), ("last_frame", "last")):
+                       ("render_height", "render_height"), ("first_frame", "first"), ("last_frame", "last"),
+                       ("layers", "layers"), ("core_reuse", "core_reuse"), ("token_reduction", "token_reduction"),
+                       ("reference_rope", "reference_rope")):
         value = getattr(args, flag)
         if value is not None:
             changes[name] = value
@@ -210,19 +221,19 @@ SETTINGS_FLAGS = {
     "width": "--width", "height": "--height", "frames": "--frames", "seconds": "--seconds", "steps": "--steps",
     "seed": "--seed", "mode": "--mode", "reuse": "--reuse", "first_frame": "--first-frame",
     "last_frame": "--last-frame", "references": "--ref-*", "render_width": "--render-width",
-    "render_height": "--render-height",
+    "render_height": "--render-height", "layers": "--layers", "core_reuse": "--core-reuse",
+    "token_reduction": "--token-reduction", "reference_rope": "--use-reference-rope",
 }
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
-               "gpu_memory": "--gpu-memory",
-               "lora": "--lora"}
+               "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
 ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
     "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory"},
-    "one-shot": {"prompt", "json", "show", "profile", "residency", "gpu_memory", "session_dir", "lora", *SETTINGS_FLAGS,
-                 *OUTPUT_FLAGS},
-    "repl": {"session_dir", "show", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS},
+    "one-shot": {"prompt", "json", "show", "zoom", "profile", "residency", "gpu_memory", "session_dir", "lora",
+                 *SETTINGS_FLAGS, *OUTPUT_FLAGS},
+    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS},
 }
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
@@ -250,6 +261,12 @@ def check_flags(args: argparse.Namespace) -> str:
     names = {**SETTINGS_FLAGS, **OUTPUT_FLAGS, **OTHER_FLAGS}
     if action == "one-shot" and args.session_dir is not None and not args.show:
         raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")
+    if action == "one-shot" and args.zoom is not None and not args.show:
+        raise CliError(f"--zoom {args.zoom} without --show: --zoom sizes the --show previews")
+    if args.zoom is not None:
+        from .preview import check_zoom
+
+        check_zoom(args.zoom, "--zoom")
     stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in ALLOWED[action]]
     if stray:
         head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
@@ -350,7 +367,8 @@ def _one_shot(args) -> int:
     preview = None
     if args.show:
         # Inline in a terminal that speaks an image protocol; elsewhere PNGs under <session dir>/previews.
-        viewer = TerminalPreview(Path(args.session_dir or "h3lab-session") / "previews", stream=sys.stderr)
+        viewer = TerminalPreview(Path(args.session_dir or "h3lab-session") / "previews", stream=sys.stderr,
+                                 zoom=2 if args.zoom is None else args.zoom)
 
         def preview(frame, step, total):
             print(viewer.show(frame, f"step{step:03d}-of-{total:03d}"), file=sys.stderr)
@@ -420,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .repl import run_repl
 
             return run_repl(lambda: session_from_args(args), settings, session_dir=args.session_dir,
-                            show=args.show, profile=args.profile)
+                            show=args.show, profile=args.profile, zoom=2 if args.zoom is None else args.zoom)
         return _one_shot(args)
     except KeyboardInterrupt:
         print("h3lab: cancelled", file=sys.stderr)

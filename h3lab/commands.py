@@ -177,6 +177,7 @@ class SessionState:
     out_dir: Path | None = None  # numbered videos go here (None: do not write)
     base_dir: Path = field(default_factory=Path.cwd)
     show: bool = False
+    zoom: int = 2  # --show display factor (h3lab.preview: 2 for Retina screens)
     profile: bool = False
     running: bool = True
     results: list = field(default_factory=list)  # the last two GenerationResults (for !drift / !save)
@@ -461,6 +462,53 @@ def _h_steps(state, value):
 def _h_reuse(state, value):
     s = _set(state, reuse=value)
     return [f"reuse {s.reuse}"]
+
+
+# ---- speed presets (h3lab.presets; rules: h3lab/presets/rules.py)
+def _p_layers(name, args):
+    text = _one(name, args, "N|off")
+    return (None,) if text == "off" else (_int_arg(name, text, "N (transformer blocks to run) or 'off'"),)
+
+
+def _preset_set(state: SessionState, line: str, **changes: Any) -> list[str]:
+    from .presets import check_settings
+
+    new = state.settings.replace(**changes)
+    if "layers" in changes and changes["layers"] is not None:
+        state.get_session().check_preset(new)  # the range needs the DiT's depth: read from its config, no weights
+    state.settings = new
+    return [line] + check_settings(new)
+
+
+@command("layers", "!layers N|off", "run N transformer blocks, ranked by their AdaLN gates (off: all)",
+         parse=_p_layers, args=(Arg(("off",)),))
+def _h_layers(state, n):
+    return _preset_set(state, "layers off (every block runs)" if n is None else f"layers {n}", layers=n)
+
+
+@command("core-reuse", "!core-reuse K", "run the block stack every K passes (1-6), heads every pass", parse=_p_int)
+def _h_core_reuse(state, k):
+    return _preset_set(state, f"core reuse {k}", core_reuse=k)
+
+
+@command("token-reduction", "!token-reduction on|off", "pair horizontal video tokens in the middle blocks",
+         parse=_p_on_off, args=(ON_OFF,))
+def _h_token_reduction(state, switch):
+    return _preset_set(state, f"token reduction {switch}", token_reduction=switch == "on")
+
+
+@command("reference-rope", "!reference-rope on|off", "at 256x256: the released RoPE coordinates, not halved ones",
+         parse=_p_on_off, args=(ON_OFF,))
+def _h_reference_rope(state, switch):
+    return _preset_set(state, f"reference rope {switch}", reference_rope=switch == "on")
+
+
+@command("zoom", "!zoom N", "display factor of --show previews (1-8; 2 for Retina screens)", parse=_p_int)
+def _h_zoom(state, n):
+    from .preview import check_zoom
+
+    state.zoom = check_zoom(n, "!zoom")
+    return [f"zoom {n}"]
 
 
 @command("mode", "!mode strict|audit|auto|off", "arithmetic of the transformer", parse=_p_mode, args=(Arg(MODES),))
@@ -771,8 +819,10 @@ def what_ran(result) -> str:
 
 def generation_lines(result, profile: bool = False) -> list[str]:
     """The lines a front end prints after a generation."""
+    from .presets import preset_lines
+
     s = result.settings
-    lines = list(s.notices)
+    lines = list(s.notices) + preset_lines(getattr(getattr(result, "arm", None), "preset", None))
     cached = [k for k, v in result.cached.items() if v]
     lines.append(
         f"{s.task} {s.width}x{s.height} {s.num_frames}f {s.steps} steps seed {result.seed} mode {s.mode}: "

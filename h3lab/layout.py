@@ -751,3 +751,102 @@ def build_layout(
         row_offsets=row_offsets,
         canonical_rows=torch.arange(S),
     )
+
+
+# ------------------------------------------------------------------------------------ token reduction (pairs)
+@dataclass(frozen=True, eq=False)
+class TokenPairs:
+    """The horizontal-pair reduction of a layout (the token-reduction preset's layout transform, `h3lab.presets`).
+
+    Every pair of horizontally adjacent target-video tokens of one frame row, (x = 2j, 2j + 1), becomes one reduced
+    row; an odd grid width leaves its last column a singleton. Every other row -- text, target audio, anchors,
+    references -- is its own reduced row, unchanged. `layout` is the reduced `PackedLayout`: R rows with their
+    per-row tables (positions = the mean of the members' positions, float64; tags, timestep kinds, blocks and
+    offsets of the first member; the target video block re-gridded to ceil(grid_w / 2) columns; reduced canonical
+    numbering), so `layout.key_order()` and `layout.row_timesteps(...)` work on it as on any layout. A reduced row
+    sits in packed order where its first member sat (the members are ordered by packed row).
+
+    members (R, 2) int64   the full packed rows of each reduced row (a singleton lists its row twice)
+    paired  (R,) bool      True for a true pair
+    inverse (S,) int64     the reduced row of each full packed row
+
+    Pairs share block, tag and timestep kind by construction, so a pair's AdaLN row is its first member's. A
+    consistent permutation of the full layout gives a consistent permutation of the reduced one (pairs are defined
+    by row identity, not packed position)."""
+
+    layout: PackedLayout
+    members: torch.Tensor
+    paired: torch.Tensor
+    inverse: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.members.shape[0]
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.paired.sum())
+
+
+def pair_horizontal_tokens(layout: PackedLayout) -> TokenPairs:
+    """The `TokenPairs` of a consistent layout (see `TokenPairs`)."""
+    if not layout.is_consistent:
+        raise LayoutError(f"pair_horizontal_tokens: the layout left {list(layout.left_behind)} behind (inconsistent)")
+    S = layout.sequence_length
+    target = next((b for b in layout.blocks if b.role == "target" and b.stream == "video"), None)
+    if target is None:  # pragma: no cover - every builder adds a target video block
+        raise LayoutError("pair_horizontal_tokens: the layout has no target video block")
+    t_index = layout.blocks.index(target)
+    gw = target.grid_w
+    gw2 = (gw + 1) // 2
+    per_frame, per_frame2 = target.grid_h * gw, target.grid_h * gw2
+    in_target = layout.row_blocks == t_index  # (S,) bool
+    off = layout.row_offsets
+    # Group key of every full row: target video rows (block, frame, y, x // 2); any other row its canonical row.
+    frame, rem = off // per_frame, off % per_frame
+    y, x = rem // gw, rem % gw
+    new_offset = torch.where(in_target, frame * per_frame2 + y * gw2 + x // 2, off)
+    key = torch.where(in_target, S + new_offset, layout.canonical_rows)  # disjoint ranges: 0..S-1 and S..
+    # Reduced rows in packed order of their first member; `inverse` by grouping on the key.
+    _, group = torch.unique(key, return_inverse=True)  # group id per full row (ordered by key)
+    num_groups = int(group.max()) + 1
+    first = torch.full((num_groups,), S, dtype=torch.long).scatter_reduce(0, group, torch.arange(S), "amin")
+    last = torch.full((num_groups,), -1, dtype=torch.long).scatter_reduce(0, group, torch.arange(S), "amax")
+    order = torch.argsort(first)  # reduced row r = group order[r]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(num_groups)
+    members = torch.stack([first[order], last[order]], dim=1)  # (R, 2) packed rows, lower first
+    paired = members[:, 0] != members[:, 1]
+    inverse = rank[group]
+    m0 = members[:, 0]
+
+    # Reduced canonical numbering: by the smallest canonical row of each reduced row.
+    canon_min = torch.full((num_groups,), S, dtype=torch.long).scatter_reduce(0, inverse, layout.canonical_rows, "amin")
+    canonical_rows = torch.empty_like(canon_min)
+    canonical_rows[torch.argsort(canon_min)] = torch.arange(num_groups)
+
+    def stream_rows(idx: torch.Tensor) -> torch.Tensor:
+        # The stream keeps its order; a pair's two entries are consecutive in the video stream (row-major frames).
+        return torch.unique_consecutive(inverse[idx])
+
+    blocks, start = [], 0
+    for b in layout.blocks:  # canonical order; only the target video block changes size
+        if b is target:
+            b = Block(**{**b.to_dict(), "num_rows": target.frames * per_frame2, "grid_w": gw2})
+        blocks.append(Block(**{**b.to_dict(), "start": start}))
+        start += b.num_rows
+    reduced = _replace(
+        layout,
+        latent_width=gw2 * layout.patch_size[2],
+        blocks=tuple(blocks),
+        position_ids=(layout.position_ids[members[:, 0]] + layout.position_ids[members[:, 1]]) / 2,
+        token_tags=layout.token_tags[m0],
+        video_indices=stream_rows(layout.video_indices),
+        audio_indices=stream_rows(layout.audio_indices),
+        text_indices=stream_rows(layout.text_indices),
+        row_time_kinds=layout.row_time_kinds[m0],
+        row_blocks=layout.row_blocks[m0],
+        row_offsets=new_offset[m0],
+        canonical_rows=canonical_rows,
+    )
+    return TokenPairs(reduced, members, paired, inverse)

@@ -16,8 +16,8 @@ Contract
   generator seeded with the request seed in the released order -- one draw per visual condition (augmentation), the
   video noise as a latent tensor, the audio noise in row layout -- then the sealed inputs on `device`.
 - `build_spec(settings, model, layout, schedule, inputs, adapters=(), residency=None) -> RunSpec`: mode, variant,
-  fingerprint, layout, ablation factors by name (checked here), reuse, adapters, and where the DiT's blocks live
-  (`RunSpec.residency`).
+  fingerprint, layout, ablation factors by name (checked here), reuse, the speed presets (`presets.preset_for`),
+  adapters, and where the DiT's blocks live (`RunSpec.residency`).
 - `final_latents(settings, inputs, video, audio, patch)`: the target rows after the loop as (C, T, h, w) video
   latents and (2A, C) audio rows, float32 CPU. `decode_video(vae, latents, settings)` -> uint8 frames at the output
   size (`upscale_frames` from the render canvas); `preview_frame(vae, latents)` -> the middle frame of the smallest
@@ -229,11 +229,12 @@ def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=
     each time the spec runs), the reuse interval and the LoRA adapters (`Session.load_lora` entries, applied by the
     spec's `adapters` field). Factor names are checked here (known factors, H1 alone, no two that change one thing)."""
     from .hashing import model_fingerprint
+    from .presets import preset_for
     from .run import RunSpec
 
     return RunSpec(inputs, schedule, mode=s.mode, variant=variant_for(s.task),
                    fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                   reuse=s.reuse, adapters=list(adapters), residency=residency)
+                   reuse=s.reuse, preset=preset_for(s, model, layout), adapters=list(adapters), residency=residency)
 
 
 def variant_for(task: str) -> str:

@@ -10,6 +10,12 @@ Protocol detection (`detect_protocol`, environment only, no terminal query):
   graphics escapes without passthrough. `H3LAB_IMAGE_PROTOCOL=kitty|iterm|none` overrides the detection.
 
 Without a protocol the frame is written atomically as `<dir>/<name>.png` and the path is returned for printing.
+
+Display size (`zoom`, the seed's `--zoom N`, default 2 like Iris): the terminal is asked to show a W x H frame over
+zoom*W x zoom*H pixels, so it has its intended logical size on a Retina (2x) screen; `--zoom 1` on a non-HiDPI
+display. Neither the generated video nor the encoded PNG changes. iTerm2: `width=<zoom*W>px;height=<zoom*H>px`.
+Kitty: columns and rows (`c=`, `r=`) from the terminal's cell size in pixels (`TIOCGWINSZ`); when the terminal does
+not report one (or the stream is not a terminal) the size is left to the terminal. Zoom is an integer in 1..8.
 What frame to show is the session's business (`Session.preview_frame`); this module only displays pixels.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +36,30 @@ from .io_utils import atomic_write_bytes
 
 PROTOCOLS = ("kitty", "iterm")
 KITTY_CHUNK = 4096
+DEFAULT_ZOOM, MAX_ZOOM = 2, 8
+
+
+def check_zoom(zoom: Any, what: str = "zoom") -> int:
+    """A display zoom factor: an integer in 1..MAX_ZOOM (one-line `ValidationError`)."""
+    if isinstance(zoom, bool) or not isinstance(zoom, int) or not 1 <= zoom <= MAX_ZOOM:
+        raise ValidationError(f"{what}={zoom!r}: must be an integer between 1 and {MAX_ZOOM} (display pixels per "
+                              "image pixel; 2 for Retina screens, 1 for others)")
+    return zoom
+
+
+def cell_pixels(stream: Any) -> tuple[float, float] | None:
+    """(width, height) of one terminal cell in pixels, from TIOCGWINSZ on `stream`; None when not reported."""
+    try:
+        import fcntl
+        import struct
+        import termios
+
+        rows, cols, xpix, ypix = struct.unpack("HHHH", fcntl.ioctl(stream.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
+    except (AttributeError, OSError, ValueError, ImportError, io.UnsupportedOperation):
+        return None
+    if not (rows and cols and xpix and ypix):
+        return None
+    return xpix / cols, ypix / rows
 
 
 def detect_protocol(env: Mapping[str, str] | None = None) -> str | None:
@@ -62,41 +93,56 @@ def png_bytes(frame: Any) -> bytes:
     return buf.getvalue()
 
 
-def kitty_escape(png: bytes) -> str:
-    """Kitty graphics: transmit-and-display a PNG (a=T, f=100), base64 split into 4096-byte chunks (m=1 more)."""
+def kitty_escape(png: bytes, cells: tuple[int, int] | None = None) -> str:
+    """Kitty graphics: transmit-and-display a PNG (a=T, f=100), base64 split into 4096-byte chunks (m=1 more);
+    `cells` = (columns, rows) to display it over (`c=`, `r=`), None for the terminal's default size."""
     data = base64.standard_b64encode(png).decode("ascii")
     chunks = [data[i : i + KITTY_CHUNK] for i in range(0, len(data), KITTY_CHUNK)] or [""]
+    size = "" if cells is None else f",c={cells[0]},r={cells[1]}"
     out = []
     for i, chunk in enumerate(chunks):
         more = 1 if i < len(chunks) - 1 else 0
-        head = f"a=T,f=100,m={more}" if i == 0 else f"m={more}"
+        head = f"a=T,f=100{size},m={more}" if i == 0 else f"m={more}"
         out.append(f"\x1b_G{head};{chunk}\x1b\\")
     return "".join(out) + "\n"
 
 
-def iterm_escape(png: bytes, name: str = "preview.png") -> str:
-    """iTerm2 inline image (OSC 1337 File=...;inline=1), also understood by WezTerm."""
+def iterm_escape(png: bytes, name: str = "preview.png", pixels: tuple[int, int] | None = None) -> str:
+    """iTerm2 inline image (OSC 1337 File=...;inline=1), also understood by WezTerm; `pixels` = (width, height) to
+    display it over, None for the image's own size."""
     b64name = base64.standard_b64encode(name.encode("utf-8")).decode("ascii")
     data = base64.standard_b64encode(png).decode("ascii")
-    return f"\x1b]1337;File=name={b64name};size={len(png)};inline=1:{data}\x07\n"
+    size = "" if pixels is None else f";width={pixels[0]}px;height={pixels[1]}px"
+    return f"\x1b]1337;File=name={b64name};size={len(png)}{size};inline=1:{data}\x07\n"
 
 
 class TerminalPreview:
     """Shows frames inline when the terminal speaks an image protocol, else writes PNGs into `directory`."""
 
-    def __init__(self, directory: str | Path, stream: TextIO | None = None, protocol: str | None = "auto"):
+    def __init__(self, directory: str | Path, stream: TextIO | None = None, protocol: str | None = "auto",
+                 zoom: int = DEFAULT_ZOOM):
         self.directory = Path(directory)
         self.stream = stream
+        self.zoom = check_zoom(zoom)
         self.protocol = detect_protocol() if protocol == "auto" else protocol
         if self.protocol is not None and self.protocol not in PROTOCOLS:
             raise ValidationError(f"image protocol {self.protocol!r}: must be one of {', '.join(PROTOCOLS)} or None")
 
-    def show(self, frame: Any, name: str) -> str:
-        """Display or write `frame`; returns the line to print (the PNG path when written)."""
+    def show(self, frame: Any, name: str, zoom: int | None = None) -> str:
+        """Display or write `frame` (displayed at `zoom`, default `self.zoom`); returns the line to print (the PNG
+        path when written)."""
         png = png_bytes(frame)
         if self.protocol is not None:
             stream = self.stream or sys.stdout
-            stream.write(kitty_escape(png) if self.protocol == "kitty" else iterm_escape(png, f"{name}.png"))
+            zoom = self.zoom if zoom is None else check_zoom(zoom)
+            height, width = (int(d) for d in frame.shape[:2])
+            if self.protocol == "kitty":
+                cell = cell_pixels(stream)
+                cells = None if cell is None else (math.ceil(width * zoom / cell[0]),
+                                                   math.ceil(height * zoom / cell[1]))
+                stream.write(kitty_escape(png, cells))
+            else:
+                stream.write(iterm_escape(png, f"{name}.png", (width * zoom, height * zoom)))
             stream.flush()
             return f"preview {name} ({self.protocol})"
         path = atomic_write_bytes(self.directory / f"{name}.png", png)

@@ -280,6 +280,7 @@ def run_repl(
     session_dir: str | Path | None = None,
     show: bool = False,
     profile: bool = False,
+    zoom: int = 2,
     input: Any = None,
     output: Any = None,
     printer: Callable[[str], None] | None = None,
@@ -289,7 +290,8 @@ def run_repl(
     `session` is a zero-argument factory returning the `Session` (the CLI's builds it from its flags; tests and other
     front ends inject their own); it is called once, before the prompt, so a bad snapshot fails before any line is
     read. `settings` are the initial settings (their input paths are checked), `session_dir` holds the numbered
-    outputs, previews and history (default ./h3lab-session); `show` / `profile` are the initial switches;
+    outputs, previews and history (default ./h3lab-session); `show` / `profile` are the initial switches, `zoom`
+    the --show display factor;
     `input` / `output` / `printer` go to `Repl` (a pipe input, a dummy output and a line sink in tests)."""
     session_dir = check_output_dir(Path(session_dir or "h3lab-session"), "--session-dir").resolve()
     session_dir.mkdir(parents=True, exist_ok=True)
@@ -299,12 +301,15 @@ def run_repl(
         out_dir=session_dir,
         base_dir=Path.cwd(),
         show=show,
+        zoom=zoom,
         profile=profile,
     )
-    viewer = TerminalPreview(session_dir / "previews")
+    if state.settings.layers is not None or state.settings.token_reduction:
+        state.session.check_preset(state.settings)  # the DiT's depth, from its config: before the first prompt
+    viewer = TerminalPreview(session_dir / "previews", zoom=zoom)
     repl = Repl(state, history=session_dir / "history", input=input, output=output, printer=printer)
     state.preview = lambda frame, step, total: repl.echo(
-        viewer.show(frame, f"{state.next_output()[0]:03d}-step{step:03d}"))
+        viewer.show(frame, f"{state.next_output()[0]:03d}-step{step:03d}", zoom=state.zoom))
     loaded = state.session
     banner = [
         f"h3lab {loaded.model_name} ({loaded.path}) on {loaded.device}",

@@ -343,6 +343,19 @@ class Session:
         with self._lock:
             self.store.set_transformer(model, variant)
 
+    def check_preset(self, s: GenerationSettings) -> None:
+        """The speed-preset rules that need the DiT's depth (`h3lab.presets.check_depth`), read from the injected
+        model or the snapshot's config -- no model loads."""
+        from .presets import check_depth
+
+        if s.layers is None and not s.token_reduction:
+            return
+        variant = self.variant_for(s.task)
+        model = self.store.injected.get(variant)
+        config = {} if model is not None else self.store.component_config(variant)
+        depth = len(model.transformer_blocks) if model is not None else config.get("num_layers", 50)  # 50: the default
+        check_depth(s, int(depth))
+
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
         return self.store.transformer(variant)
@@ -390,6 +403,7 @@ class Session:
         encoder's context (`check_prompt_length`), without loading any model or encoding anything. Returns the
         settings with validated paths."""
         settings = settings.checked_paths()
+        self.check_preset(settings)
         if settings.prompt.strip():
             self.check_prompt_length(settings.prompt)
         self._load_media(settings)
@@ -429,6 +443,7 @@ class Session:
         check_prompt(s.prompt)
         outputs = check_outputs(output, wav, frames_dir)
         self.check_prompt_length(s.prompt)
+        self.check_preset(s)
         if s.ablations:
             unknown = [n for n in s.ablations if n not in ablation_factors()]
             if unknown:  # fail before any work
@@ -523,13 +538,17 @@ class Session:
         from .run import DenoiseCancelled, denoise
 
         variant = self.variant_for(s.task)
-        model = self._load(variant)
+        model = self.store.dit(variant, layers=s.layers)
         cfg = model.config
         patch = tuple(cfg.patch_size)
         layout = pipeline.build_layout(s, media, text, cond, patch)
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
         spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
                                    residency=self.store.residency_value())
+        if "blocks" in spec.preset and variant not in self.store.injected:  # a pinned model stays whole
+            from .presets import release_dropped
+
+            release_dropped(model, spec.preset["blocks"])
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
@@ -610,6 +629,7 @@ class Session:
         re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse -- with every operator boundary
         hashed."""
         from . import drift
+        from .presets import needed_blocks
 
         specs = [r.trajectory.spec for r in (a, b)]
         variants = {spec.variant for spec in specs}
@@ -620,7 +640,7 @@ class Session:
             )
         with self._lock:
             variant = variants.pop()
-            model = self._load(variant)
+            model = self.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
             models = self.store.models_for(variant, model)
             arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
                     for spec, r in zip(specs, (a, b))]
@@ -633,6 +653,7 @@ class Session:
         """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with this session's DiT of
         the spec's variant (`trajectory.verify`); a trajectory with custom callables is refused."""
         from . import trajectory as T
+        from .presets import needed_blocks
 
         traj = T.load(path)
         variant = traj.spec.variant
@@ -640,7 +661,7 @@ class Session:
             raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
                                   f"{', '.join(VARIANTS)}")
         with self._lock:
-            model = self._load(variant)
+            model = self.store.dit(variant, *needed_blocks([traj.spec.preset]))
             return T.verify(traj, model, device=self.device, models=self.store.models_for(variant, model))
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import ValidationError
+from .presets.rules import check_settings as check_preset_settings
 from .runtime import MODES
 
 FPS = 24
@@ -302,6 +303,12 @@ class GenerationSettings:
     references: tuple[Reference, ...] = ()
     reuse: int = 1
     ablations: tuple[str, ...] = ()  # ablation factors switched on, sorted
+    # Speed presets (h3lab.presets; rules in h3lab/presets/rules.py): blocks to run (None: all), core-reuse interval,
+    # token reduction, and the released RoPE coordinates at 256x256 (instead of the automatic halving).
+    layers: int | None = None
+    core_reuse: int = 1
+    token_reduction: bool = False
+    reference_rope: bool = False
     # Resolved in __post_init__.
     num_frames: int = field(init=False, default=0)
     notices: tuple[str, ...] = field(init=False, default=(), compare=False)
@@ -331,6 +338,8 @@ class GenerationSettings:
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
                 raise ValidationError(f"{name}={value!r}: must be an image path")
         ablations = tuple(sorted(set(self.ablations)))
+        object.__setattr__(self, "reuse", reuse)
+        notices += check_preset_settings(self)
         for name, value in (
             ("seed", seed), ("width", width), ("height", height), ("steps", steps), ("reuse", reuse),
             ("references", refs), ("ablations", ablations), ("num_frames", num_frames), ("notices", tuple(notices)),
@@ -422,6 +431,10 @@ class GenerationSettings:
             f"{self.steps} steps, mode {self.mode}"
             + (f", reuse {self.reuse}" if self.reuse > 1 else "")
             + (f", ablations {','.join(self.ablations)}" if self.ablations else "")
+            + (f", layers {self.layers}" if self.layers is not None else "")
+            + (f", core reuse {self.core_reuse}" if self.core_reuse > 1 else "")
+            + (", token reduction" if self.token_reduction else "")
+            + (", reference rope" if self.reference_rope else "")
         )
 
     def to_dict(self) -> dict[str, Any]:

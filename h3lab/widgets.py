@@ -1,7 +1,8 @@
 """`Workbench(session)`: one ipywidgets panel over a `Session` -- the notebook front end of h3lab.
 
 Contract
-- Controls: prompt, seed (+ random), output size, length in frames or seconds, steps, runtime mode, ablation
+- Controls: prompt, seed (+ random), output size, length in frames or seconds, steps, runtime mode, the speed presets
+  (layers -- 0 for all --, core reuse, token reduction, reference RoPE at 256x256; `h3lab.presets`), ablation
   factors (toggles, when `h3lab.ablation` offers `factor_names()`), first/last-frame anchors and ordered references
   (uploads; a list with move up / move down / remove), Generate / Cancel, and "drift vs previous run".
 - State lives in a `commands.SessionState` (`wb.state`), the same object the REPL holds: anchors and references are
@@ -107,6 +108,13 @@ class Workbench:
                                       layout=W.Layout(width="160px"))
         self.mode = W.Dropdown(options=list(MODES), value=s.mode, description="mode", style=style,
                                layout=W.Layout(width="200px"))
+        # Speed presets: validated by GenerationSettings (and the DiT's depth by the session) on Generate.
+        self.layers = W.IntText(value=s.layers or 0, description="layers", tooltip="blocks to run; 0: all",
+                                style=style, layout=W.Layout(width="160px"))
+        self.core_reuse = W.IntText(value=s.core_reuse, description="core reuse", style=style,
+                                    layout=W.Layout(width="160px"))
+        self.token_reduction = W.Checkbox(value=s.token_reduction, description="token reduction", indent=False)
+        self.reference_rope = W.Checkbox(value=s.reference_rope, description="reference RoPE (256x256)", indent=False)
         self.ablation_toggles: dict[str, W.ToggleButton] = {}
         factors = _ablation_factors()
         if factors:
@@ -166,6 +174,7 @@ class Workbench:
             W.HBox([self.seed, self.random_seed, self.width, self.height]),
             W.HBox([self.length_unit, self.length, self.length_note]),
             W.HBox([self.steps, self.mode]),
+            W.HBox([self.layers, self.core_reuse, self.token_reduction, self.reference_rope]),
             ablation_row,
             W.HBox([self.first_upload, self.first_label, self.first_clear]),
             W.HBox([self.last_upload, self.last_label, self.last_clear]),
@@ -210,13 +219,20 @@ class Workbench:
             "height": int(self.height.value),
             "steps": int(self.steps.value),
             "mode": self.mode.value,
+            "layers": int(self.layers.value) or None,
+            "core_reuse": int(self.core_reuse.value),
+            "token_reduction": bool(self.token_reduction.value),
+            "reference_rope": bool(self.reference_rope.value),
             **self._length_settings(),
         }
         if self.ablation_toggles:
             changes["ablations"] = tuple(n for n, t in self.ablation_toggles.items() if t.value)
         if changes["steps"] < self.state.settings.reuse:
             changes["reuse"] = 1
-        return self.state.settings.replace(**changes)
+        settings = self.state.settings.replace(**changes)
+        if settings.layers is not None or settings.token_reduction:
+            self.state.get_session().check_preset(settings)  # the DiT's depth, from its config
+        return settings
 
     # ========================================================================================= commands / refs
     def command(self, line: str) -> list[str]:
@@ -245,6 +261,8 @@ class Workbench:
         s = self.state.settings
         self.seed.value, self.width.value, self.height.value = s.seed, s.width, s.height
         self.steps.value, self.mode.value = s.steps, s.mode
+        self.layers.value, self.core_reuse.value = s.layers or 0, s.core_reuse
+        self.token_reduction.value, self.reference_rope.value = s.token_reduction, s.reference_rope
         if s.seconds is not None:
             self.length_unit.value, self.length.value = "seconds", s.seconds
         else:

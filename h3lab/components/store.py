@@ -176,6 +176,18 @@ class ComponentStore:
         self.components[name] = comp
         return comp
 
+    def dit(self, variant: str, layers: int | None = None, blocks=None):
+        """The DiT of `variant` with the blocks a run needs resident (`layers` of them, or exactly `blocks`; None:
+        all): a snapshot model whose blocks layer thinning released is loaded again (`h3lab.presets`). A pinned
+        (`set_transformer`) model is never released, so never reloaded."""
+        from ..presets import needs_reload
+
+        model = self.load(variant)
+        if variant not in self.injected and needs_reload(model, layers, blocks):
+            self.components.pop(variant, None)
+            model = self.load(variant)
+        return model
+
     def _load_component(self, name: str) -> Any:
         if name in VARIANTS:
             # Two 33B partitions do not share a GPU: loading one variant releases the other.

@@ -179,3 +179,20 @@ def test_command_lines_share_the_grammar_and_move_the_controls(bench):
     assert bench.prompt.value == "A crow on a fence." and bench.wait(WAIT_S)
     assert bench.error_text == "" and bench.state.last.settings.prompt == "A crow on a fence."
     assert bench.state.last.settings.seed == 9 and bench.state.last.settings.width == 96
+
+
+def test_speed_preset_controls(bench):
+    """The presets' controls (h3lab.presets): commands move them, Generate reads them, bad values are one line."""
+    assert (bench.layers.value, bench.core_reuse.value, bench.token_reduction.value) == (0, 1, False)
+    bench.command("!core-reuse 2")
+    assert bench.core_reuse.value == 2 and bench.current_settings().core_reuse == 2
+    bench.core_reuse.value = 7
+    assert bench.generate() is False and bench.error_text.startswith("core_reuse=7: must be an integer between 1 and 6")
+    bench.core_reuse.value = 1
+    bench.layers.value = 1  # the tiny snapshot's DiT has 2 blocks
+    assert bench.generate() is False and "between 2 and 2 for this 2-block transformer" in bench.error_text
+    bench.layers.value = 0
+    bench.reference_rope.value = True
+    assert bench.current_settings().reference_rope and bench.current_settings().layers is None
+    bench.command("!reference-rope off")
+    assert bench.reference_rope.value is False and bench._thread is None

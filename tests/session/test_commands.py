@@ -41,6 +41,11 @@ EXAMPLES = {
     "profile": ("!profile on", ("on",)),
     "show": ("!show off", ("off",)),
     "streaming": ("!streaming on", ("on",)),
+    "layers": ("!layers 45", (45,)),
+    "core-reuse": ("!core-reuse 4", (4,)),
+    "token-reduction": ("!token-reduction on", ("on",)),
+    "reference-rope": ("!reference-rope off", ("off",)),
+    "zoom": ("!zoom 1", (1,)),
     "quit": ("!quit", ()),
     "lora": ("!lora fox-lora 0.5", ("fox-lora", 0.5)),
 }
