@@ -145,6 +145,8 @@ def _thin_ticks(fig: Figure) -> None:
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":  # colorbars choose their own ticks (`_set_log_ticks`)
+            continue
         for axis, setter, label_getter, label_setter in (
             (ax.xaxis, ax.set_xticks, ax.get_xlabel, ax.set_xlabel),
             (ax.yaxis, ax.set_yticks, ax.get_ylabel, ax.set_ylabel),
@@ -181,16 +183,19 @@ def finish(fig: Figure) -> Figure:
 
 
 def log_ticks(vmin: float, vmax: float, most: int = 7) -> list[float]:
-    """Ticks for a log axis over [vmin, vmax]: 1, 2, 5 x 10^k when at most `most` fit, else decades (every other one,
-    ... until at most `most`); never fewer than the two ends when no round value falls inside."""
+    """Ticks for a log axis over [vmin, vmax], 2 to `most` of them: 1, 2, 5 x 10^k, else 1 and 5, else decades
+    (then every other decade, ...), else an even thinning of 1, 2, 5; the two ends when no round value lies inside."""
     lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
     inside = lambda ts: [t for t in ts if vmin * (1 - 1e-9) <= t <= vmax * (1 + 1e-9)]  # noqa: E731
-    ticks = inside([m * 10.0**k for k in range(lo, hi + 1) for m in (1, 2, 5)])
-    step = 1
-    while len(ticks) > most:
-        ticks = inside([10.0**k for k in range(lo, hi + 1, step)])
-        step += 1
-    return ticks if len(ticks) >= 2 else [vmin, vmax]
+    dense = inside([m * 10.0**k for k in range(lo, hi + 1) for m in (1, 2, 5)])
+    choices = [dense, inside([m * 10.0**k for k in range(lo, hi + 1) for m in (1, 5)])]
+    choices += [inside([10.0**k for k in range(lo, hi + 1, step)]) for step in range(1, hi - lo + 2)]
+    for ticks in choices:
+        if 2 <= len(ticks) <= most:
+            return ticks
+    if len(dense) >= 2:
+        return [dense[i] for i in sorted(set(np.linspace(0, len(dense) - 1, max(2, most)).round().astype(int)))]
+    return [vmin, vmax]
 
 
 def _tick_text(x: float) -> str:
@@ -199,13 +204,18 @@ def _tick_text(x: float) -> str:
     return f"{m}e{int(e)}"
 
 
+def _set_log_ticks(cb: Any, most: int = 7) -> None:
+    from matplotlib.ticker import FixedLocator
+
+    cb.ax.yaxis.set_major_locator(FixedLocator(log_ticks(cb.norm.vmin, cb.norm.vmax, most)))
+
+
 def _log_colorbar(fig: Figure, mappable: Any, ax: Any, label: str) -> Any:
     """A colorbar of a log-scale heatmap labelled at `log_ticks` ("2e-3"), no labelled minor ticks to collide."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     cb = fig.colorbar(mappable, ax=ax, extend="min", label=label, fraction=0.06, pad=0.02, aspect=30)
-    norm = mappable.norm
-    cb.ax.yaxis.set_major_locator(FixedLocator(log_ticks(norm.vmin, norm.vmax)))
+    _set_log_ticks(cb)
     cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _tick_text(x)))
     cb.ax.yaxis.set_minor_formatter(NullFormatter())
     cb.ax.tick_params(labelsize=FONT_PT)
@@ -570,7 +580,7 @@ def drift_heatmaps(
     cmap = _drift_cmap()
     shown, bin_mods, spans, k = bin_rows(lr, mods, max_row_columns)
     layers, passes = len(layer_labels), len(step_labels)
-    fig = new_figure(MAX_WIDTH_IN, min(MAX_HEIGHT_IN, 2.4 + 0.2 * max(layers, passes)))
+    fig = new_figure(MAX_WIDTH_IN, min(MAX_HEIGHT_IN, max(4.4, 2.6 + 0.2 * max(layers, passes))))
     left = min(0.45, max(0.24, 0.06 * layers))  # the step x layer share of the width
     grid = fig.add_gridspec(2, 2, width_ratios=[left, 1 - left], height_ratios=[0.09, 1.0])
     ax_sl = fig.add_subplot(grid[1, 0])
@@ -601,14 +611,6 @@ def drift_heatmaps(
     band_im = ax_band.imshow(codes, cmap=ListedColormap([MODALITY_COLORS.get(m, "#000000") for m in names]),
                              vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
     band_im.set_gid("modality-band")  # a categorical key, explained by the legend below, not a heatmap
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    per_col = ax_band.get_window_extent(renderer).width / max(1, len(bin_mods))
-    for start, stop, m in bands:  # a label inside every band wide enough to hold it
-        label = ax_band.text((start + stop - 1) / 2, 0, m, ha="center", va="center", fontsize=FONT_PT,
-                             color="black", fontweight="bold")
-        if label.get_window_extent(renderer).width + 4 > per_col * (stop - start):
-            label.remove()
     ax_band.set_yticks([])
     ax_band.tick_params(labelbottom=False, bottom=False)
     where = f" at pass {row_step}" if row_step is not None else ""
@@ -626,14 +628,24 @@ def drift_heatmaps(
             if b is not None:
                 ax_lr.plot([b], [col], marker="s", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
                            color=FIRST_DRIFT_COLOR, linestyle="none")
-    _log_colorbar(fig, im, ax_sl, metric)
-    _log_colorbar(fig, im_lr, ax_lr, metric)
+    colorbars = [_log_colorbar(fig, im, ax_sl, metric), _log_colorbar(fig, im_lr, ax_lr, metric)]
     legend = f"white: byte-equal (0), grey: not captured by both runs; band: modality of the rows ({key})"
     if col is not None:
         legend += f"; pink square: the first drift ({point}, in layer column {layer_labels[col]})"
     fig.supxlabel(_wrap(legend, 150), fontsize=FONT_PT)
     state = drift_state(sl, lr)
     fig.suptitle(_wrap(title + (f" -- {state}" if state else ""), 130), fontsize=10)
+
+    fig.canvas.draw()  # the final layout: band widths and colorbar lengths are known now
+    renderer = fig.canvas.get_renderer()
+    for cb in colorbars:  # one labelled tick per 0.3 in of colorbar at most
+        _set_log_ticks(cb, max(2, int(cb.ax.get_window_extent(renderer).height / DPI / 0.3)))
+    per_col = ax_band.get_window_extent(renderer).width / max(1, len(bin_mods))
+    for start, stop, m in bands:  # a label inside every band wide enough to hold it
+        label = ax_band.text((start + stop - 1) / 2, 0, m, ha="center", va="center", fontsize=FONT_PT,
+                             color="black", fontweight="bold")
+        if label.get_window_extent(renderer).width + 6 > per_col * (stop - start):
+            label.remove()
     return finish(fig)
 
 
@@ -784,8 +796,8 @@ def sigma_grids(
 # =============================================================================================== benchmarks
 def load_benchmarks(folder: str | os.PathLike) -> tuple[list[dict], list[str]]:
     """Read every `*.json` in `folder` (sorted by name). Returns (documents that follow the schema, with the result
-    entries that do; one line per file that was skipped or partly skipped: "NAME: why"). A document none of whose
-    results follows the schema is skipped whole. A missing or empty folder gives ([], [one line]): never an error.
+    entries that do; one line per file that was skipped or partly skipped: "NAME: why", e.g. "x.json: 84 results
+    lack shape, impl"). A document none of whose results follows the schema is skipped whole. A missing or empty folder gives ([], [one line]): never an error.
     Result entries with an `error` instead of timings are kept (drawn as failures)."""
     root = Path(folder)
     if not root.is_dir():
@@ -815,8 +827,8 @@ def load_benchmarks(folder: str | os.PathLike) -> tuple[list[dict], list[str]]:
             kept.append(entry)
         total = len(doc["results"])
         if total and len(kept) < total:
-            what = "no result follows the schema" if not kept else f"{total - len(kept)} of {total} results skipped"
-            problems.append(f"{path.name}: {what} (lacking {', '.join(lacking_keys)})")
+            what = f"{total} results" if not kept else f"{total - len(kept)} of {total} results"
+            problems.append(f"{path.name}: {what} lack {', '.join(lacking_keys)}")
         if kept or not total:
             docs.append({**doc, "results": kept, "file": path.name})
     if not docs and not problems:
@@ -828,7 +840,7 @@ def skipped_line(problems: Sequence[str]) -> str:
     """The problems of `load_benchmarks` in one line ("" when none)."""
     if not problems:
         return ""
-    return f"skipped {len(problems)} file(s) or part(s) not in the DESIGN schema: " + "; ".join(problems)
+    return "skipped (not in the DESIGN schema): " + "; ".join(problems)
 
 
 _CASE_KEYS = ("proj", "op", "case", "pass", "what", "metric", "rows")  # `backend` goes with the impl

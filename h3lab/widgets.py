@@ -25,7 +25,8 @@ Contract
   `<img class="h3lab-latent-strip">`), the numbered MP4 written into `out_dir` and played with its sound
   (`<video class="h3lab-video">`, at least 320 px wide, controls on), and, when two results exist and the option is
   on, their drift heatmaps (`session.drift`, class `h3lab-drift`). A new run started meanwhile takes over the panel;
-  the earlier run's MP4 is still written. `wb.timings` and the timing line (class `h3lab-timing`) give every phase:
+  the earlier run's MP4 is still written (and a drift still being computed finishes first: the session runs one
+  model job at a time). `wb.timings` and the timing line (class `h3lab-timing`) give every phase:
   the session's call, the preview share, the panel's own work, then the strip, the MP4 and the drift.
 - Any error -- validation, decoding, the model, cancellation -- ends up as one line in the panel (`wb.error`, class
   `h3lab-error`) and leaves the session and the panel usable; a failed run leaves no stale result on screen.
@@ -146,11 +147,12 @@ class Workbench:
         self.ablation_toggles: dict[str, W.ToggleButton] = {}
         for name, text in factors.items():
             toggle = W.ToggleButton(value=name in s.ablations, description=name, tooltip=f"{name} -- {text}",
-                                    layout=W.Layout(width="52px"))
+                                    layout=W.Layout(width="52px"), button_style="info" if name in s.ablations else "")
             toggle.add_class("h3lab-ablation")
-            toggle.observe(lambda _ch: self._ablations_changed(), names="value")
+            toggle.observe(lambda ch: self._ablations_changed(ch["owner"]), names="value")
             self.ablation_toggles[name] = toggle
-        self.ablation_note = W.Label(value="" if factors else f"ablation toggles: none ({why_none})")
+        self.ablation_note = W.Label(value="" if factors else f"ablation toggles: none ({why_none})",
+                                     layout=W.Layout(display="" if not factors else "none"))
         ablation_box = W.HBox(list(self.ablation_toggles.values()), layout=W.Layout(flex_flow="row wrap"))
         ablation_box.add_class("h3lab-ablations")
         ablation_row = W.HBox([W.Label("ablations", layout=W.Layout(width="74px")), ablation_box],
@@ -264,7 +266,9 @@ class Workbench:
             return {"frames": int(value) if float(value).is_integer() else value, "seconds": None}
         return {"seconds": float(value), "frames": None}
 
-    def _ablations_changed(self) -> None:
+    def _ablations_changed(self, toggle: W.ToggleButton | None = None) -> None:
+        for t in [toggle] if toggle is not None else self.ablation_toggles.values():
+            t.button_style = "info" if t.value else ""  # a switched-on factor is plainly visible
         if self._syncing or self.running:
             return
         try:
@@ -624,7 +628,9 @@ class Workbench:
             self.drift_image.value = png
             if self.drift_image not in self.results_box.children:
                 self.results_box.children = self.results_box.children + (self.drift_image,)
-            self.status.value = f"{self.status.value}; drift vs previous run: {report.summary()}"
+            first = ("byte-equal" if report.equal else "differs" if report.first is None
+                     else f"first drift at pass {report.first.step} {report.first.point}")
+            self.status.value = f"{self.status.value}; drift vs previous run: {first}"
 
     def _show_timing(self) -> None:
         t = self.timings
