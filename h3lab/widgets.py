@@ -175,7 +175,7 @@ class Workbench:
         self.drift_toggle = W.Checkbox(value=drift, indent=False, layout=W.Layout(width="auto"),
                                        description="drift vs previous run (re-runs both)")
         self.progress = W.IntProgress(value=0, min=0, max=s.steps, description="passes", style=style)
-        self.status = W.Label(value="ready")
+        self.status = W.HTML(value="ready", layout=W.Layout(flex="1 1 0%", margin="0 0 0 8px"))  # wraps
         self.error = W.HTML(value="")
         self.error.add_class("h3lab-error")
         self.whatran = W.HTML(value="<b>what ran:</b> no generation yet")
@@ -223,7 +223,7 @@ class Workbench:
             W.HBox([self.ref_kind, self.ref_upload]),
             self.refs_box,
             W.HBox([self.generate_button, self.cancel_button, self.preview_toggle, self.drift_toggle]),
-            W.HBox([self.progress, self.status]),
+            W.HBox([self.progress, self.status], layout=W.Layout(align_items="center")),
             self.error,
             self.whatran,
             self.timing,
@@ -288,7 +288,7 @@ class Workbench:
         """The "set up strict" button: `TRITON_INTERPRET=1` in this kernel, when that still works."""
         setup = whatran.enable_interpreter()
         self._refresh_strict()
-        self.status.value = setup.line
+        self._say(setup.line)
         return setup
 
     def current_settings(self) -> GenerationSettings:
@@ -330,7 +330,7 @@ class Workbench:
             self._show_error(_one_line(err))
             return []
         self.error.value = ""
-        self.status.value = out[-1] if out else "ok"
+        self._say(out[-1] if out else "ok")
         self._sync_controls()
         return out
 
@@ -438,7 +438,7 @@ class Workbench:
         self.progress.max = settings.steps
         self.progress.value = 0
         self.progress.bar_style = ""
-        self.status.value = f"starting: {settings.summary()}"
+        self._say(f"starting: {settings.summary()}")
         self.whatran.value = "<b>what ran:</b> running..."
         self.generate_button.disabled = True
         self.cancel_button.disabled = False
@@ -452,7 +452,7 @@ class Workbench:
         if not self.running:
             return
         self._cancel.set()
-        self.status.value = "cancelling..."
+        self._say("cancelling...")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Join the worker and then the media it started (latent strip, MP4, drift); True when nothing runs
@@ -501,7 +501,7 @@ class Workbench:
             self.progress.bar_style = "success"
             self._show_result(result)
             t["result"] = time.perf_counter() - clicked
-            self.status.value = f"done: {result.settings.summary()} in {t['result']:.2f} s"
+            self._say(f"done: {result.settings.summary()} in {t['result']:.2f} s")
             self._show_timing()
             pair = (previous, result) if self.drift_toggle.value and previous is not None else None
             self._media = threading.Thread(target=self._draw_media, args=(t, result, mp4, pair, clicked, run_id),
@@ -509,11 +509,11 @@ class Workbench:
             self._media.start()
         except GenerationCancelled as err:
             self.progress.bar_style = "warning"
-            self.status.value = _one_line(err)
+            self._say(_one_line(err))
             self.whatran.value = "<b>what ran:</b> cancelled, no result"
         except Exception as err:  # every failure becomes one line in the panel; the session stays usable
             self.progress.bar_style = "danger"
-            self.status.value = "failed"
+            self._say("failed")
             self.whatran.value = "<b>what ran:</b> failed, no result"
             self._clear_result()
             self._show_error(_one_line(err))
@@ -564,7 +564,7 @@ class Workbench:
                 line += f" ({kind} {info.seconds:.2f} s + {what} {extra:.2f} s)"
             else:
                 line += f" ({kind})"
-        self.status.value = line
+        self._say(line)
         self._pass_clock = time.perf_counter()
 
     def _on_preview(self, frame: Any, step: int, total: int) -> None:
@@ -630,7 +630,7 @@ class Workbench:
                 self.results_box.children = self.results_box.children + (self.drift_image,)
             first = ("byte-equal" if report.equal else "differs" if report.first is None
                      else f"first drift at pass {report.first.step} {report.first.point}")
-            self.status.value = f"{self.status.value}; drift vs previous run: {first}"
+            self._say(f"{self.status_text}; drift vs previous run: {first}")
 
     def _show_timing(self) -> None:
         t = self.timings
@@ -645,6 +645,14 @@ class Workbench:
         if "media" in t:
             line += f" (all shown {t['media']:.2f} s after the click)"
         self.timing.value = f"<span style='font-size:12px'><b>time:</b> {html.escape(line)}</span>"
+
+    def _say(self, text: str) -> None:
+        self.status.value = html.escape(text)
+
+    @property
+    def status_text(self) -> str:
+        """The status line as plain text."""
+        return html.unescape(self.status.value)
 
     def _show_error(self, message: str) -> None:
         self.error.value = f"<span style='color:#c62828'>error: {html.escape(message)}</span>"

@@ -156,7 +156,7 @@ def test_second_run_adds_the_drift_heatmap(bench):
     assert bench.drift_image in bench.results_box.children
     with Image.open(io.BytesIO(bytes(bench.drift_image.value))) as img:
         assert img.format == "PNG"
-    assert "first drift" in bench.status.value  # different seeds drift at the inputs
+    assert "first drift" in bench.status_text  # different seeds drift at the inputs
 
 
 def test_invalid_setting_is_one_line_and_starts_nothing(bench):
@@ -202,7 +202,7 @@ def test_cancel_stops_between_passes(bench):
     assert bench.generate()
     bench.cancel()
     assert bench.wait(WAIT_S)
-    assert "cancelled before pass" in bench.status.value
+    assert "cancelled before pass" in bench.status_text
     assert bench.error_text == "" and bench.state.results == []
     assert bench.progress.value < 3 and bench.progress.bar_style == "warning"
     assert bench.generate_button.disabled is False and bench.cancel_button.disabled is True
