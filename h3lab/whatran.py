@@ -7,20 +7,22 @@ request and the arithmetic differ -- `auto` that fell back to torch, `strict` th
 fails closed), ablation overrides:
 
     strict: 1,230 strict / 0 torch op calls in 20 forwards (strict kernels in Triton's interpreter, cpu)
-    auto → torch: 0 strict / 1,620 torch op calls in 20 forwards (no strict kernel runs on cpu without TRITON_INTERPRET=1)
+    auto → torch: 0 strict / 1,620 torch op calls in 20 forwards (device cpu needs TRITON_INTERPRET=1 (Triton's
+        interpreter) for strict mode)
     off: 0 strict / 1,620 torch op calls in 20 forwards (the reference torch arithmetic)
     off: 0 strict / 1,616 torch / 4 override op calls in 20 forwards (the reference torch arithmetic; 4 planted by ablations); ablations on: A6
 
 `fallback_reasons` (optional) are the `OpRecord.fallback` strings of a traced forward (`result.trace.fallbacks`): the
-summary keeps counts only, so the reason an `auto` call went to torch comes from there; without them the line says
-"reason not recorded".
+summary keeps counts only, so the reason an `auto` call went to torch comes from there, quoted as recorded (the most
+common one); without them the line says "reason not recorded".
 
 `strict_setup(device)` reads this process's state (the environment and which Triton kernels exist) and says whether
 strict can run on `device`, and if not, what would make it run. On CPU the strict kernels run only in Triton's
 interpreter, and Triton decides interpreter or compiler when a kernel is *created* (`@triton.jit` at import of
 `h3kernels`, which the first generation of any mode triggers): setting `TRITON_INTERPRET=1` works before that import
-and never after it -- after it strict and auto fail with Triton's "0 active drivers" -- so the only remedy then is a
-fresh kernel/process that sets it first.
+and never after it -- after it strict fails, and so does auto wherever it would call a kernel on the CPU (Triton's "0
+active drivers"; a runtime whose auto runs torch on the CPU, `runtime.AUTO_ON_CPU == "torch"`, is unaffected) -- so
+the only remedy then is a fresh kernel/process that sets it first.
 
 No front-end imports; the REPL, the CLI and the notebook panel share these lines.
 """
@@ -46,21 +48,23 @@ def backend_counts(trace: Mapping[str, Any] | None) -> dict[str, int]:
     return out
 
 
+def fallback_reason(text: str) -> str:
+    """An `OpRecord.fallback` without its "auto fallback: " and "<op>: " prefixes: the reason itself, as recorded."""
+    reason = str(text).removeprefix("auto fallback: ")
+    head, sep, rest = reason.partition(": ")
+    return rest if sep and head.isidentifier() else reason
+
+
 def _reasons(fallback_reasons: Iterable[str]) -> str:
-    """'device cpu needs TRITON_INTERPRET=1 ...' (most common first), the per-op prefix removed."""
+    """The most common recorded reason (word for word), and how many others there were."""
     counts: dict[str, int] = {}
     for text in fallback_reasons:
-        reason = str(text).removeprefix("auto fallback: ")
-        head, sep, rest = reason.partition(": ")
-        if sep and head.isidentifier():  # "<op>: <reason>" -> "<reason>"
-            reason = rest
+        reason = fallback_reason(text)
         if reason:
             counts[reason] = counts.get(reason, 0) + 1
     if not counts:
         return ""
     ordered = sorted(counts, key=lambda r: -counts[r])
-    if any(INTERPRET_ENV in r for r in ordered):
-        return f"no strict kernel runs on cpu without {INTERPRET_ENV}=1"
     return ordered[0] + (f"; {len(ordered) - 1} other reason(s)" if len(ordered) > 1 else "")
 
 
@@ -115,7 +119,8 @@ class StrictSetup:
     ready: bool
     can_enable: bool
     line: str
-    auto_ok: bool = True  # False: an `auto` run would fail too (kernels compiled, TRITON_INTERPRET=1 set since)
+    auto_ok: bool = True  # False: an `auto` run would fail too (kernels compiled, TRITON_INTERPRET=1 set since, and
+    # auto calls kernels on the CPU)
 
 
 def _kernel_kind() -> str | None:
@@ -137,6 +142,13 @@ def _kernel_kind() -> str | None:
     return None
 
 
+def _auto_runs_torch_on_cpu() -> bool:
+    """The runtime's declared policy: auto on CPU tensors runs the torch op and never a kernel (`AUTO_ON_CPU`)."""
+    from . import runtime
+
+    return getattr(runtime, "AUTO_ON_CPU", "interpreter") == "torch"
+
+
 def strict_setup(device: Any = "cpu") -> StrictSetup:
     """See the module docstring. `device`: the session's device (a `torch.device` or its string)."""
     kind = str(getattr(device, "type", device)).split(":")[0]
@@ -152,7 +164,7 @@ def strict_setup(device: Any = "cpu") -> StrictSetup:
         return StrictSetup(False, False, f"strict on cpu: the kernels were created for the interpreter but {INTERPRET_ENV} "
                                          "was unset since; set it back to 1")
     if created == "compiled":
-        if env:
+        if env and not _auto_runs_torch_on_cpu():
             return StrictSetup(False, False, f"strict and auto on cpu: impossible in this process -- its Triton kernels "
                                              f"were created without {INTERPRET_ENV}=1 and it was set since (Triton then "
                                              "finds no driver); use off, or restart the kernel with it set first",

@@ -19,7 +19,7 @@ Contract
   which can cost more than the pass itself; the status says how much.
 - When the session returns, the result's text is on screen at once and Generate is usable again: the arithmetic that
   actually ran (`h3lab.whatran`: strict / torch / override counts from the trajectory's trace summary, e.g.
-  "auto → torch ... (no strict kernel runs on cpu without TRITON_INTERPRET=1)", CSS class `h3lab-whatran`), the
+  "auto → torch ..." with the fallback's reason as recorded, CSS class `h3lab-whatran`), the
   settings summary (ablations included) and the trajectory hash. Its media follow on a second thread, each shown as
   it is ready: the per-step latent strip (`plots.latent_strip`, at most `strip_rows` rows, the rule printed;
   `<img class="h3lab-latent-strip">`), the numbered MP4 written into `out_dir` and played with its sound
@@ -496,7 +496,7 @@ class Workbench:
             with state.lock:
                 previous = state.results[-1] if state.results else None
                 state.results = (state.results + [result])[-2:]
-                mp4 = state.next_output()  # numbered in generation order, whenever the media thread writes it
+                mp4 = self._reserve_output()
             self.progress.value = self.progress.max
             self.progress.bar_style = "success"
             self._show_result(result)
@@ -521,6 +521,17 @@ class Workbench:
             self.generate_button.disabled = False
             self.cancel_button.disabled = True
             self._refresh_strict()  # the first generation creates the Triton kernels: what strict needs may change
+
+    def _reserve_output(self) -> Path | None:
+        """The next numbered MP4 path, taken now (numbers follow generation order) although the media thread writes
+        it later. `SessionState.next_output()` returns a path, or -- in the command registry that takes a number only
+        once its video is written -- (number, path), in which case the number is taken here."""
+        nxt = self.state.next_output()
+        if isinstance(nxt, tuple):
+            number, path = nxt
+            self.state.counter = number
+            return path
+        return nxt
 
     def _draw_media(self, t: dict, result: Any, mp4: Path | None, pair: tuple | None, clicked: float,
                     run_id: int) -> None:

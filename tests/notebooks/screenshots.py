@@ -1,4 +1,4 @@
-"""Screenshots of the four notebooks and of the Workbench panel, as a person sees them in JupyterLab (headless
+"""Screenshots of the notebooks and of the Workbench panel, as a person sees them in JupyterLab (headless
 Chromium, the same set-up as `test_browser.py`): every cell run; in the quick start the panel then generates twice
 (the second run with ablation A1 switched on, so the drift heatmaps show where A1 first changes the run).
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nb_helpers import NOTEBOOKS  # noqa: E402
 from test_browser import _ALL_CELLS_RAN, _FAILED_CELLS, JupyterLab, _chromium, open_and_run  # noqa: E402
 
-NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_performance"]
+NAMES = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
 WIDTH = 1280
 MAX_HEIGHT = 9000
 RUN_S = 900
