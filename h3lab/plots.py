@@ -2,42 +2,52 @@
 `Figure` with its own Agg canvas, so nothing registers in pyplot's global figure list, any thread may draw, and the
 caller decides what happens to it (`save`, `png_bytes`, or display in a notebook after `%matplotlib inline`).
 
-Figure functions take documented plain inputs (numpy arrays or tensors + labels), never model internals:
+Every figure is sized for a notebook cell and a PNG: at most `MAX_WIDTH_IN` x `MAX_HEIGHT_IN` inches (1000 x 1400 px
+at the `DPI` of `save`/`png_bytes`), no text below `MIN_FONT_PT` (9.7 px at that DPI), labelled axes, one colorbar per
+heatmap. Category tick labels that would overlap are thinned to every k-th one and the axis label says so; long series
+are subsampled or paginated and the figure says by which rule.
 
-- `latent_strip(video (S, C, T, h, w), audio (S, 2A, Ca) | None, step_labels)`: rows = denoising steps, columns =
-  latent frames, each frame a PCA-to-RGB of its C channels (24 released, 4 tiny) through ONE basis fitted on
-  `basis_step` (default the last row), so a colour means the same latent direction in every row; then the audio
-  latents as an image over time (rows: channel-0 features above channel-1 features; shared symmetric colour scale).
+Figure functions take documented plain inputs (numpy arrays or tensors + labels, reports, row dicts), never a model:
+
+- `latent_strip(video (S, C, T, h, w), audio (S, 2A, Ca) | None, step_labels)`: one mosaic, rows = denoising steps
+  (at most `max_rows`: evenly spaced with the first and last kept, or one `page`), columns = latent frames (at most
+  `max_frames`, evenly spaced), each frame a PCA-to-RGB of its C channels (24 released, 4 tiny) through ONE basis
+  fitted on `basis_step` (default the last step), so a colour means the same latent direction in every row; beside it
+  the audio latents of the same rows as an image over time (channel-0 features above channel-1 features) on one
+  symmetric colour scale with its colorbar.
 - `norm_curves({"latent/video": (S,), "velocity/audio": (S',), ...}, step_labels)`: RMS per step and modality.
-- `drift_heatmaps(step_layer (S, L), layer_row (L, R), step_labels, layer_labels, row_labels)`: log-scale heatmaps
-  of a drift metric, step x layer and layer x packed row, with the packed rows' modality bands marked above the
-  second (row labels "12:video" carry the modality). Exactly 0 (byte-equal) is white, NaN (not captured) grey.
+- `drift_heatmaps(step_layer (S, L), layer_row (L, R), step_labels, layer_labels, row_labels, first=...)`: log-scale
+  heatmaps of a drift metric, step x layer and layer x packed row (rows binned, max per bin, when there are more than
+  `max_row_columns`), each with its colorbar, the packed rows' modality bands above the second, the first drift marked
+  in the plotted layer that holds it. Exactly 0 (byte-equal) is white, NaN (not captured by both runs) grey; a title
+  tells "byte-equal" apart from "nothing comparable" (different prompts or shapes: every plotted point NaN).
 - `ablation_table(rows)`: the ablation matrix as a table, one row per dict with `name`, `expected`, `observed`,
   `first_drift` (a `DriftPoint.to_dict()`, text or None) and `passed` (True / False / None); rows are coloured
   green (passed), red (failed) or grey (not run).
 - `sigma_grids(video_sigmas, audio_sigmas)`: both grids over the grid index, and the sigma step of every pass.
-- `benchmark_summary(docs)`: median seconds per shape and implementation of each benchmark JSON document (the
-  DESIGN "Evidence" schema); `load_benchmarks(folder)` reads a results folder and lists the files it skipped.
+- `benchmark_summary(docs)` (one ratio bar per benchmark file: median and range over its cases, time relative to the
+  file's baseline implementation measured in the same run) and `benchmark_figure(doc)` (one file: per case and
+  implementation the time relative to the baseline, or absolute seconds where the file has none, on a linear axis
+  from 0, the seconds written on each bar); one colour per implementation in every figure (`impl_colors`).
+  `load_benchmarks(folder)` reads a results folder (the DESIGN "Evidence" schema) and reports one problem per skipped
+  file; `skipped_line(problems)` says it in one line.
 
 Adapters turn h3lab objects into those inputs: `latent_steps(result | trajectory)`, `step_norms(...)` (they need the
 per-step tensors kept: `Session.keep = ("latents", "velocities")` before generating), `drift_inputs(report)`.
 
-`PLOTS` is what the REPL's `!plot KIND PATH` and the widgets call. Uniform calling convention:
-
-    fig = PLOTS[kind](source, session=None)
-    save(fig, path)
-
-`source` is either the front end's recent generations (a list of `GenerationResult`, oldest first, as in
-`commands.SessionState.results`) or the kind's own object:
+`PLOTS` maps a kind to a renderer of the kind's data (no model work):
 
     latents   a GenerationResult or Trajectory (the newest of a list)
     norms     a GenerationResult or Trajectory (the newest of a list)
-    drift     a DriftReport, or a list of at least two results: `session.drift(results[-2], results[-1])` is run
-              (needs `session`; minutes on a big model)
-    ablation  the row dicts of `ablation.run_matrix()`; for a list of results (or None) the matrix is run on the
-              session's snapshot (needs `session`; slow)
+    drift     a DriftReport (or its `to_dict()`)
+    ablation  the row dicts of `ablation.run_matrix()`
     sigmas    a DualSchedule, a GenerationResult / Trajectory (its schedule), or a list of results (the newest);
               an int N builds the N-pass grids with the session's shifts (the released ones without a session)
+
+`plot(kind, source, session)` is what `!plot KIND PATH` calls today with the front end's recent results; for drift and
+ablation it still obtains the data from the session (`session.drift(results[-2], results[-1])`, the ablation matrix on
+the session's snapshot) before rendering -- model work that belongs to the command handler, which should pass the
+report / rows instead (see `_legacy_data`).
 
 Every bad input raises `PlotError` (an `H3Error`) with one line naming the value and the rule.
 """
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import textwrap
 from dataclasses import dataclass
@@ -60,31 +71,42 @@ from matplotlib.figure import Figure
 from .errors import H3Error
 from .io_utils import atomic_write
 
+DPI = 100
+MAX_WIDTH_IN, MAX_HEIGHT_IN = 10.0, 14.0  # 1000 x 1400 px at DPI: a notebook cell's width, never a 11,770 px strip
+MIN_FONT_PT = 7.0  # 9.7 px at DPI
+FONT_PT = 8.0  # tick labels, table cells, band labels
 MODALITY_COLORS = {"text": "#9e9e9e", "video": "#1f77b4", "audio": "#ff7f0e"}
+COLOR_NAMES = {"#9e9e9e": "grey", "#1f77b4": "blue", "#ff7f0e": "orange"}
 PASS_COLOR, FAIL_COLOR, NOT_RUN_COLOR = "#c8e6c9", "#ffcdd2", "#eeeeee"
 EQUAL_COLOR, MISSING_COLOR = "white", "#bdbdbd"
+FIRST_DRIFT_COLOR = "#e91e63"
 BENCHMARK_KEYS = ("name", "date", "gpu", "torch", "triton", "git_rev", "command", "results")
 BENCHMARK_RESULT_KEYS = ("shape", "rows", "impl", "median_s", "runs", "peak_mem_gib")
+# One colour per implementation in every benchmark figure; others take the next free tab10 colour by name.
+IMPL_COLORS = {"diffusers": "#7f7f7f", "torch": "#8c564b", "h3lab-off": "#1f77b4", "h3lab-strict": "#ff7f0e",
+               "h3lab-fast": "#2ca02c", "h3lab-audit": "#9467bd"}
+BASELINE_IMPLS = ("diffusers", "torch", "h3lab-off")  # the first one a benchmark file has is its baseline
 
 
 class PlotError(H3Error):
     """A figure cannot be drawn from what it was given (shape, missing tensors, unknown kind)."""
 
 
+# ================================================================================================== figures
 def new_figure(width: float, height: float) -> Figure:
-    """A Figure with its own Agg canvas (no pyplot)."""
-    fig = Figure(figsize=(width, height), layout="constrained")
+    """A Figure with its own Agg canvas (no pyplot), clamped to `MAX_WIDTH_IN` x `MAX_HEIGHT_IN`."""
+    fig = Figure(figsize=(min(width, MAX_WIDTH_IN), min(height, MAX_HEIGHT_IN)), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
 
 
-def save(fig: Figure, path: str | os.PathLike, dpi: int = 100) -> Path:
+def save(fig: Figure, path: str | os.PathLike, dpi: int = DPI) -> Path:
     """Write `fig` as a PNG at `path` atomically (temp file in the target folder, fsync, rename)."""
     p = Path(path).expanduser()
     if p.suffix.lower() != ".png":
@@ -101,6 +123,104 @@ def _array(x: Any, name: str, ndim: int) -> np.ndarray:
     if a.ndim != ndim:
         raise PlotError(f"{name} has shape {a.shape}: expected {ndim} axes")
     return a
+
+
+def _wrap(text: Any, width: int) -> str:
+    return "\n".join(textwrap.wrap(str(text), width)) or "-"
+
+
+def _overlap(a, b, pad: float = 0.5) -> bool:
+    return a.x0 < b.x1 - pad and b.x0 < a.x1 - pad and a.y0 < b.y1 - pad and b.y0 < a.y1 - pad
+
+
+def overlapping_labels(labels: Sequence[Any], renderer: Any) -> bool:
+    """True when two of the visible, non-empty text artists `labels` overlap on the canvas."""
+    boxes = [t.get_window_extent(renderer) for t in labels if t.get_visible() and t.get_text()]
+    return any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _thin_ticks(fig: Figure) -> None:
+    """Category axes (fixed ticks with fixed labels) whose labels overlap keep every k-th label, the smallest k that
+    separates them; the axis label says "1 label in k shown". Numeric axes use matplotlib's own locators."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":  # colorbars choose their own ticks (`_set_log_ticks`)
+            continue
+        for axis, setter, label_getter, label_setter in (
+            (ax.xaxis, ax.set_xticks, ax.get_xlabel, ax.set_xlabel),
+            (ax.yaxis, ax.set_yticks, ax.get_ylabel, ax.set_ylabel),
+        ):
+            if type(axis.get_major_locator()).__name__ != "FixedLocator":
+                continue
+            locs = list(axis.get_majorticklocs())
+            texts = axis.get_majorticklabels()
+            if len(locs) < 2 or not overlapping_labels(texts, renderer):
+                continue
+            names = [t.get_text() for t in texts]
+            props = {"fontsize": texts[0].get_fontsize(), "rotation": texts[0].get_rotation(),
+                     "ha": texts[0].get_ha()}
+            # First guess: the largest label (plus 2 px) over the spacing of the ticks on the canvas.
+            boxes = [t.get_window_extent(renderer) for t in texts]
+            along = [b.width if axis is ax.xaxis else b.height for b in boxes]
+            span = ax.get_window_extent(renderer).width if axis is ax.xaxis else ax.get_window_extent(renderer).height
+            lo, hi = axis.get_view_interval()
+            spacing = span * abs(locs[1] - locs[0]) / max(abs(hi - lo), 1e-12)
+            step = min(len(locs), max(2, math.ceil((max(along) + 2) / max(spacing, 1e-6))))
+            while True:
+                setter(locs[::step], names[::step], **props)
+                fig.canvas.draw()
+                if step >= len(locs) or not overlapping_labels(axis.get_majorticklabels(), renderer):
+                    break
+                step += 1
+            label_setter(f"{label_getter()} (1 label in {step} shown)".strip())
+
+
+def finish(fig: Figure) -> Figure:
+    """The last step of every figure function: thin overlapping category labels (`_thin_ticks`)."""
+    _thin_ticks(fig)
+    return fig
+
+
+def log_ticks(vmin: float, vmax: float, most: int = 7) -> list[float]:
+    """Ticks for a log axis over [vmin, vmax], 2 to `most` of them: 1, 2, 5 x 10^k, else 1 and 5, else decades
+    (then every other decade, ...), else an even thinning of 1, 2, 5; the two ends when no round value lies inside."""
+    lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
+    inside = lambda ts: [t for t in ts if vmin * (1 - 1e-9) <= t <= vmax * (1 + 1e-9)]  # noqa: E731
+    dense = inside([m * 10.0**k for k in range(lo, hi + 1) for m in (1, 2, 5)])
+    choices = [dense, inside([m * 10.0**k for k in range(lo, hi + 1) for m in (1, 5)])]
+    choices += [inside([10.0**k for k in range(lo, hi + 1, step)]) for step in range(1, hi - lo + 2)]
+    for ticks in choices:
+        if 2 <= len(ticks) <= most:
+            return ticks
+    if len(dense) >= 2:
+        return [dense[i] for i in sorted(set(np.linspace(0, len(dense) - 1, max(2, most)).round().astype(int)))]
+    return [vmin, vmax]
+
+
+def _tick_text(x: float) -> str:
+    m, e = f"{x:.1e}".split("e")
+    m = m.rstrip("0").rstrip(".")
+    return f"{m}e{int(e)}"
+
+
+def _set_log_ticks(cb: Any, most: int = 7) -> None:
+    from matplotlib.ticker import FixedLocator
+
+    cb.ax.yaxis.set_major_locator(FixedLocator(log_ticks(cb.norm.vmin, cb.norm.vmax, most)))
+
+
+def _log_colorbar(fig: Figure, mappable: Any, ax: Any, label: str) -> Any:
+    """A colorbar of a log-scale heatmap labelled at `log_ticks` ("2e-3"), no labelled minor ticks to collide."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    cb = fig.colorbar(mappable, ax=ax, extend="min", label=label, fraction=0.06, pad=0.02, aspect=30)
+    _set_log_ticks(cb)
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _tick_text(x)))
+    cb.ax.yaxis.set_minor_formatter(NullFormatter())
+    cb.ax.tick_params(labelsize=FONT_PT)
+    cb.ax.yaxis.label.set_size(FONT_PT)
+    return cb
 
 
 # ============================================================================================== PCA to RGB
@@ -159,6 +279,34 @@ def audio_image(rows: Any) -> np.ndarray:
 
 
 # ============================================================================================ latent strip
+def strip_rows(steps: int, max_rows: int, page: int | None = None) -> tuple[list[int], str]:
+    """(row indices, the rule in words) for a strip of `steps` rows: all of them when they fit; else, without `page`,
+    `max_rows` evenly spaced rows with the first and last kept; with `page` (0-based), rows page*max_rows ... ."""
+    if max_rows < 1:
+        raise PlotError(f"max_rows={max_rows}: must be at least 1")
+    if page is not None:
+        pages = math.ceil(steps / max_rows)
+        if not 0 <= page < pages:
+            raise PlotError(f"page={page}: the {steps} rows make {pages} page(s) of {max_rows} (0-based)")
+        rows = list(range(page * max_rows, min(steps, (page + 1) * max_rows)))
+        return rows, f"rows {rows[0] + 1}-{rows[-1] + 1} of {steps} (page {page + 1} of {pages})"
+    if steps <= max_rows:
+        return list(range(steps)), f"all {steps} rows"
+    rows = sorted(set(np.linspace(0, steps - 1, max_rows).round().astype(int).tolist()))
+    return rows, f"{len(rows)} of {steps} rows, evenly spaced (first and last kept)"
+
+
+def _mosaic(tiles: list[list[np.ndarray]], gap: int) -> np.ndarray:
+    """Row-major tiles (each (h, w, ch)) into one (R*h + gaps, C*w + gaps, ch) array; gaps are NaN."""
+    h, w, ch = tiles[0][0].shape
+    rows, cols = len(tiles), len(tiles[0])
+    out = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, ch), np.nan)
+    for r, row in enumerate(tiles):
+        for c, tile in enumerate(row):
+            out[r * (h + gap): r * (h + gap) + h, c * (w + gap): c * (w + gap) + w] = tile
+    return out
+
+
 def latent_strip(
     video: Any,
     audio: Any = None,
@@ -166,12 +314,17 @@ def latent_strip(
     step_labels: Sequence[str] | None = None,
     basis_step: int = -1,
     max_frames: int = 12,
+    max_rows: int = 8,
+    page: int | None = None,
     title: str = "per-step latents",
 ) -> Figure:
-    """Rows = steps, columns = latent frames (PCA-to-RGB, one basis fitted on row `basis_step`) + the audio latents.
+    """Rows = steps (`strip_rows`), columns = latent frames (PCA-to-RGB through one basis fitted on step `basis_step`
+    of all S steps) + the audio latents of the same rows with a colorbar.
 
-    video: (S, C, T, h, w); audio: (S, 2A, Ca) rows or None. At most `max_frames` evenly spaced frames are drawn
-    (column titles give the frame index). Returns a figure with S * (frames + audio) image axes."""
+    video: (S, C, T, h, w); audio: (S, 2A, Ca) rows or None. At most `max_frames` evenly spaced frames are drawn.
+    Axes: [video mosaic, audio mosaic, audio colorbar] (the last two only with audio). `fig.h3lab_rows` lists the
+    drawn step indices; `ax.h3lab_tiles[r][c]` is the pixel box (y, x, h, w) of drawn row r, frame c in a mosaic
+    axes' image (one column in the audio one); gaps between tiles are transparent (video) or NaN (audio)."""
     v = _array(video, "video latents", 5)
     steps = v.shape[0]
     if steps == 0:
@@ -186,39 +339,69 @@ def latent_strip(
             raise PlotError(f"audio latents have {aud.shape[0]} steps, video latents {steps}")
     if not -steps <= basis_step < steps:
         raise PlotError(f"basis_step={basis_step}: must index one of the {steps} steps")
+    rows, rule = strip_rows(steps, max_rows, page)
     _, _, num_frames, h, w = v.shape
     frames = sorted(set(np.linspace(0, num_frames - 1, min(num_frames, max(1, max_frames))).round().astype(int)))
     basis = pca_rgb_basis(v[basis_step])
-    audio_imgs = [audio_image(a) for a in aud] if aud is not None else []
-    if audio_imgs:
-        ref = audio_imgs[basis_step]
-        vmax = float(np.percentile(np.abs(ref), 99)) or 1.0  # one symmetric scale for every row
-    cols = len(frames) + (1 if audio_imgs else 0)
-    audio_ratio = max(2.0, len(frames) / 2) if audio_imgs else 0.0
-    ratios = [1.0] * len(frames) + ([audio_ratio] if audio_imgs else [])
-    fig = new_figure(1.1 * sum(ratios) + 1.2, 1.1 * steps * max(h / w, 0.5) + 0.8)
-    grid = fig.add_gridspec(steps, cols, width_ratios=ratios)
-    for s in range(steps):
-        rgb = pca_rgb(v[s], basis)
-        for j, f in enumerate(frames):
-            ax = fig.add_subplot(grid[s, j])
-            ax.imshow(rgb[f], interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if s == 0:
-                ax.set_title(f"frame {f}", fontsize=8)
-            if j == 0:
-                ax.set_ylabel(labels[s], fontsize=8)
-        if audio_imgs:
-            ax = fig.add_subplot(grid[s, cols - 1])
-            ax.imshow(audio_imgs[s], cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="auto", interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if s == 0:
-                ax.set_title("audio (ch0 | ch1) over time", fontsize=8)
-    which = labels[basis_step]
-    fig.suptitle(f"{title} (PCA basis from {which})", fontsize=10)
-    return fig
+    gap = max(1, round(0.1 * max(h, w)))
+
+    rgb = {r: pca_rgb(v[r], basis) for r in rows}
+    mosaic = _mosaic([[rgb[r][f] for f in frames] for r in rows], gap)
+    alpha = np.where(np.isnan(mosaic[..., :1]), 0.0, 1.0)  # gaps transparent (the white figure shows through)
+    mosaic = np.concatenate([np.nan_to_num(mosaic), alpha], axis=-1)
+
+    # Size: frame tiles of at most 0.9 in, rows of at least 0.32 in (one line of row label), the audio panel ~30 %.
+    audio_w = 3.0 if aud is not None else 0.0
+    tile_w = min(0.9, max(0.3, (MAX_WIDTH_IN - 1.9 - audio_w) / len(frames)))
+    row_h = max(0.32, tile_w * h / w)
+    width = 1.9 + tile_w * len(frames) + audio_w
+    height = 1.3 + row_h * len(rows)
+    fig = new_figure(width, height)
+    if aud is not None:
+        grid = fig.add_gridspec(1, 2, width_ratios=[tile_w * len(frames), audio_w])
+        ax = fig.add_subplot(grid[0, 0])
+    else:
+        ax = fig.add_subplot(1, 1, 1)
+    ax.imshow(mosaic, interpolation="nearest", aspect="auto")
+    ax.h3lab_tiles = [[(r_i * (h + gap), c_i * (w + gap), h, w) for c_i in range(len(frames))]
+                      for r_i in range(len(rows))]
+    ax.set_yticks([i * (h + gap) + (h - 1) / 2 for i in range(len(rows))], [labels[r] for r in rows],
+                  fontsize=FONT_PT)
+    ax.set_xticks([i * (w + gap) + (w - 1) / 2 for i in range(len(frames))], [str(f) for f in frames],
+                  fontsize=FONT_PT)
+    frames_rule = f"{len(frames)} of {num_frames}, evenly spaced" if len(frames) < num_frames else f"all {num_frames}"
+    ax.set_xlabel(f"latent frame ({frames_rule})", fontsize=FONT_PT)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+    if aud is not None:
+        imgs = [audio_image(aud[r]) for r in rows]
+        vmax = float(np.percentile(np.abs(audio_image(aud[basis_step])), 99)) or 1.0  # one scale for every row
+        a_gap = max(1, round(0.1 * imgs[0].shape[0]))
+        a_mosaic = _mosaic([[im[..., None]] for im in imgs], a_gap)[..., 0]
+        ax_a = fig.add_subplot(grid[0, 1], sharey=None)
+        import matplotlib
+
+        cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
+        im = ax_a.imshow(np.ma.masked_invalid(a_mosaic), cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto",
+                         interpolation="nearest")
+        ca = imgs[0].shape[0]
+        ax_a.h3lab_tiles = [[(i * (ca + a_gap), 0, ca, imgs[0].shape[1])] for i in range(len(rows))]
+        ax_a.set_yticks([i * (ca + a_gap) + (ca - 1) / 2 for i in range(len(rows))], [""] * len(rows))
+        for i in range(len(rows)):  # the ch0 | ch1 boundary inside every row
+            ax_a.axhline(i * (ca + a_gap) + ca / 2 - 0.5, color="black", linewidth=0.5, linestyle=":")
+        ax_a.set_xlabel(f"audio latent index ({imgs[0].shape[1]} per row, 40 per second)", fontsize=FONT_PT)
+        ax_a.set_ylabel("ch0 features | ch1 features, per row", fontsize=FONT_PT)
+        ax_a.tick_params(labelsize=FONT_PT, length=2)
+        cb = fig.colorbar(im, ax=ax_a, fraction=0.08, pad=0.02)
+        cb.set_label("audio latent value", fontsize=FONT_PT)
+        cb.ax.tick_params(labelsize=FONT_PT)
+        ax_a.set_title("audio latents", fontsize=9)
+    ax.set_title("video latents (PCA of the channels to RGB)", fontsize=9)
+    fig.h3lab_rows = rows
+    fig.suptitle(f"{title}: {rule}; one PCA basis from {labels[basis_step]}", fontsize=10)
+    return fig  # no `finish`: rows of at least 0.32 in and tiles of at least 0.3 in keep every label apart
 
 
 # ==================================================================================================== norms
@@ -251,11 +434,11 @@ def norm_curves(
         if step_labels is not None:
             if len(step_labels) != longest:
                 raise PlotError(f"{len(step_labels)} step labels for {longest} steps")
-            ax.set_xticks(np.arange(longest), list(step_labels), rotation=30, fontsize=7)
-        ax.legend(fontsize=8)
+            ax.set_xticks(np.arange(longest), list(step_labels), rotation=30, fontsize=FONT_PT, ha="right")
+        ax.legend(fontsize=FONT_PT)
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    return fig
+    return finish(fig)
 
 
 # ==================================================================================================== drift
@@ -279,6 +462,33 @@ def _bands(modalities: Sequence[str]) -> list[tuple[int, int, str]]:
     return runs
 
 
+def _nanmax(block: np.ndarray) -> np.ndarray:
+    """Max over the last axis, NaN only where every value is NaN."""
+    out = np.full(block.shape[:-1], np.nan)
+    seen = ~np.isnan(block).all(axis=-1)
+    out[seen] = np.nanmax(block[seen], axis=-1)
+    return out
+
+
+def bin_rows(matrix: np.ndarray, modalities: Sequence[str], max_columns: int) -> tuple[np.ndarray, list[str],
+                                                                                      list[tuple[int, int]], int]:
+    """(L, R) -> (L, B) with B <= max_columns plus about one per modality band: contiguous rows of one modality
+    band in bins of `k` rows (the last bin of a band may be shorter), max per bin (NaN only where every row is NaN).
+    Returns (binned matrix, modality per bin, packed-row range [start, stop) per bin, k); k = 1 leaves it as is."""
+    rows = matrix.shape[1]
+    k = max(1, math.ceil(rows / max_columns))
+    if k == 1:
+        return matrix, list(modalities), [(i, i + 1) for i in range(rows)], 1
+    cols, mods, spans = [], [], []
+    for start, stop, m in _bands(modalities):
+        for b in range(start, stop, k):
+            e = min(b + k, stop)
+            cols.append(_nanmax(matrix[:, b:e]))
+            mods.append(m)
+            spans.append((b, e))
+    return np.stack(cols, axis=1), mods, spans, k
+
+
 def _log_norm(*arrays: np.ndarray) -> LogNorm:
     vals = np.concatenate([a[np.isfinite(a) & (a > 0)].ravel() for a in arrays])
     if vals.size == 0:
@@ -293,6 +503,51 @@ def _heat(ax, data: np.ndarray, norm: LogNorm, cmap):
     return ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
 
 
+def _drift_cmap():
+    import matplotlib
+
+    # viridis: no near-black top end (a large drift stays readable), and neither end is white or grey, which mean
+    # byte-equal and not captured.
+    return matplotlib.colormaps["viridis"].with_extremes(under=EQUAL_COLOR, bad=MISSING_COLOR)
+
+
+def drift_state(step_layer: np.ndarray, layer_row: np.ndarray) -> str:
+    """What the plotted points say as a whole: "byte-equal at every plotted point", "nothing comparable: ..." (every
+    point NaN: no layer was captured by both runs -- different prompts or shapes), "byte-equal where both runs were
+    captured ..." or "" (some drift)."""
+    both = np.concatenate([step_layer.ravel(), layer_row.ravel()])
+    finite = both[np.isfinite(both)]
+    if finite.size == 0:
+        return "nothing comparable: no plotted layer was captured by both runs (different prompts or shapes)"
+    if np.any(finite != 0):
+        return ""
+    if finite.size < both.size:
+        return "byte-equal where both runs were captured; grey: not captured by both"
+    return "byte-equal at every plotted point"
+
+
+def first_drift_layer(point: str | None, layer_labels: Sequence[str]) -> int | None:
+    """The plotted layer column that holds a drift point (`blocks.3.q` -> `blocks.3`); a point outside every block
+    goes to the first plotted layer at or after it in execution order (inputs, refiner, time and RoPE tables ->
+    `pack`; the heads, outputs and Euler step -> the last layer). None without a point."""
+    if not point:
+        return None
+    labels = list(layer_labels)
+    for i, label in enumerate(labels):
+        if point == label or point.startswith(label + "."):
+            return i
+    late = ("final", "video_head", "audio_head", "video_out", "audio_out", "scheduler.")
+    return len(labels) - 1 if point.startswith(late) else 0
+
+
+def _point_of(first: Any) -> tuple[str | None, int | None, int | None]:
+    """(point, pass, packed row) of a DriftPoint, its dict, or None."""
+    if first is None:
+        return None, None, None
+    get = first.get if isinstance(first, Mapping) else lambda k: getattr(first, k, None)
+    return get("point"), get("step"), get("packed_row")
+
+
 def drift_heatmaps(
     step_layer: Any,
     layer_row: Any,
@@ -302,12 +557,16 @@ def drift_heatmaps(
     row_labels: Sequence[str],
     modalities: Sequence[str] | None = None,
     row_step: Any = None,
+    first: Any = None,
     metric: str = "max |a-b|",
     title: str = "drift",
+    max_row_columns: int = 160,
 ) -> Figure:
-    """Two heatmaps on one log colour scale: step x layer (S, L) and, at one pass (`row_step`), layer x packed row
-    (L, R), with the rows' modality bands (from `modalities`, else parsed from `row_labels`) drawn above it.
-    Axes: [step x layer, layer x row, modality band, colour bar]."""
+    """Two heatmaps on one log colour scale, each with its colorbar: step x layer (S, L) and, at one pass
+    (`row_step`), layer x packed row (L, R) with the rows' modality bands (from `modalities`, else parsed from
+    `row_labels`) above it; more than `max_row_columns` rows are binned within each band (max per bin, the rule in
+    the axis label). `first` (a DriftPoint or its dict) is marked in the plotted layer that holds it.
+    Axes: [step x layer, layer x row, modality band, colorbar of step x layer, colorbar of layer x row]."""
     sl = _array(step_layer, "step x layer matrix", 2)
     lr = _array(layer_row, "layer x row matrix", 2)
     if sl.shape != (len(step_labels), len(layer_labels)):
@@ -319,55 +578,97 @@ def drift_heatmaps(
         raise PlotError(f"{len(mods)} row modalities for {lr.shape[1]} packed rows")
     norm = _log_norm(sl, lr)
     cmap = _drift_cmap()
-    rows = len(row_labels)
-    fig = new_figure(max(9.0, 4.0 + 0.06 * rows), max(3.2, 1.2 + 0.28 * max(len(layer_labels), len(step_labels))))
-    grid = fig.add_gridspec(2, 3, width_ratios=[1.0, max(1.6, rows / 40), 0.06], height_ratios=[0.07, 1.0])
+    shown, bin_mods, spans, k = bin_rows(lr, mods, max_row_columns)
+    layers, passes = len(layer_labels), len(step_labels)
+    fig = new_figure(MAX_WIDTH_IN, min(MAX_HEIGHT_IN, max(4.4, 2.6 + 0.2 * max(layers, passes))))
+    left = min(0.45, max(0.24, 0.06 * layers))  # the step x layer share of the width
+    grid = fig.add_gridspec(2, 2, width_ratios=[left, 1 - left], height_ratios=[0.09, 1.0])
     ax_sl = fig.add_subplot(grid[1, 0])
     im = _heat(ax_sl, sl, norm, cmap)
-    ax_sl.set_yticks(range(len(step_labels)), [f"pass {s}" for s in step_labels], fontsize=8)
-    ax_sl.set_xticks(range(len(layer_labels)), list(layer_labels), rotation=60, fontsize=7)
-    ax_sl.set_xlabel("layer")
-    ax_sl.set_ylabel("denoising pass")
+    ax_sl.set_yticks(range(passes), [f"pass {s}" for s in step_labels], fontsize=FONT_PT)
+    ax_sl.set_xticks(range(layers), list(layer_labels), rotation=90, fontsize=FONT_PT)
+    ax_sl.set_xlabel("layer (block output)", fontsize=FONT_PT)
+    ax_sl.set_ylabel("denoising pass", fontsize=FONT_PT)
     ax_sl.set_title(f"step x layer ({metric})", fontsize=9)
 
     ax_lr = fig.add_subplot(grid[1, 1])
-    _heat(ax_lr, lr, norm, cmap)
-    ax_lr.set_yticks(range(len(layer_labels)), list(layer_labels), fontsize=7)
-    ax_lr.set_xlabel("packed row")
-    bands = _bands(mods)
+    im_lr = _heat(ax_lr, shown, norm, cmap)
+    ax_lr.set_yticks(range(layers), list(layer_labels), fontsize=FONT_PT)
+    ax_lr.set_ylabel("layer", fontsize=FONT_PT)
+    ax_lr.tick_params(axis="x", labelsize=FONT_PT)
+    binned = f";\nbins of {k} rows within a modality band, max per bin" if k > 1 else ""
+    ax_lr.set_xlabel(f"packed row ({len(row_labels)} rows{binned})", fontsize=FONT_PT)
+    if k > 1:  # x ticks in packed rows, at bin positions
+        ticks = np.linspace(0, len(spans) - 1, min(6, len(spans))).round().astype(int)
+        ax_lr.set_xticks(ticks, [str(spans[t][0]) for t in ticks])
+    bands = _bands(bin_mods)
     for start, _stop, _m in bands[1:]:
         ax_lr.axvline(start - 0.5, color="black", linewidth=0.8)
 
     ax_band = fig.add_subplot(grid[0, 1], sharex=ax_lr)
-    names = sorted(set(mods), key=lambda m: list(MODALITY_COLORS).index(m) if m in MODALITY_COLORS else 99)
-    codes = np.array([[names.index(m) for m in mods]])
-    ax_band.imshow(codes, cmap=ListedColormap([MODALITY_COLORS.get(m, "#000000") for m in names]),
-                   vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
-    for start, stop, m in bands:
-        ax_band.text((start + stop - 1) / 2, 0, m, ha="center", va="center", fontsize=7, color="white")
+    names = sorted(set(bin_mods), key=lambda m: list(MODALITY_COLORS).index(m) if m in MODALITY_COLORS else 99)
+    codes = np.array([[names.index(m) for m in bin_mods]])
+    band_im = ax_band.imshow(codes, cmap=ListedColormap([MODALITY_COLORS.get(m, "#000000") for m in names]),
+                             vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
+    band_im.set_gid("modality-band")  # a categorical key, explained by the legend below, not a heatmap
     ax_band.set_yticks([])
     ax_band.tick_params(labelbottom=False, bottom=False)
     where = f" at pass {row_step}" if row_step is not None else ""
-    ax_band.set_title(f"layer x packed row{where} ({metric}); band: modality of each row", fontsize=9)
+    key = ", ".join(f"{m} {COLOR_NAMES.get(MODALITY_COLORS.get(m, ''), 'black')}" for m in names)
+    ax_band.set_title(f"layer x packed row{where} ({metric})", fontsize=9)
 
-    ax_cb = fig.add_subplot(grid[1, 2])
-    fig.colorbar(im, cax=ax_cb, extend="min", label=metric)
-    fig.supxlabel("white: byte-equal (0), grey: not captured by both arms", fontsize=8)
-    state = "byte-equal everywhere" if not np.any(np.nan_to_num(sl) > 0) and not np.any(np.nan_to_num(lr) > 0) else ""
-    fig.suptitle(_wrap(title + (f" - {state}" if state else ""), 120), fontsize=10)
-    return fig
+    point, step, packed_row = _point_of(first)
+    col = first_drift_layer(point, layer_labels)
+    if col is not None and step in list(step_labels):
+        row = list(step_labels).index(step)
+        ax_sl.plot([col], [row], marker="s", markersize=12, markerfacecolor="none", markeredgewidth=2,
+                   color=FIRST_DRIFT_COLOR, linestyle="none")
+        if packed_row is not None and step == row_step:
+            b = next((i for i, (s0, s1) in enumerate(spans) if s0 <= packed_row < s1), None)
+            if b is not None:
+                ax_lr.plot([b], [col], marker="s", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
+                           color=FIRST_DRIFT_COLOR, linestyle="none")
+    colorbars = [_log_colorbar(fig, im, ax_sl, metric), _log_colorbar(fig, im_lr, ax_lr, metric)]
+    legend = f"white: byte-equal (0), grey: not captured by both runs; band: modality of the rows ({key})"
+    if col is not None:
+        legend += f"; pink square: the first drift ({point}, in layer column {layer_labels[col]})"
+    fig.supxlabel(_wrap(legend, 150), fontsize=FONT_PT)
+    state = drift_state(sl, lr)
+    fig.suptitle(_wrap(title + (f" -- {state}" if state else ""), 130), fontsize=10)
 
-
-def _drift_cmap():
-    import matplotlib
-
-    return matplotlib.colormaps["magma_r"].with_extremes(under=EQUAL_COLOR, bad=MISSING_COLOR)
+    fig.canvas.draw()  # the final layout: band widths and colorbar lengths are known now
+    renderer = fig.canvas.get_renderer()
+    for cb in colorbars:  # one labelled tick per 0.3 in of colorbar at most
+        _set_log_ticks(cb, max(2, int(cb.ax.get_window_extent(renderer).height / DPI / 0.3)))
+    per_col = ax_band.get_window_extent(renderer).width / max(1, len(bin_mods))
+    for start, stop, m in bands:  # a label inside every band wide enough to hold it
+        label = ax_band.text((start + stop - 1) / 2, 0, m, ha="center", va="center", fontsize=FONT_PT,
+                             color="black", fontweight="bold")
+        if label.get_window_extent(renderer).width + 6 > per_col * (stop - start):
+            label.remove()
+    return finish(fig)
 
 
 def drift_inputs(report: Any, step: int | None = None, metric: str = "max_abs") -> dict[str, Any]:
-    """The keyword arguments of `drift_heatmaps` from a `drift.DriftReport` (metric "max_abs" or "rel_l2")."""
+    """The keyword arguments of `drift_heatmaps` from a `drift.DriftReport` or its `to_dict()` (metric "max_abs" or
+    "rel_l2"; a dict holds the layer x row matrices of its `matrix_step` only)."""
     if metric not in ("max_abs", "rel_l2"):
         raise PlotError(f"drift metric {metric!r}: must be 'max_abs' or 'rel_l2'")
+    if isinstance(report, Mapping):
+        s = report.get("matrix_step", 0)
+        if step is not None and step != s:
+            raise PlotError(f"step={step}: a drift report dict holds the layer x row matrix of pass {s} only")
+        nan = lambda x: np.array(x, dtype=np.float64)  # noqa: E731 - None (JSON NaN) -> nan
+        first = report.get("first")
+        summary = (f"{report['label_a']} vs {report['label_b']}: " + (
+            f"byte-equal at all {report.get('compared')} compared points" if report.get("equal")
+            else f"first drift at {_first_drift_text(first)}"))
+        return {
+            "step_layer": nan(report[f"step_layer_{metric}"]), "layer_row": nan(report[f"layer_row_{metric}"]),
+            "step_labels": list(report["step_labels"]), "layer_labels": list(report["layer_labels"]),
+            "row_labels": list(report["row_labels"]), "row_step": s, "first": first,
+            "metric": "max |a-b|" if metric == "max_abs" else "rel L2", "title": summary,
+        }
     sl = report.step_layer_max_abs if metric == "max_abs" else report.step_layer_rel_l2
     s = report.matrix_step if step is None else step
     lr_abs, lr_rel = report.layer_row(s)
@@ -378,6 +679,7 @@ def drift_inputs(report: Any, step: int | None = None, metric: str = "max_abs") 
         "layer_labels": list(report.layer_labels),
         "row_labels": list(report.row_labels),
         "row_step": s,
+        "first": report.first,
         "metric": "max |a-b|" if metric == "max_abs" else "rel L2",
         "title": report.summary(),
     }
@@ -399,23 +701,20 @@ def _first_drift_text(fd: Any) -> str:
     return str(fd)
 
 
-def _wrap(text: Any, width: int) -> str:
-    return "\n".join(textwrap.wrap(str(text), width)) or "-"
-
-
 def _row_get(row: Any, key: str, default: Any = None) -> Any:
     return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
 
 
 ABLATION_COLUMNS = ("row", "mode", "expected", "observed", "first drift", "result")
+ABLATION_WRAP = (5, 6, 30, 58, 26, 7)  # characters per line of each column
 
 
 def ablation_table(rows: Sequence[Any], *, title: str = "ablation matrix") -> Figure:
-    """The matrix as a table (columns `ABLATION_COLUMNS`); every cell of a row is coloured by `passed`: green
-    `PASS_COLOR` (True), red `FAIL_COLOR` (False), grey `NOT_RUN_COLOR` (None: not run)."""
+    """The matrix as a table (columns `ABLATION_COLUMNS`, text at `FONT_PT`, wrapped to `ABLATION_WRAP` characters);
+    every cell of a row is coloured by `passed`: green `PASS_COLOR` (True), red `FAIL_COLOR` (False), grey
+    `NOT_RUN_COLOR` (None: not run)."""
     if not rows:
         raise PlotError("no ablation rows to draw")
-    widths = (5, 6, 34, 54, 28, 7)
     text, colours, heights = [], [], []
     for r in rows:
         for key in ("name", "expected", "observed", "passed"):
@@ -425,29 +724,32 @@ def ablation_table(rows: Sequence[Any], *, title: str = "ablation matrix") -> Fi
         result = {True: "PASS", False: "FAIL", None: "not run"}.get(passed, str(passed))
         cells = [_row_get(r, "name"), _row_get(r, "mode", "-"), _row_get(r, "expected"), _row_get(r, "observed"),
                  _first_drift_text(_row_get(r, "first_drift")), result]
-        wrapped = [_wrap(c, w) for c, w in zip(cells, widths)]
+        wrapped = [_wrap(c, w) for c, w in zip(cells, ABLATION_WRAP)]
         text.append(wrapped)
         colour = {True: PASS_COLOR, False: FAIL_COLOR}.get(passed, NOT_RUN_COLOR)
         colours.append([colour] * len(cells))
         heights.append(max(c.count("\n") + 1 for c in wrapped))
-    line_h = 0.16
-    total_lines = sum(heights) + 1
-    fig = new_figure(14.0, 0.6 + line_h * total_lines * 1.15)
+    line_in = FONT_PT * 1.45 / 72  # one text line with its leading, inches
+    pad_in = 0.06  # above and below the text of a cell
+    total_in = sum(h * line_in + 2 * pad_in for h in [1] + heights)
+    fig = new_figure(MAX_WIDTH_IN, total_in + 0.55)
+    fig.get_layout_engine().set(h_pad=0.02, w_pad=0.02)
     ax = fig.add_subplot(1, 1, 1)
     ax.axis("off")
     table = ax.table(cellText=text, colLabels=list(ABLATION_COLUMNS), cellColours=colours, loc="upper center",
-                     cellLoc="left", colWidths=[w / sum(widths) for w in widths])
+                     cellLoc="left", colWidths=[w / sum(ABLATION_WRAP) for w in ABLATION_WRAP], bbox=[0, 0, 1, 1])
     table.auto_set_font_size(False)
-    table.set_fontsize(7)
-    unit = 1.0 / total_lines
+    table.set_fontsize(FONT_PT)
     for (r, _c), cell in table.get_celld().items():
-        cell.set_height(unit * (1 if r == 0 else heights[r - 1]))
+        lines = 1 if r == 0 else heights[r - 1]
+        cell.set_height((lines * line_in + 2 * pad_in) / total_in)
+        cell.PAD = 0.02
         if r == 0:
             cell.set_text_props(weight="bold")
     passed = sum(_row_get(r, "passed") is True for r in rows)
     failed = sum(_row_get(r, "passed") is False for r in rows)
     fig.suptitle(f"{title}: {passed} passed, {failed} failed, {len(rows) - passed - failed} not run", fontsize=10)
-    return fig
+    return finish(fig)
 
 
 # =================================================================================================== sigmas
@@ -475,7 +777,7 @@ def sigma_grids(
     ax.set_xlabel("grid point")
     ax.set_ylabel("sigma")
     ax.set_title(f"{len(v)} grid points, {len(v) - 1} passes", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=FONT_PT)
     ax.grid(alpha=0.3)
     ax2 = fig.add_subplot(1, 2, 2)
     dv, da = v[:-1] - v[1:], a[:-1] - a[1:]
@@ -486,16 +788,17 @@ def sigma_grids(
     ax2.set_xlabel("pass")
     ax2.set_ylabel("sigma_i - sigma_i+1")
     ax2.set_title("sigma removed per pass", fontsize=9)
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=FONT_PT)
     fig.suptitle(title, fontsize=10)
-    return fig
+    return finish(fig)
 
 
 # =============================================================================================== benchmarks
 def load_benchmarks(folder: str | os.PathLike) -> tuple[list[dict], list[str]]:
-    """Read every `*.json` in `folder` (sorted by name). Returns (documents that follow the schema, one line per
-    skipped file or result entry). A missing or empty folder gives ([], [...]): never an error. Result entries with
-    an `error` instead of timings are kept (drawn as failures)."""
+    """Read every `*.json` in `folder` (sorted by name). Returns (documents that follow the schema, with the result
+    entries that do; one line per file that was skipped or partly skipped: "NAME: why", e.g. "x.json: 84 results
+    lack shape, impl"). A document none of whose results follows the schema is skipped whole. A missing or empty folder gives ([], [one line]): never an error.
+    Result entries with an `error` instead of timings are kept (drawn as failures)."""
     root = Path(folder)
     if not root.is_dir():
         return [], [f"{root}: no such folder (no benchmark results yet)"]
@@ -504,7 +807,7 @@ def load_benchmarks(folder: str | os.PathLike) -> tuple[list[dict], list[str]]:
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            problems.append(f"{path.name}: not readable JSON ({err})")
+            problems.append(f"{path.name}: not readable JSON ({str(err).splitlines()[0]})")
             continue
         if not isinstance(doc, dict):
             problems.append(f"{path.name}: top level is {type(doc).__name__}, not an object")
@@ -513,28 +816,203 @@ def load_benchmarks(folder: str | os.PathLike) -> tuple[list[dict], list[str]]:
         if missing or not isinstance(doc.get("results"), list):
             problems.append(f"{path.name}: lacks {', '.join(missing) or 'a results list'}")
             continue
-        kept = []
-        for i, entry in enumerate(doc["results"]):
+        kept, lacking_keys = [], {}
+        for entry in doc["results"]:
             need = ("shape", "impl", "error") if isinstance(entry, dict) and "error" in entry else BENCHMARK_RESULT_KEYS
             lacking = [k for k in need if not isinstance(entry, dict) or k not in entry]
             if lacking:
-                problems.append(f"{path.name}: results[{i}] lacks {', '.join(lacking)}")
+                for k in lacking:
+                    lacking_keys[k] = lacking_keys.get(k, 0) + 1
                 continue
             kept.append(entry)
-        docs.append({**doc, "results": kept, "file": path.name})
+        total = len(doc["results"])
+        if total and len(kept) < total:
+            what = f"{total} results" if not kept else f"{total - len(kept)} of {total} results"
+            problems.append(f"{path.name}: {what} lack {', '.join(lacking_keys)}")
+        if kept or not total:
+            docs.append({**doc, "results": kept, "file": path.name})
     if not docs and not problems:
         problems.append(f"{root}: no *.json results yet")
     return docs, problems
 
 
-def _group_key(entry: Mapping[str, Any]) -> str:
-    extra = [str(entry[k]) for k in ("proj", "op", "pass") if k in entry]
-    return " ".join([str(entry["shape"])] + extra)
+def skipped_line(problems: Sequence[str]) -> str:
+    """The problems of `load_benchmarks` in one line ("" when none)."""
+    if not problems:
+        return ""
+    return "skipped (not in the DESIGN schema): " + "; ".join(problems)
+
+
+_CASE_KEYS = ("proj", "op", "case", "pass", "what", "metric", "rows")  # `backend` goes with the impl
+
+
+def case_labels(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One label per result entry that tells the cases of a file apart: the shape plus every descriptive key
+    (`_CASE_KEYS`; `rows` as "N rows") whose value varies within the file, a repeated value said once; entries of
+    one implementation that would still share a label get " #2", " #3", ..."""
+    varying = [k for k in _CASE_KEYS if len({str(e.get(k)) for e in results}) > 1]
+    labels = []
+    for e in results:
+        parts = [str(e.get("shape", "?"))]
+        for k in varying:
+            value = f"{e.get(k)} rows" if k == "rows" else str(e.get(k, "-"))
+            if value not in parts:
+                parts.append(value)
+        labels.append(" ".join(parts))
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for label, e in zip(labels, results):
+        key = (label, str(e.get("impl")))
+        seen[key] = seen.get(key, 0) + 1
+        out.append(label if seen[key] == 1 else f"{label} #{seen[key]}")
+    return out
+
+
+def impl_colors(docs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """implementation -> colour, the same in every benchmark figure (`IMPL_COLORS`, then tab10 by name)."""
+    import matplotlib
+
+    impls = sorted({str(e["impl"]) for d in docs for e in d["results"]})
+    free = [c for c in (matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab10"].colors)
+            if c not in IMPL_COLORS.values()]
+    out, i = {}, 0
+    for impl in impls:
+        if impl in IMPL_COLORS:
+            out[impl] = IMPL_COLORS[impl]
+        else:
+            out[impl] = free[i % len(free)]
+            i += 1
+    return out
+
+
+def baseline_impl(doc: Mapping[str, Any]) -> str | None:
+    """The implementation a file's times are divided by: the first of `BASELINE_IMPLS` it has that timed a case
+    another implementation timed too, else None (then its figure shows seconds)."""
+    results = doc["results"]
+    cases: dict[str, set[str]] = {}
+    for label, e in zip(case_labels(results), results):
+        if _median(e) is not None:
+            cases.setdefault(str(e["impl"]), set()).add(label.split(" #")[0])
+    for base in BASELINE_IMPLS:
+        if base in cases and any(cases[base] & c for impl, c in cases.items() if impl != base):
+            return base
+    return None
+
+
+def _median(e: Mapping[str, Any]) -> float | None:
+    m = e.get("median_s")
+    return float(m) if isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) else None
+
+
+def benchmark_rows(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Flat rows (benchmark, file, case, impl, median_s, baseline, ratio = median / the baseline's median of the same
+    case in the same file, vs_diffusers, peak GiB, error) for a text table; a value that does not exist is None."""
+    out = []
+    for doc in docs:
+        labels = case_labels(doc["results"])
+        base_impl = baseline_impl(doc)
+        base: dict[str, float] = {}
+        for label, e in zip(labels, doc["results"]):
+            if str(e["impl"]) == base_impl and _median(e) is not None:
+                base.setdefault(label.split(" #")[0], _median(e))
+        for label, e in zip(labels, doc["results"]):
+            med = _median(e)
+            ref = base.get(label.split(" #")[0])
+            ratio = med / ref if med is not None and ref else None
+            peak = e.get("peak_mem_gib")
+            out.append({
+                "benchmark": doc["name"], "file": doc.get("file", ""), "case": label, "impl": e["impl"],
+                "median_s": med, "baseline": base_impl, "ratio": ratio,
+                "vs_diffusers": ratio if base_impl == "diffusers" else None,
+                "peak_mem_gib": float(peak) if isinstance(peak, (int, float)) and math.isfinite(peak) else None,
+                "error": e.get("error"),
+            })
+    return out
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def benchmark_figure(doc: Mapping[str, Any], *, colors: Mapping[str, str] | None = None,
+                     max_cases: int = 48, page: int = 0) -> Figure:
+    """One benchmark file: a horizontal bar per (case, implementation). With a baseline (`baseline_impl`) the bar is
+    time / the baseline's time of the same case, measured in the same run (a line at 1); without one it is the
+    median time in seconds. Both on a linear axis from 0; every bar is labelled with its seconds; failed entries are
+    marked "x" at 0. More than `max_cases` cases are split into pages (`page`, 0-based; the title says which)."""
+    colors = dict(colors or impl_colors([doc]))
+    rows = benchmark_rows([doc])
+    base = baseline_impl(doc)
+    cases = list(dict.fromkeys(r["case"].split(" #")[0] if base else r["case"] for r in rows))
+    pages = max(1, math.ceil(len(cases) / max_cases))
+    if not 0 <= page < pages:
+        raise PlotError(f"page={page}: {doc.get('file', doc['name'])} has {pages} page(s) of {max_cases} cases")
+    cases = cases[page * max_cases:(page + 1) * max_cases]
+    impls = [i for i in dict.fromkeys(str(r["impl"]) for r in rows) if i != base]
+    if base is None:
+        impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
+    case_of = (lambda r: r["case"].split(" #")[0]) if base else (lambda r: r["case"])
+    per_case = {c: [i for i in impls if any(case_of(r) == c and str(r["impl"]) == i for r in rows)] for c in cases}
+    widest = max(len(v) for v in per_case.values())
+    fig = new_figure(MAX_WIDTH_IN, 1.4 + 0.26 * len(cases) * max(1, widest) ** 0.6)
+    ax = fig.add_subplot(1, 1, 1)
+    top = 0.0
+    for impl in impls:
+        ys, xs, hs, texts, fails = [], [], [], [], []
+        for r in rows:
+            case = case_of(r)
+            if str(r["impl"]) != impl or case not in cases:
+                continue
+            present = per_case[case]  # bars of the implementations this case has, side by side
+            bar_h = 0.8 / len(present)
+            y = cases.index(case) - 0.4 + bar_h * (present.index(impl) + 0.5)
+            value = r["ratio"] if base else r["median_s"]
+            if r["error"] or value is None:
+                fails.append(y)
+                continue
+            ys.append(y)
+            xs.append(value)
+            hs.append(bar_h)
+            texts.append(f"{value:.3g}x ({_seconds(r['median_s'])})" if base else _seconds(value))
+        ax.barh(ys, xs, height=hs, color=colors[impl], label=impl)
+        for y, x, t in zip(ys, xs, texts):
+            ax.text(x, y, " " + t, va="center", ha="left", fontsize=FONT_PT)
+        if fails:
+            ax.plot([0.0] * len(fails), fails, "x", color="red", markersize=7, label=f"{impl} failed")
+        top = max([top] + xs)
+    if base:
+        ax.axvline(1.0, color=colors.get(base, "black"), linewidth=1.2, linestyle="--", label=f"{base} = 1")
+        ax.set_xlabel(f"time / {base} time of the same case, same run (linear, from 0)", fontsize=FONT_PT)
+    else:
+        ax.set_xlabel("median time, seconds (linear, from 0)", fontsize=FONT_PT)
+    ax.set_xlim(0, max(top, 1.0 if base else 0.0) * 1.35 or 1.0)  # room for the bar labels
+    ax.set_yticks(range(len(cases)), cases, fontsize=FONT_PT)
+    ax.set_ylim(len(cases) - 0.5, -0.5)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=FONT_PT, loc="lower right")
+    part = f" (page {page + 1} of {pages})" if pages > 1 else ""
+    fig.suptitle(_wrap(f"{doc['name']} ({doc.get('file', '')}){part} - {doc['gpu']} - torch {doc['torch']} "
+                       f"triton {doc['triton']} - rev {str(doc['git_rev'])[:10]} - {doc['date']}", 120), fontsize=9)
+    return finish(fig)
+
+
+def benchmark_figures(docs: Sequence[Mapping[str, Any]], max_cases: int = 48) -> list[Figure]:
+    """`benchmark_figure` of every document (every page), one colour per implementation across all of them."""
+    colors = impl_colors(docs)
+    out = []
+    for doc in docs:
+        cases = len(set(r["case"].split(" #")[0] for r in benchmark_rows([doc])))
+        for page in range(max(1, math.ceil(cases / max_cases))):
+            out.append(benchmark_figure(doc, colors=colors, max_cases=max_cases, page=page))
+    return out
 
 
 def benchmark_summary(docs: Sequence[Mapping[str, Any]], *, title: str = "benchmarks") -> Figure:
-    """One axes per document: grouped bars of `median_s` per (shape [proj op pass]) and implementation, log scale;
-    failed entries are marked "x" at the axis bottom. With no documents, one axes that says so."""
+    """One row per (benchmark file, implementation other than the file's baseline): the median over the file's cases
+    of time / baseline time of the same case (same run), a line from the smallest to the largest ratio, on a linear
+    axis from 0 with a line at 1. Files without a baseline are listed by name below the axes. With no documents, one
+    axes that says so."""
     if not docs:
         fig = new_figure(6.0, 2.0)
         ax = fig.add_subplot(1, 1, 1)
@@ -542,56 +1020,44 @@ def benchmark_summary(docs: Sequence[Mapping[str, Any]], *, title: str = "benchm
         ax.text(0.5, 0.5, "no benchmark results yet", ha="center", va="center", fontsize=11)
         fig.suptitle(title, fontsize=10)
         return fig
-    fig = new_figure(11.0, 3.6 * len(docs))
-    for d, doc in enumerate(docs):
-        ax = fig.add_subplot(len(docs), 1, d + 1)
-        groups = list(dict.fromkeys(_group_key(e) for e in doc["results"]))
-        impls = list(dict.fromkeys(str(e["impl"]) for e in doc["results"]))
-        width = 0.8 / max(1, len(impls))
-        for k, impl in enumerate(impls):
-            xs, ys, fails = [], [], []
-            for e in doc["results"]:
-                if str(e["impl"]) != impl:
-                    continue
-                x = groups.index(_group_key(e)) - 0.4 + width * (k + 0.5)
-                if "error" in e or not isinstance(e.get("median_s"), (int, float)):
-                    fails.append(x)
-                else:
-                    xs.append(x)
-                    ys.append(float(e["median_s"]))
-            ax.bar(xs, ys, width=width, label=impl)
-            if fails:
-                ax.plot(fails, [0.0] * len(fails), "x", color="red", transform=ax.get_xaxis_transform(),
-                        label=f"{impl} failed")
-        if any(isinstance(e.get("median_s"), (int, float)) and e["median_s"] > 0 for e in doc["results"]):
-            ax.set_yscale("log")
-        ax.set_xticks(range(len(groups)), groups, rotation=20, fontsize=7, ha="right")
-        ax.set_ylabel("median s")
-        ax.set_title(f"{doc['name']} - {doc['gpu']} - torch {doc['torch']} triton {doc['triton']} - "
-                     f"{doc['git_rev']} - {doc['date']}", fontsize=8)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(title, fontsize=10)
-    return fig
-
-
-def benchmark_rows(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Flat rows (benchmark, shape, impl, median_s, ratio, peak GiB, error) for a text table."""
-    out = []
+    colors = impl_colors(docs)
+    entries, no_base = [], []
     for doc in docs:
-        base: dict[str, float] = {}
-        for e in doc["results"]:
-            if e.get("impl") == "diffusers" and isinstance(e.get("median_s"), (int, float)):
-                base[_group_key(e)] = float(e["median_s"])
-        for e in doc["results"]:
-            med = e.get("median_s")
-            ref = base.get(_group_key(e))
-            out.append({
-                "benchmark": doc["name"], "case": _group_key(e), "impl": e["impl"], "median_s": med,
-                "vs_diffusers": (med / ref) if isinstance(med, (int, float)) and ref else None,
-                "peak_mem_gib": e.get("peak_mem_gib"), "error": e.get("error"),
-            })
-    return out
+        base = baseline_impl(doc)
+        rows = benchmark_rows([doc])
+        if base is None:
+            no_base.append(doc.get("file", doc["name"]))
+            continue
+        for impl in dict.fromkeys(str(r["impl"]) for r in rows):
+            ratios = [r["ratio"] for r in rows if str(r["impl"]) == impl and r["ratio"] is not None]
+            if impl != base and ratios:
+                entries.append((f"{doc['name']} ({doc.get('file', '')}) vs {base}", impl, ratios))
+    fig = new_figure(MAX_WIDTH_IN, 1.6 + 0.3 * max(1, len(entries)))
+    ax = fig.add_subplot(1, 1, 1)
+    labels = []
+    for y, (label, impl, ratios) in enumerate(entries):
+        med = float(np.median(ratios))
+        ax.barh([y], [med], color=colors[impl], height=0.7, label=impl if impl not in ax.get_legend_handles_labels()[1] else None)
+        ax.plot([min(ratios), max(ratios)], [y, y], color="black", linewidth=1)
+        ax.text(max(ratios), y, f"  median {med:.3g}x over {len(ratios)} case(s), {min(ratios):.3g}-{max(ratios):.3g}",
+                va="center", fontsize=FONT_PT)
+        labels.append(label)
+    ax.axvline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_yticks(range(len(labels)), labels, fontsize=FONT_PT)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    top = max([1.0] + [max(r) for _, _, r in entries])
+    ax.set_xlim(0, top * 1.6)
+    ax.set_xlabel("time / baseline time of the same case, same run (bar: median over cases, line: range; 1 = baseline)",
+                  fontsize=FONT_PT)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
+    ax.grid(alpha=0.3, axis="x")
+    if entries:
+        ax.legend(fontsize=FONT_PT, loc="lower right")
+    if no_base:
+        fig.supxlabel("no baseline implementation (absolute times in their own figures): " + ", ".join(no_base),
+                      fontsize=FONT_PT)
+    fig.suptitle(title, fontsize=10)
+    return finish(fig)
 
 
 # ================================================================================================ adapters
@@ -705,25 +1171,20 @@ def _plot_norms(source: Any, session: Any = None) -> Figure:
 
 def _plot_drift(source: Any, session: Any = None) -> Figure:
     if isinstance(source, (list, tuple)):
-        if len(source) < 2:
-            raise PlotError(f"!plot drift: needs two generations, have {len(source)}")
-        if session is None:
-            raise PlotError("!plot drift of two results: needs the session to re-run them")
-        source = session.drift(source[-2], source[-1])
-    if not hasattr(source, "step_layer_max_abs"):
-        raise PlotError(f"{type(source).__name__}: expected a DriftReport or two results")
+        raise PlotError("!plot drift renders a DriftReport: compute it with session.drift(a, b) and pass it")
+    if not (hasattr(source, "step_layer_max_abs") or isinstance(source, Mapping) and "step_layer_max_abs" in source):
+        raise PlotError(f"{type(source).__name__}: expected a DriftReport (or its to_dict())")
     return drift_heatmaps(**drift_inputs(source))
 
 
-def _plot_ablation(source: Any, session: Any = None) -> Figure:
-    rows = isinstance(source, (list, tuple)) and bool(source) and all(
-        isinstance(r, Mapping) or hasattr(r, "passed") for r in source
-    )
-    if not rows:  # the front end's results (or nothing): run the matrix on the session's snapshot
-        from . import ablation
+def _is_ablation_rows(source: Any) -> bool:
+    return isinstance(source, (list, tuple)) and bool(source) and all(
+        isinstance(r, Mapping) and "passed" in r or hasattr(r, "passed") for r in source)
 
-        bench = ablation.tiny_bench(str(session.path)) if session is not None else ablation.tiny_bench()
-        source = ablation.run_matrix(bench)
+
+def _plot_ablation(source: Any, session: Any = None) -> Figure:
+    if not _is_ablation_rows(source):
+        raise PlotError("!plot ablation renders the rows of ablation.run_matrix(): run the matrix and pass its rows")
     return ablation_table(source)
 
 
@@ -751,9 +1212,28 @@ PLOTS: dict[str, Callable[..., Figure]] = {
 }
 
 
+def _legacy_data(kind: str, source: Any, session: Any) -> Any:
+    """What `!plot drift|ablation` gets today -- the front end's recent results -- turned into the data the renderer
+    takes. This is model work (a drift re-run, the ablation matrix) that belongs to the command handler: once it
+    passes `session.drift(results[-2], results[-1])` for drift and `ablation.run_matrix(ablation.tiny_bench(
+    str(session.path)))` for ablation, this function goes."""
+    if kind == "drift" and isinstance(source, (list, tuple)):
+        if len(source) < 2:
+            raise PlotError(f"!plot drift: needs two generations, have {len(source)}")
+        if session is None:
+            raise PlotError("!plot drift of two results: needs the session to re-run them")
+        return session.drift(source[-2], source[-1])
+    if kind == "ablation" and not _is_ablation_rows(source):
+        from . import ablation
+
+        bench = ablation.tiny_bench(str(session.path)) if session is not None else ablation.tiny_bench()
+        return ablation.run_matrix(bench)
+    return source
+
+
 def plot(kind: str, source: Any, session: Any = None) -> Figure:
-    """`PLOTS[kind](source, session)` with a one-line error for an unknown kind."""
+    """`PLOTS[kind](source, session)` with a one-line error for an unknown kind (and, for now, `_legacy_data`)."""
     fn = PLOTS.get(kind)
     if fn is None:
         raise PlotError(f"plot kind {kind!r}: must be one of {', '.join(PLOTS)}")
-    return fn(source, session)
+    return fn(_legacy_data(kind, source, session), session)

@@ -1,28 +1,41 @@
 """`Workbench(session)`: one ipywidgets panel over a `Session` -- the notebook front end of h3lab.
 
 Contract
-- Controls: prompt, seed (+ random), output size, length in frames or seconds, steps, runtime mode, the speed presets
-  (layers -- 0 for all --, core reuse, token reduction, reference RoPE at 256x256; `h3lab.presets`), ablation
-  factors (toggles, when `h3lab.ablation` offers `factor_names()`), first/last-frame anchors and ordered references
-  (uploads; a list with move up / move down / remove), Generate / Cancel, and "drift vs previous run".
-- State lives in a `commands.SessionState` (`wb.state`), the same object the REPL holds: anchors and references are
-  added through the command grammar (`!first PATH`, `!ref-image PATH`, ... so they are validated exactly as in the
-  REPL), the scalar controls become one validated `GenerationSettings.replace(...)` on Generate, and the generation
-  is `commands.run_generation` (numbered MP4 in `out_dir`, the last two results kept for drift). `wb.command(line)`
-  runs any other command line against the same state.
-- Generate validates on the calling thread (a bad value shows its one-line message and nothing starts), then runs
-  the generation on a worker thread so the kernel stays responsive: Cancel and other cells work meanwhile. While it
-  runs the progress bar counts passes and the preview shows the newest pass's decoded middle frame (the session's
-  `preview` callback). Only one generation runs at a time.
-- The result shows the video with its sound (an ipywidgets `Video`: the MP4 bytes, played by the browser's
-  `<video>` element; CSS class `h3lab-video`), the per-step latent strip (`plots.latent_strip`, an `<img>` with class
-  `h3lab-latent-strip`) and, when two runs exist and the option is on, their drift heatmaps (`session.drift`,
-  class `h3lab-drift`). Result widgets enter the panel only once a result exists.
+- Controls: prompt, seed (+ random), output size, length in frames or seconds, steps, runtime mode (with what strict
+  needs in this kernel and, where it can still work, a button that sets it up), the ablation factors as toggles
+  (`h3lab.session.ablation_factors()`, the registry `!ablate` uses; tooltip = the factor), first/last-frame anchors
+  and ordered references (uploads; a list with move up / move down / remove), Generate / Cancel, "live preview" and
+  "drift vs previous run".
+- State lives in a `commands.SessionState` (`wb.state`), the same object the REPL holds: anchors, references and
+  ablations set through the command grammar (`wb.command("!ablate A1 on")`, `!first PATH`, ...) move the controls and
+  vice versa; the scalar controls become one validated `GenerationSettings.replace(...)` on Generate.
+- Validation happens before anything starts and never changes a value: every control is validated by the settings
+  (steps 0, a bad size, an empty prompt, strict where it cannot run are refused with their one-line message, nothing
+  is clamped); switching frames <-> seconds converts the number (22 frames <-> 0.9167 s), it does not reinterpret it.
+- Generate runs on a worker thread (the kernel stays responsive, Cancel and other cells work). The run is the same
+  `session.generate(settings, progress=..., cancel=...)` a notebook cell would make; the previous result leaves the
+  panel when a run starts. Progress shows each pass's wall time and, when they differ, the model's share of it.
+  "live preview" (off by default) decodes the newest pass's middle frames after every pass -- one VAE decode per pass,
+  which can cost more than the pass itself; the status says how much.
+- When the session returns, the result's text is on screen at once and Generate is usable again: the arithmetic that
+  actually ran (`h3lab.whatran`: strict / torch / override counts from the trajectory's trace summary, e.g.
+  "auto → torch ..." with the fallback's reason as recorded, CSS class `h3lab-whatran`), the
+  settings summary (ablations included) and the trajectory hash. Its media follow on a second thread, each shown as
+  it is ready: the per-step latent strip (`plots.latent_strip`, at most `strip_rows` rows, the rule printed;
+  `<img class="h3lab-latent-strip">`), the numbered MP4 written into `out_dir` and played with its sound
+  (`<video class="h3lab-video">`, at least 320 px wide, controls on), and, when two results exist and the option is
+  on, their drift heatmaps (`session.drift`, class `h3lab-drift`). A new run started meanwhile takes over the panel;
+  the earlier run's MP4 is still written (and a drift still being computed finishes first: the session runs one
+  model job at a time). `wb.timings` and the timing line (class `h3lab-timing`) give every phase:
+  the session's call, the preview share, the panel's own work, then the strip, the MP4 and the drift.
+- Speed presets (`h3lab.presets`): layers, core reuse, token reduction and reference RoPE controls, validated by
+  `GenerationSettings` and, for the DiT's depth, by `Session.check_preset` on Generate.
 - Any error -- validation, decoding, the model, cancellation -- ends up as one line in the panel (`wb.error`, class
-  `h3lab-error`) and leaves the session and the panel usable. `wb.wait(timeout)` joins the worker (tests, scripts).
+  `h3lab-error`) and leaves the session and the panel usable; a failed run leaves no stale result on screen.
+  `wb.wait(timeout)` joins the worker and the media thread (tests, scripts).
 
 The workbench asks the session to keep per-step latents (`session.keep` gains "latents"); it never touches the
-model: everything goes through `Session` and `h3lab.commands`.
+model: everything goes through `Session`, `h3lab.commands` and `h3lab.whatran`.
 """
 
 from __future__ import annotations
@@ -34,19 +47,22 @@ import secrets
 import shlex
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as W
 
-from . import commands, plots
-from .errors import H3Error
+from . import commands, plots, whatran
+from .errors import H3Error, ValidationError
 from .runtime import MODES
-from .session import GenerationCancelled, StepInfo
-from .settings import GenerationSettings
+from .session import GenerationCancelled, StepInfo, ablation_factors
+from .settings import FPS, GenerationSettings, seconds_to_frames
 
 REFERENCE_UPLOAD_KINDS = ("image", "video", "silent-video", "audio")
 VIDEO_INLINE_LIMIT = 64 * 2**20  # larger clips are linked by path instead of sent to the browser
+VIDEO_MIN_PX, VIDEO_MAX_PX = 320, 640  # display width of the result video (small clips scaled up, controls usable)
+STRIP_ROWS = 6  # latent-strip rows drawn in the panel (evenly spaced, first and last kept)
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -56,10 +72,19 @@ def _one_line(err: BaseException) -> str:
     return msg if isinstance(err, H3Error) else f"{type(err).__name__}: {msg}"
 
 
+def _factors() -> tuple[dict[str, str], str]:
+    """(name -> "factor: description", "") or ({}, the one-line reason there are none)."""
+    try:
+        return ablation_factors(), ""
+    except H3Error as err:
+        return {}, _one_line(err)
+
+
 class Workbench:
     """The panel (see the module docstring). `settings` are initial `GenerationSettings` values (prompt, seed,
-    width, height, frames or seconds, steps, mode, ...). `out_dir` receives the numbered MP4s (default: a fresh
-    temporary folder); `upload_dir` the uploaded anchors and references (default: inside `out_dir`)."""
+    width, height, frames or seconds, steps, mode, ablations, ...). `out_dir` receives the numbered MP4s (default: a
+    fresh temporary folder); `upload_dir` the uploaded anchors and references (default: inside `out_dir`).
+    `preview` turns the per-pass decoded preview on; `drift` the drift heatmaps against the previous run."""
 
     def __init__(
         self,
@@ -68,6 +93,8 @@ class Workbench:
         out_dir: str | Path | None = None,
         upload_dir: str | Path | None = None,
         drift: bool = True,
+        preview: bool = False,
+        strip_rows: int = STRIP_ROWS,
         **settings: Any,
     ):
         self.session = session
@@ -78,21 +105,26 @@ class Workbench:
             session=session, settings=GenerationSettings(**settings), out_dir=out, base_dir=Path.cwd()
         )
         self.upload_dir = Path(upload_dir) if upload_dir is not None else out / "uploads"
-        self.state.progress = self._on_progress
-        self.state.preview = self._on_preview
-        self.state.show = True
-        self._thread: threading.Thread | None = None
-        self._cancel_requested = threading.Event()
-        self._build(drift)
+        self.strip_rows = strip_rows
+        self.timings: dict[str, float] = {}  # phases of the last run (see `_run`)
+        self._thread: threading.Thread | None = None  # the generation
+        self._media: threading.Thread | None = None  # the latest result's strip, MP4 and drift
+        self._run_id = 0
+        self._summary_lines: list[str] = []
+        self._cancel = threading.Event()
+        self._syncing = False  # controls being set from the settings: no unit conversion, no re-validation
+        self._pass_clock: float | None = None  # end of the previous progress callback (None before pass 1)
+        self._pass_seconds = 0.0  # sum of the passes' own times (StepInfo.seconds)
+        self._build(drift, preview)
 
     # ================================================================================================== layout
-    def _build(self, drift: bool) -> None:
+    def _build(self, drift: bool, preview: bool) -> None:
         s = self.state.settings
         style = {"description_width": "70px"}
         self.prompt = W.Textarea(value=s.prompt, description="prompt", placeholder="Describe the clip",
                                  layout=W.Layout(width="98%", height="60px"), style=style)
-        # Unbounded on purpose: the settings validate the range (0..2**63-1) with their one-line message, where a
-        # bounded widget would clamp silently.
+        # Unbounded numeric fields on purpose: the settings validate every range with their one-line message, where
+        # a bounded widget would clamp silently (steps 0 -> 1).
         self.seed = W.IntText(value=s.seed, description="seed", style=style, layout=W.Layout(width="220px"))
         self.random_seed = W.Button(description="random", tooltip="draw a random seed", layout=W.Layout(width="80px"))
         self.width = W.IntText(value=s.width, step=32, description="width", style=style, layout=W.Layout(width="160px"))
@@ -104,8 +136,7 @@ class Workbench:
         self.length = W.FloatText(value=s.seconds if by_seconds else s.num_frames, description="length", style=style,
                                   layout=W.Layout(width="160px"))
         self.length_note = W.Label(value="")
-        self.steps = W.BoundedIntText(value=s.steps, min=1, max=1000, description="steps", style=style,
-                                      layout=W.Layout(width="160px"))
+        self.steps = W.IntText(value=s.steps, description="steps", style=style, layout=W.Layout(width="160px"))
         self.mode = W.Dropdown(options=list(MODES), value=s.mode, description="mode", style=style,
                                layout=W.Layout(width="200px"))
         # Speed presets: validated by GenerationSettings (and the DiT's depth by the session) on Generate.
@@ -115,15 +146,26 @@ class Workbench:
                                     layout=W.Layout(width="160px"))
         self.token_reduction = W.Checkbox(value=s.token_reduction, description="token reduction", indent=False)
         self.reference_rope = W.Checkbox(value=s.reference_rope, description="reference RoPE (256x256)", indent=False)
+        self.strict_line = W.HTML(value="")
+        self.strict_line.add_class("h3lab-strict-setup")
+        self.strict_button = W.Button(description="set up strict (TRITON_INTERPRET=1)", icon="wrench",
+                                      tooltip="set TRITON_INTERPRET=1 in this kernel before any Triton kernel exists",
+                                      layout=W.Layout(width="auto", display="none"))
+
+        factors, why_none = _factors()
         self.ablation_toggles: dict[str, W.ToggleButton] = {}
-        factors = _ablation_factors()
-        if factors:
-            for name in factors:
-                self.ablation_toggles[name] = W.ToggleButton(value=name in s.ablations, description=name,
-                                                             layout=W.Layout(width="auto"))
-            ablation_row = W.HBox([W.Label("ablations")] + list(self.ablation_toggles.values()))
-        else:
-            ablation_row = W.HBox([W.Label("ablation toggles: none (h3lab.ablation provides no factor_names() yet)")])
+        for name, text in factors.items():
+            toggle = W.ToggleButton(value=name in s.ablations, description=name, tooltip=f"{name} -- {text}",
+                                    layout=W.Layout(width="52px"), button_style="info" if name in s.ablations else "")
+            toggle.add_class("h3lab-ablation")
+            toggle.observe(lambda ch: self._ablations_changed(ch["owner"]), names="value")
+            self.ablation_toggles[name] = toggle
+        self.ablation_note = W.Label(value="" if factors else f"ablation toggles: none ({why_none})",
+                                     layout=W.Layout(display="" if not factors else "none"))
+        ablation_box = W.HBox(list(self.ablation_toggles.values()), layout=W.Layout(flex_flow="row wrap"))
+        ablation_box.add_class("h3lab-ablations")
+        ablation_row = W.HBox([W.Label("ablations", layout=W.Layout(width="74px")), ablation_box],
+                              layout=W.Layout(align_items="flex-start"))
 
         self.first_upload = W.FileUpload(accept="image/*", multiple=False, description="first frame")
         self.last_upload = W.FileUpload(accept="image/*", multiple=False, description="last frame")
@@ -137,15 +179,21 @@ class Workbench:
 
         self.generate_button = W.Button(description="Generate", button_style="success", icon="play")
         self.cancel_button = W.Button(description="Cancel", button_style="warning", icon="stop", disabled=True)
-        self.drift_toggle = W.Checkbox(value=drift, description="drift vs previous run", indent=False)
+        self.preview_toggle = W.Checkbox(value=preview, indent=False, layout=W.Layout(width="auto"),
+                                         description="live preview (one VAE decode per pass)")
+        self.drift_toggle = W.Checkbox(value=drift, indent=False, layout=W.Layout(width="auto"),
+                                       description="drift vs previous run (re-runs both)")
         self.progress = W.IntProgress(value=0, min=0, max=s.steps, description="passes", style=style)
-        self.status = W.Label(value="ready")
+        self.status = W.HTML(value="ready", layout=W.Layout(flex="1 1 0%", margin="0 0 0 8px"))  # wraps
         self.error = W.HTML(value="")
         self.error.add_class("h3lab-error")
+        self.whatran = W.HTML(value="<b>what ran:</b> no generation yet")
+        self.whatran.add_class("h3lab-whatran")
+        self.timing = W.HTML(value="")
+        self.timing.add_class("h3lab-timing")
         self.preview = W.Image(format="png", layout=W.Layout(width="256px"))
         self.preview.add_class("h3lab-preview")
-        self.video = W.Video(format="mp4", autoplay=False, loop=False, controls=True,
-                             layout=W.Layout(width="320px"))
+        self.video = W.Video(format="mp4", autoplay=False, loop=False, controls=True)
         self.video.add_class("h3lab-video")
         self.strip = W.Image(format="png", layout=W.Layout(max_width="100%"))
         self.strip.add_class("h3lab-latent-strip")
@@ -153,42 +201,49 @@ class Workbench:
         self.drift_image.add_class("h3lab-drift")
         self.summary = W.HTML(value="")
         self.video_link = W.HTML(value="")
-        self.preview_box = W.VBox()  # the newest pass's frame, from the first pass on
-        self.video_box = W.VBox()  # the result's video (or a link), once a result exists
+        self.preview_box = W.VBox()  # the newest pass's frame, while a run with live preview goes
+        self.video_box = W.VBox()  # the result's video (or a link), once its MP4 is written
         self.results_box = W.VBox()  # latent strip, drift heatmap
 
         self.random_seed.on_click(lambda _b: self._random_seed())
         self.generate_button.on_click(lambda _b: self.generate())
         self.cancel_button.on_click(lambda _b: self.cancel())
+        self.strict_button.on_click(lambda _b: self.set_up_strict())
+        self.mode.observe(lambda _ch: self._refresh_strict(), names="value")
         self.first_upload.observe(lambda ch: self._anchor_uploaded("first", ch), names="value")
         self.last_upload.observe(lambda ch: self._anchor_uploaded("last", ch), names="value")
         self.first_clear.on_click(lambda _b: self.command("!first clear"))
         self.last_clear.on_click(lambda _b: self.command("!last clear"))
         self.ref_upload.observe(self._reference_uploaded, names="value")
-        for w in (self.length, self.length_unit):
-            w.observe(lambda _ch: self._length_changed(), names="value")
+        self.length_unit.observe(self._unit_changed, names="value")
+        self.length.observe(lambda _ch: self._length_changed(), names="value")
 
         self.panel = W.VBox([
             W.HTML("<b>h3lab workbench</b> &mdash; " + html.escape(str(getattr(self.session, "model_name", "")))),
             self.prompt,
             W.HBox([self.seed, self.random_seed, self.width, self.height]),
             W.HBox([self.length_unit, self.length, self.length_note]),
-            W.HBox([self.steps, self.mode]),
+            W.HBox([self.steps, self.mode, self.strict_button]),
+            self.strict_line,
             W.HBox([self.layers, self.core_reuse, self.token_reduction, self.reference_rope]),
             ablation_row,
+            self.ablation_note,
             W.HBox([self.first_upload, self.first_label, self.first_clear]),
             W.HBox([self.last_upload, self.last_label, self.last_clear]),
             W.HBox([self.ref_kind, self.ref_upload]),
             self.refs_box,
-            W.HBox([self.generate_button, self.cancel_button, self.drift_toggle]),
-            W.HBox([self.progress, self.status]),
+            W.HBox([self.generate_button, self.cancel_button, self.preview_toggle, self.drift_toggle]),
+            W.HBox([self.progress, self.status], layout=W.Layout(align_items="center")),
             self.error,
+            self.whatran,
+            self.timing,
             W.HBox([self.preview_box, self.video_box, self.summary], layout=W.Layout(align_items="flex-start")),
             self.results_box,
         ])
         self.panel.add_class("h3lab-workbench")
         self._length_changed()
         self._refresh_conditioning()
+        self._refresh_strict()
 
     def _repr_mimebundle_(self, **kwargs: Any):
         return self.panel._repr_mimebundle_(**kwargs)
@@ -196,6 +251,17 @@ class Workbench:
     # ================================================================================================ settings
     def _random_seed(self) -> None:
         self.seed.value = secrets.randbelow(2**31)
+
+    def _unit_changed(self, change: dict) -> None:
+        """frames <-> seconds converts the number, so the request stays the same (22 frames = 0.9167 s); the note
+        shows the snapped frame count either way."""
+        if not self._syncing:
+            value = float(self.length.value)
+            if change["new"] == "seconds":
+                self.length.value = value / FPS
+            elif value > 0:
+                self.length.value = float(seconds_to_frames(value))
+        self._length_changed()
 
     def _length_changed(self) -> None:
         try:
@@ -210,8 +276,33 @@ class Workbench:
             return {"frames": int(value) if float(value).is_integer() else value, "seconds": None}
         return {"seconds": float(value), "frames": None}
 
+    def _ablations_changed(self, toggle: W.ToggleButton | None = None) -> None:
+        for t in [toggle] if toggle is not None else self.ablation_toggles.values():
+            t.button_style = "info" if t.value else ""  # a switched-on factor is plainly visible
+        if self._syncing or self.running:
+            return
+        try:
+            self.state.settings = self.state.settings.replace(
+                ablations=tuple(n for n, t in self.ablation_toggles.items() if t.value))
+        except H3Error as err:
+            self._show_error(_one_line(err))
+
+    def _refresh_strict(self) -> None:
+        """The strict set-up line: what strict needs on this device in this kernel, and the button where it helps."""
+        setup = whatran.strict_setup(getattr(self.session, "device", "cpu"))
+        colour = "#2e7d32" if setup.ready else "#8d6e00"
+        self.strict_line.value = f"<span style='color:{colour}'>{html.escape(setup.line)}</span>"
+        self.strict_button.layout.display = "" if setup.can_enable else "none"
+
+    def set_up_strict(self) -> whatran.StrictSetup:
+        """The "set up strict" button: `TRITON_INTERPRET=1` in this kernel, when that still works."""
+        setup = whatran.enable_interpreter()
+        self._refresh_strict()
+        self._say(setup.line)
+        return setup
+
     def current_settings(self) -> GenerationSettings:
-        """The validated settings the controls describe (raises `H3Error` with one line)."""
+        """The validated settings the controls describe (raises `H3Error` with one line; changes nothing)."""
         changes: dict[str, Any] = {
             "prompt": self.prompt.value,
             "seed": int(self.seed.value),
@@ -227,9 +318,12 @@ class Workbench:
         }
         if self.ablation_toggles:
             changes["ablations"] = tuple(n for n, t in self.ablation_toggles.items() if t.value)
-        if changes["steps"] < self.state.settings.reuse:
-            changes["reuse"] = 1
         settings = self.state.settings.replace(**changes)
+        if not settings.prompt.strip():
+            raise ValidationError("prompt='': empty prompt, describe the clip to generate")
+        setup = whatran.strict_setup(getattr(self.session, "device", "cpu"))
+        if settings.mode == "strict" and not setup.ready or settings.mode == "auto" and not setup.auto_ok:
+            raise ValidationError(f"mode={settings.mode}: {setup.line}")
         if settings.layers is not None or settings.token_reduction:
             self.state.get_session().check_preset(settings)  # the DiT's depth, from its config
         return settings
@@ -252,23 +346,28 @@ class Workbench:
             self._show_error(_one_line(err))
             return []
         self.error.value = ""
-        self.status.value = out[-1] if out else "ok"
+        self._say(out[-1] if out else "ok")
         self._sync_controls()
         return out
 
     def _sync_controls(self) -> None:
         """Controls <- `state.settings` (after a command changed them), then the anchor and reference lists."""
         s = self.state.settings
-        self.seed.value, self.width.value, self.height.value = s.seed, s.width, s.height
-        self.steps.value, self.mode.value = s.steps, s.mode
-        self.layers.value, self.core_reuse.value = s.layers or 0, s.core_reuse
-        self.token_reduction.value, self.reference_rope.value = s.token_reduction, s.reference_rope
-        if s.seconds is not None:
-            self.length_unit.value, self.length.value = "seconds", s.seconds
-        else:
-            self.length_unit.value, self.length.value = "frames", s.num_frames
-        for name, toggle in self.ablation_toggles.items():
-            toggle.value = name in s.ablations
+        self._syncing = True
+        try:
+            self.seed.value, self.width.value, self.height.value = s.seed, s.width, s.height
+            self.steps.value, self.mode.value = s.steps, s.mode
+            self.layers.value, self.core_reuse.value = s.layers or 0, s.core_reuse
+            self.token_reduction.value, self.reference_rope.value = s.token_reduction, s.reference_rope
+            if s.seconds is not None:
+                self.length_unit.value, self.length.value = "seconds", s.seconds
+            else:
+                self.length_unit.value, self.length.value = "frames", s.num_frames
+            for name, toggle in self.ablation_toggles.items():
+                toggle.value = name in s.ablations
+        finally:
+            self._syncing = False
+        self._length_changed()
         self._refresh_conditioning()
 
     def _save_upload(self, change: dict) -> Path | None:
@@ -335,10 +434,12 @@ class Workbench:
     # =============================================================================================== generate
     @property
     def running(self) -> bool:
+        """A generation is running (the media of the previous result may still be drawn: see `wait`)."""
         return self._thread is not None and self._thread.is_alive()
 
     def generate(self) -> bool:
-        """The Generate handler: validate, then start the worker. Returns True when a generation started."""
+        """The Generate handler: validate, clear the previous result, start the worker. True when a run started."""
+        clicked = time.perf_counter()
         if self.running:
             self._show_error("a generation is already running")
             return False
@@ -348,15 +449,19 @@ class Workbench:
             self._show_error(_one_line(err))
             return False
         self.state.settings = settings
+        self._run_id += 1  # media still being drawn for an earlier run no longer touch the panel
         self.error.value = ""
-        self._cancel_requested.clear()
+        self._clear_result()
+        self._cancel.clear()
         self.progress.max = settings.steps
         self.progress.value = 0
         self.progress.bar_style = ""
-        self.status.value = f"starting: {settings.summary()}"
+        self._say(f"starting: {settings.summary()}")
+        self.whatran.value = "<b>what ran:</b> running..."
         self.generate_button.disabled = True
         self.cancel_button.disabled = False
-        self._thread = threading.Thread(target=self._run, args=(settings,), name="h3lab-workbench", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(settings, clicked, self._run_id),
+                                        name="h3lab-workbench", daemon=True)
         self._thread.start()
         return True
 
@@ -364,88 +469,219 @@ class Workbench:
         """Ask the running generation to stop before its next pass."""
         if not self.running:
             return
-        self._cancel_requested.set()
-        self.state.cancel.set()
-        self.status.value = "cancelling..."
+        self._cancel.set()
+        self._say("cancelling...")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Join the worker; True when no generation is running afterwards."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        return not self.running
+        """Join the worker and then the media it started (latent strip, MP4, drift); True when nothing runs
+        afterwards. `timeout` bounds each join."""
+        for name in ("_thread", "_media"):
+            thread = getattr(self, name)
+            if thread is not None:
+                thread.join(timeout)
+        return not self.running and not (self._media is not None and self._media.is_alive())
 
-    def _run(self, settings: GenerationSettings) -> None:
+    def _clear_result(self) -> None:
+        self.preview_box.children = ()
+        self.video_box.children = ()
+        self.results_box.children = ()
+        self.summary.value = ""
+        self.timing.value = ""
+        self.video.value = b""
+        self.strip.value = b""
+        self._summary_lines = []
+
+    def _run(self, settings: GenerationSettings, clicked: float, run_id: int) -> None:
+        """The worker: the generation, then the result's text at once; the media follow on their own thread.
+        Phases in `self.timings` (seconds): `generate` the session's call (what a direct `session.generate` costs,
+        plus the work it calls back into), `passes` the model passes as the session timed them, `outside_passes`
+        the rest of its denoise phase (live preview decodes, progress callbacks, noise and recorder), `result` click
+        -> result on screen and Generate usable again; then, drawn meanwhile: `strip`, `mp4` (writing the numbered
+        MP4 and loading it into the player), `drift`, and `media` click -> everything shown."""
+        t: dict[str, float] = {}
+        self.timings = t
+        self._pass_clock, self._pass_seconds = None, 0.0
+        state, session = self.state, self.state.get_session()
         try:
-            lines = commands.run_generation(self.state, settings)
-            result = self.state.last
+            start = time.perf_counter()
+            result = session.generate(
+                settings, progress=self._on_progress, cancel=self._cancel,
+                preview=self._on_preview if self.preview_toggle.value else None,
+            )
+            t["generate"] = time.perf_counter() - start
+            t["passes"] = self._pass_seconds
+            t["outside_passes"] = max(0.0, result.timings.get("denoise", 0.0) - self._pass_seconds)
+            with state.lock:
+                previous = state.results[-1] if state.results else None
+                state.results = (state.results + [result])[-2:]
+                mp4 = self._reserve_output()
             self.progress.value = self.progress.max
             self.progress.bar_style = "success"
-            self._show_result(result, lines)
-            self.status.value = f"done: {result.settings.summary()} in {result.total_seconds:.2f} s"
-            if self.drift_toggle.value and len(self.state.results) >= 2:
-                self._show_drift()
+            self._show_result(result)
+            t["result"] = time.perf_counter() - clicked
+            self._say(f"done: {result.settings.summary()} in {t['result']:.2f} s")
+            self._show_timing()
+            pair = (previous, result) if self.drift_toggle.value and previous is not None else None
+            self._media = threading.Thread(target=self._draw_media, args=(t, result, mp4, pair, clicked, run_id),
+                                           name="h3lab-workbench-media", daemon=True)
+            self._media.start()
         except GenerationCancelled as err:
             self.progress.bar_style = "warning"
-            self.status.value = _one_line(err)
+            self._say(_one_line(err))
+            self.whatran.value = "<b>what ran:</b> cancelled, no result"
         except Exception as err:  # every failure becomes one line in the panel; the session stays usable
             self.progress.bar_style = "danger"
-            self.status.value = "failed"
+            self._say("failed")
+            self.whatran.value = "<b>what ran:</b> failed, no result"
+            self._clear_result()
             self._show_error(_one_line(err))
         finally:
             self.generate_button.disabled = False
             self.cancel_button.disabled = True
+            self._refresh_strict()  # the first generation creates the Triton kernels: what strict needs may change
+
+    def _reserve_output(self) -> Path | None:
+        """The next numbered MP4 path, taken now (numbers follow generation order) although the media thread writes
+        it later. `SessionState.next_output()` returns a path, or -- in the command registry that takes a number only
+        once its video is written -- (number, path), in which case the number is taken here."""
+        nxt = self.state.next_output()
+        if isinstance(nxt, tuple):
+            number, path = nxt
+            self.state.counter = number
+            return path
+        return nxt
+
+    def _draw_media(self, t: dict, result: Any, mp4: Path | None, pair: tuple | None, clicked: float,
+                    run_id: int) -> None:
+        """The latent strip, the MP4 and its player, the drift heatmaps -- after the result is on screen, so the
+        next generation can start meanwhile; a newer run's panel is never touched (`run_id`), its MP4 is still
+        written. `t` is this run's timings."""
+        current = lambda: run_id == self._run_id  # noqa: E731
+        for phase, draw in (("strip", self._show_strip), ("mp4", self._show_video), ("drift", self._show_drift)):
+            if phase == "drift" and pair is None:
+                continue
+            begun = time.perf_counter()
+            try:
+                draw(result, mp4, pair, current)
+            except Exception as err:  # one line; the other media still come
+                if current():
+                    self._show_error(f"{phase}: {_one_line(err)}")
+            t[phase] = time.perf_counter() - begun
+            if current():
+                self._show_timing()
+        t["media"] = time.perf_counter() - clicked
+        if current():
+            self._show_timing()
 
     # ============================================================================================== callbacks
     def _on_progress(self, info: StepInfo) -> None:
-        if self._cancel_requested.is_set():
-            self.state.cancel.set()  # run_generation clears the event when it starts; set it again
+        """Pass k's wall time is measured from the end of pass k-1's callback (not known for pass 1, whose start is
+        inside the session); `info.seconds` is the session's own time of the pass, without the preview decode and
+        callbacks that follow it. The difference is shown when it matters."""
+        now = time.perf_counter()
+        self._pass_seconds += info.seconds
         self.progress.value = info.step
         kind = "model" if info.evaluated else "reused velocity"
-        self.status.value = f"pass {info.step}/{info.total} ({kind}, {info.seconds:.2f} s)"
+        if self._pass_clock is None:
+            line = f"pass {info.step}/{info.total}: {kind} {info.seconds:.2f} s"
+        else:
+            wall = now - self._pass_clock
+            extra = max(0.0, wall - info.seconds)
+            line = f"pass {info.step}/{info.total}: {wall:.2f} s"
+            if extra > 0.2 * wall:
+                what = "live preview decode" if self.preview_toggle.value else "outside the pass"
+                line += f" ({kind} {info.seconds:.2f} s + {what} {extra:.2f} s)"
+            else:
+                line += f" ({kind})"
+        self._say(line)
+        self._pass_clock = time.perf_counter()
 
     def _on_preview(self, frame: Any, step: int, total: int) -> None:
         from .preview import png_bytes
 
         self.preview.value = png_bytes(frame)
         if self.preview not in self.preview_box.children:
-            self.preview_box.children = (W.Label("newest pass: middle frame"), self.preview)
+            self.preview_box.children = (W.Label("live preview: newest pass, middle frame"), self.preview)
 
     # ================================================================================================ results
-    def _show_result(self, result: Any, lines: list[str]) -> None:
-        children: list[W.Widget] = []
-        mp4 = next((p for p in result.outputs if str(p).endswith(".mp4")), None)
-        label = W.Label(f"result: {Path(mp4).name if mp4 else 'not written'}")
-        if mp4 is not None and Path(mp4).stat().st_size <= VIDEO_INLINE_LIMIT:
-            self.video.value = Path(mp4).read_bytes()
+    def _show_result(self, result: Any) -> None:
+        """What ran, the settings (ablations included) and the trajectory: text only, at once."""
+        trace = result.trajectory.manifest.get("trace")
+        reasons = [r.fallback for r in result.trace.fallbacks] if result.trace is not None else []
+        line = whatran.what_ran(trace, result.settings.mode, reasons, result.settings.ablations)
+        self.whatran.value = "<b>what ran:</b> " + html.escape(line)
+        lines = list(result.settings.notices) + [result.settings.summary(), f"trajectory {result.trajectory_hash}"]
+        lines += [f"forwards {result.evaluations}, peak memory {result.peak_memory / 2**20:.0f} MiB ({result.memory_kind})"]
+        self._summary_lines = lines
+        self._render_summary()
+        self.preview_box.children = ()
+
+    def _render_summary(self) -> None:
+        self.summary.value = ("<pre style='font-size:12px; margin:0 0 0 12px'>"
+                              + html.escape("\n".join(self._summary_lines)) + "</pre>")
+
+    def _show_strip(self, result: Any, _mp4: Any, _pair: Any, current: Any) -> None:
+        steps = plots.latent_steps(result)
+        fig = plots.latent_strip(steps.video, steps.audio, step_labels=steps.step_labels, max_rows=self.strip_rows)
+        png = plots.png_bytes(fig)
+        if current():
+            self.strip.value = png
+            self.results_box.children = (self.strip,) + tuple(c for c in self.results_box.children if c is not self.strip)
+
+    def _show_video(self, result: Any, mp4: Path | None, _pair: Any, current: Any) -> None:
+        """Write the numbered MP4 (atomically, through the session) and show it, or link it when it is large."""
+        if mp4 is None:
+            if current():
+                self.video_box.children = (W.Label("no output folder: video not written"),)
+            return
+        path = self.session.save(result, mp4).resolve()
+        result.outputs.append(path)
+        if not current():
+            return
+        self._summary_lines.append(f"wrote {path}")
+        self._render_summary()
+        label = W.Label(f"result: {path.name}")
+        if path.stat().st_size <= VIDEO_INLINE_LIMIT:
+            self.video.width = str(min(VIDEO_MAX_PX, max(VIDEO_MIN_PX, result.settings.width)))
+            self.video.value = path.read_bytes()
             self.video_box.children = (label, self.video)
         else:
-            where = html.escape(str(mp4)) if mp4 else "no output folder"
-            self.video_link.value = f"video not inlined: <code>{where}</code>"
+            self.video_link.value = (f"video not inlined (over {VIDEO_INLINE_LIMIT >> 20} MiB): "
+                                     f"<code>{html.escape(str(path))}</code>")
             self.video_box.children = (label, self.video_link)
-        try:
-            steps = plots.latent_steps(result)
-            self.strip.value = plots.png_bytes(plots.latent_strip(steps.video, steps.audio,
-                                                                  step_labels=steps.step_labels))
-            children.append(self.strip)
-        except H3Error as err:
-            self._show_error(f"latent strip: {_one_line(err)}")
-        self.summary.value = "<pre style='font-size:11px'>" + html.escape("\n".join(lines)) + "</pre>"
-        self.results_box.children = tuple(children)
 
-    def _show_drift(self) -> None:
-        a, b = self.state.results[-2], self.state.results[-1]
-        self.status.value = "computing drift vs the previous run..."
-        try:
-            report = self.session.drift(a, b)
-            fig = plots.drift_heatmaps(**plots.drift_inputs(report))
-            self.drift_image.value = plots.png_bytes(fig)
-        except Exception as err:
-            self._show_error(f"drift: {_one_line(err)}")
-            return
-        if self.drift_image not in self.results_box.children:
-            self.results_box.children = self.results_box.children + (self.drift_image,)
-        self.status.value = report.summary()
+    def _show_drift(self, _result: Any, _mp4: Any, pair: tuple, current: Any) -> None:
+        report = self.session.drift(*pair)
+        png = plots.png_bytes(plots.drift_heatmaps(**plots.drift_inputs(report)))
+        if current():
+            self.drift_image.value = png
+            if self.drift_image not in self.results_box.children:
+                self.results_box.children = self.results_box.children + (self.drift_image,)
+            first = ("byte-equal" if report.equal else "differs" if report.first is None
+                     else f"first drift at pass {report.first.step} {report.first.point}")
+            self._say(f"{self.status_text}; drift vs previous run: {first}")
+
+    def _show_timing(self) -> None:
+        t = self.timings
+        line = f"result in {t['result']:.2f} s = session.generate {t['generate']:.2f} s"
+        line += f" (model passes {t['passes']:.2f} s, denoise outside them {t['outside_passes']:.2f} s"
+        line += ", live preview on)" if self.preview_toggle.value else ")"
+        line += f" + panel {t['result'] - t['generate']:.2f} s"
+        drawn = [f"{name} {t[key]:.2f} s" for key, name in (("strip", "latent strip"), ("mp4", "MP4 for playback"),
+                                                           ("drift", "drift")) if key in t]
+        if drawn:
+            line += "; then, while the panel is free: " + ", ".join(drawn)
+        if "media" in t:
+            line += f" (all shown {t['media']:.2f} s after the click)"
+        self.timing.value = f"<span style='font-size:12px'><b>time:</b> {html.escape(line)}</span>"
+
+    def _say(self, text: str) -> None:
+        self.status.value = html.escape(text)
+
+    @property
+    def status_text(self) -> str:
+        """The status line as plain text."""
+        return html.unescape(self.status.value)
 
     def _show_error(self, message: str) -> None:
         self.error.value = f"<span style='color:#c62828'>error: {html.escape(message)}</span>"
@@ -455,11 +691,7 @@ class Workbench:
         """The error line as plain text ("" when none)."""
         return html.unescape(re.sub(r"<[^>]+>", "", self.error.value)).removeprefix("error: ")
 
-
-def _ablation_factors() -> list[str]:
-    try:
-        from . import ablation
-    except ImportError:
-        return []
-    names = getattr(ablation, "factor_names", None)
-    return list(names()) if callable(names) else []
+    @property
+    def whatran_text(self) -> str:
+        """The "what ran" line as plain text."""
+        return html.unescape(re.sub(r"<[^>]+>", "", self.whatran.value)).removeprefix("what ran: ")

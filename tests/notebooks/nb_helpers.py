@@ -29,7 +29,11 @@ def write_benchmark_sample(folder: Path) -> dict[str, object]:
         ],
     }
     partial = {"name": "gemm_partial", "date": "2025-01-02", "results": []}
+    # A tile sweep: a complete header, but 30 result entries with their own keys (no shape/impl/runs/peak).
+    sweep = {**{k: good[k] for k in good if k != "results"}, "name": "gemm_sweep",
+             "results": [{"median_s": 1e-4 * (i + 1), "proj": "o_proj", "tile": f"BLOCK={i}"} for i in range(30)]}
     (folder / "forward_sample.json").write_text(json.dumps(good), encoding="utf-8")
     (folder / "gemm_partial.json").write_text(json.dumps(partial), encoding="utf-8")
+    (folder / "gemm_sweep.json").write_text(json.dumps(sweep), encoding="utf-8")
     (folder / "broken.json").write_text("{not json", encoding="utf-8")
-    return {"good": good, "skipped": ["broken.json", "gemm_partial.json"]}
+    return {"good": good, "skipped": ["broken.json", "gemm_partial.json", "gemm_sweep.json"]}

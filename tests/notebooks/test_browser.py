@@ -1,8 +1,10 @@
 """A real browser on the quick-start notebook: JupyterLab on loopback (a free port, a token, no browser of its own),
 headless Chromium through Playwright (Debian's chromium via `executable_path`; `scripts/browser_setup.sh` installs
-both), every cell run, the Workbench's Generate button clicked, and the panel must then show a `<video>` that the
-browser can play (metadata decoded, duration > 0) and the latent strip `<img>` (decoded, non-empty). A screenshot
-goes to test-artifacts/. Every wait is bounded; JupyterLab and its kernels are always shut down."""
+both), every cell run. The Workbench must list the ablation toggles of `h3lab.session.ablation_factors()`, the strict
+set-up line and the "what ran" line; an ablation toggle is clicked, then Generate, and the panel must then say what ran
+(the mode, the op counts, the factor switched on), show a `<video>` that the browser can play (metadata decoded,
+duration > 0, at least 320 px wide) and the latent strip `<img>` (decoded, non-empty). A screenshot goes to
+test-artifacts/. Every wait is bounded; JupyterLab and its kernels are always shut down."""
 
 from __future__ import annotations
 
@@ -130,6 +132,19 @@ _FAILED_CELLS = """() => window.jupyterapp.shell.currentWidget.content.widgets
     .map(c => c.model.id)"""
 
 
+def open_and_run(page, lab: JupyterLab, name: str) -> None:
+    """Open notebook NAME in a workspace of its own (reset: JupyterLab would otherwise restore the previous page's
+    notebook as the current one), wait for its kernel, and start running every cell."""
+    page.goto(f"{lab.base}/lab/workspaces/{name}/tree/{name}.ipynb?token={lab.token}&reset")
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                           " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " const k = w.sessionContext.session && w.sessionContext.session.kernel;"
+        " return k && k.status === 'idle'; }", timeout=90_000)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
 def test_quickstart_workbench_in_chromium(tmp_path):
     chromium = _require_browser()
     from playwright.sync_api import sync_playwright
@@ -148,20 +163,29 @@ def test_quickstart_workbench_in_chromium(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1200})
                 page.set_default_timeout(60_000)
-                page.goto(f"{lab.base}/lab/tree/01_quickstart.ipynb?token={lab.token}")
-                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                                       " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
-                page.wait_for_function(
-                    "() => { const w = window.jupyterapp.shell.currentWidget;"
-                    " const k = w.sessionContext.session && w.sessionContext.session.kernel;"
-                    " return k && k.status === 'idle'; }", timeout=90_000)
-                page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+                open_and_run(page, lab, "01_quickstart")
                 generate = page.locator(".h3lab-workbench button", has_text="Generate")
                 generate.wait_for(state="visible", timeout=NOTEBOOK_RUN_S * 1000)
                 page.wait_for_function(_ALL_CELLS_RAN, timeout=NOTEBOOK_RUN_S * 1000)
                 failed = page.evaluate(_FAILED_CELLS)
                 assert failed == [], f"notebook cells failed in the browser: {failed}"
                 assert page.locator(".h3lab-workbench video").count() == 0  # nothing before Generate
+                # The ablation toggles: every factor `!ablate` offers, one button each.
+                from h3lab.session import ablation_factors
+
+                factors = list(ablation_factors())
+                toggles = page.locator(".h3lab-ablations .h3lab-ablation")
+                assert toggles.count() == len(factors) and toggles.all_inner_texts() == factors
+                assert "ablation toggles: none" not in page.locator(".h3lab-workbench").inner_text()
+                whatran = page.locator(".h3lab-whatran")
+                assert whatran.inner_text() == "what ran: no generation yet"
+                assert "strict on cpu" in page.locator(".h3lab-strict-setup").inner_text()
+                a1 = toggles.filter(has_text="A1")
+                a1.scroll_into_view_if_needed()
+                a1.click()
+                page.wait_for_function("() => [...document.querySelectorAll('.h3lab-ablation')]"
+                                       ".some(b => b.textContent.trim() === 'A1' && b.classList.contains('mod-active'))",
+                                       timeout=10_000)
                 generate.scroll_into_view_if_needed()
                 generate.click()
 
@@ -172,6 +196,12 @@ def test_quickstart_workbench_in_chromium(tmp_path):
                     "() => document.querySelector('video.h3lab-video') && document.querySelector('img.h3lab-latent-strip')"
                     " || (document.querySelector('.h3lab-error') || {}).textContent", timeout=GENERATE_S * 1000)
                 assert error_line.inner_text() == "", f"the Workbench reported: {error_line.inner_text()}"
+                # What ran: the mode, the op counts of the trace, the factor the click switched on.
+                ran = whatran.inner_text()
+                assert ran.startswith("what ran: off: 0 strict / ") and " torch op calls in 2 forwards" in ran, ran
+                assert ran.endswith("ablations on: A1"), ran
+                assert "ablations A1" in page.locator(".h3lab-workbench").inner_text()
+                assert video.evaluate("v => v.getBoundingClientRect().width") >= 320  # controls usable
                 # The browser decoded the MP4 (H.264 + AAC) far enough to know its duration; the PNG strip decoded.
                 page.wait_for_function(
                     "() => { const v = document.querySelector('video.h3lab-video');"

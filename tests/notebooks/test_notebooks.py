@@ -38,6 +38,18 @@ def _images(nb) -> int:
     return sum("image/png" in o.get("data", {}) for o in _outputs(nb))
 
 
+def _stderr(nb) -> list[str]:
+    """What a reader would see in red: stderr streams (warnings included) and error outputs."""
+    return [o.get("text", "") or o.get("ename", "") for o in _outputs(nb)
+            if o.get("name") == "stderr" or o.get("output_type") == "error"]
+
+
+def _long_lines(nb, width: int = 110) -> list[str]:
+    """Printed lines a notebook cell would wrap."""
+    return [line for o in _outputs(nb) for line in o.get("text", "").splitlines()
+            if len(line) > width and not line.startswith("skipped (")]  # the one summary line names every file
+
+
 def test_notebooks_are_stored_without_outputs():
     found = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
     assert found == NAMES
@@ -59,6 +71,9 @@ def test_quickstart_runs():
     assert any("<video" in h and "data:video/mp4;base64" in h for h in html)
     widgets = [o for o in _outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert widgets, "the Workbench panel was not displayed"
+    assert "what ran: off: 0 strict / " in text and "strict on cpu: Triton's interpreter" in text
+    assert any('width="384"' in h for h in html)  # a 64 px clip shown at a size where its controls fit
+    assert _stderr(nb) == []  # no FutureWarning in red
 
 
 def test_strict_vs_production_runs():
@@ -67,18 +82,27 @@ def test_strict_vs_production_runs():
     assert "strict repeat: byte-equal at every pass" in text
     assert "first drift:" in text
     assert _images(nb) == 2
+    assert "strict: " in text and " strict / 0 torch op calls" in text and "off: 0 strict / " in text
+    assert _stderr(nb) == []
 
 
 def test_ablation_matrix_runs():
     nb = _execute("03_ablation_matrix")
     text = _text(nb)
     assert "rows:" in text and "H-C7" in text
-    assert _images(nb) >= 1
+    assert _images(nb) == 2  # the table, one row's drift heatmaps
+    assert _long_lines(nb) == [] and _stderr(nb) == []
 
 
 def test_performance_runs_on_the_repository_folder():
+    from h3lab import plots
+
     nb = _execute("04_performance")  # the committed results, whatever is there (possibly nothing yet)
-    assert _images(nb) == 1
+    docs, problems = plots.load_benchmarks(NOTEBOOKS.parent / "benchmarks" / "results")
+    assert _images(nb) == 1 + len(plots.benchmark_figures(docs))  # the summary, one figure per file (and page)
+    text = _text(nb)
+    assert text.count("skipped") <= 1 and "nan" not in text.split()
+    assert _stderr(nb) == [] and _long_lines(nb) == []
 
 
 def test_performance_runs_on_a_sample_folder(tmp_path, monkeypatch):
@@ -87,10 +111,13 @@ def test_performance_runs_on_a_sample_folder(tmp_path, monkeypatch):
     nb = _execute("04_performance")
     text = _text(nb)
     assert "1 benchmark file(s)" in text
-    for skipped in sample["skipped"]:
-        assert f"skipped: {skipped}" in text
-    assert "forward_sample" in text and "1.240" in text  # 0.31 / 0.25, the ratio to Diffusers
-    assert _images(nb) == 1
+    skipped = [line for line in text.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped (not in the DESIGN schema): ")  # one line
+    assert all(name in skipped[0] for name in sample["skipped"])
+    assert "forward_sample.json (baseline: diffusers)" in text and "1.240" in text  # 0.31 / 0.25, same run
+    assert "nan" not in text.split()
+    assert _images(nb) == 2  # the summary and the one file's figure
+    assert _stderr(nb) == []
 
 
 def test_reward_weighted_update_runs():

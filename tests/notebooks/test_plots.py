@@ -12,6 +12,7 @@ from matplotlib.image import AxesImage
 from h3lab import plots
 from h3lab.plots import PlotError
 
+from figure_checks import assert_readable, small_fonts, tick_label_overlaps
 from nb_helpers import write_benchmark_sample
 
 
@@ -55,7 +56,12 @@ def test_pca_rgb_rejects_channel_mismatch():
 
 
 # ============================================================================================ latent strip
-def test_latent_strip_grid_shapes_labels_and_shared_basis():
+def _tile(ax, r: int, c: int) -> np.ndarray:
+    y, x, h, w = ax.h3lab_tiles[r][c]
+    return _image(ax)[y:y + h, x:x + w]
+
+
+def test_latent_strip_tiles_labels_and_shared_basis():
     rng = _rng(3)
     steps, c, t, h, w, a, ca = 3, 24, 5, 4, 6, 7, 8
     video = rng.standard_normal((steps, c, t, h, w))
@@ -64,42 +70,83 @@ def test_latent_strip_grid_shapes_labels_and_shared_basis():
     labels = ["noise", "pass 0", "pass 1"]
     fig = plots.latent_strip(video, audio, step_labels=labels)
 
-    assert len(fig.axes) == steps * (t + 1)
-    grid = np.array(fig.axes).reshape(steps, t + 1)
+    ax_v, ax_a, ax_cb = fig.axes
+    assert fig.h3lab_rows == [0, 1, 2]
     basis = plots.pca_rgb_basis(video[-1])
     for s in range(steps):
         expected = plots.pca_rgb(video[s], basis)  # every row through the last row's basis
-        assert grid[s, 0].get_ylabel() == labels[s]
         for f in range(t):
-            img = _image(grid[s, f])
-            assert img.shape == (h, w, 3)
-            np.testing.assert_allclose(img, expected[f], atol=1e-12)
-        aud = _image(grid[s, t])
-        assert aud.shape == (2 * ca, a)
+            tile = _tile(ax_v, s, f)
+            assert tile.shape == (h, w, 4) and (tile[..., 3] == 1).all()
+            np.testing.assert_allclose(tile[..., :3], expected[f], atol=1e-12)
+        aud = _tile(ax_a, s, 0)
         np.testing.assert_allclose(aud, np.concatenate([audio[s][:a].T, audio[s][a:].T]), atol=1e-12)
-    assert [ax.get_title() for ax in grid[0, :t]] == [f"frame {f}" for f in range(t)]
-    assert "audio" in grid[0, t].get_title()
-    assert "PCA basis from pass 1" in fig._suptitle.get_text()
-    # One audio colour scale for the whole strip.
-    assert len({_images(grid[s, t])[0].get_clim() for s in range(steps)}) == 1
+    # Between tiles: transparent gaps (video), masked gaps (audio).
+    y, x, th, tw = ax_v.h3lab_tiles[0][0]
+    assert (_image(ax_v)[:, x + tw, 3] == 0).all()
+    assert np.asarray(_images(ax_a)[0].get_array().mask)[ax_a.h3lab_tiles[0][0][2], 0]
+    assert [tl.get_text() for tl in ax_v.get_yticklabels()] == labels
+    assert [tl.get_text() for tl in ax_v.get_xticklabels()] == [str(f) for f in range(t)]
+    assert ax_v.get_xlabel() == "latent frame (all 5)"
+    assert "PCA basis from pass 1" in fig._suptitle.get_text() and "all 3 rows" in fig._suptitle.get_text()
+    # The audio panel has a scale: its colorbar, one symmetric range for every row.
+    (im_a,) = _images(ax_a)
+    assert im_a.colorbar is not None and im_a.colorbar.ax is ax_cb and ax_cb.get_ylabel() == "audio latent value"
+    lo, hi = im_a.get_clim()
+    assert lo == -hi > -np.inf
     # The shifted first row is coloured through the shared basis: a basis of its own would centre the shift away.
     own = plots.pca_rgb(video[0], plots.pca_rgb_basis(video[0]))
-    assert not np.allclose(_image(grid[0, 0]), own[0])
+    assert not np.allclose(_tile(ax_v, 0, 0)[..., :3], own[0])
+    assert_readable(fig)
 
 
-def test_latent_strip_subsamples_frames_and_checks_inputs():
+def test_latent_strip_subsamples_rows_and_frames_with_the_rule_printed():
     rng = _rng(4)
-    video = rng.standard_normal((2, 4, 20, 3, 3))
-    fig = plots.latent_strip(video, None, max_frames=5)
-    assert len(fig.axes) == 2 * 5
-    titles = [ax.get_title() for ax in fig.axes[:5]]
-    assert titles[0] == "frame 0" and titles[-1] == "frame 19" and len(set(titles)) == 5
-    with pytest.raises(PlotError, match="3 step labels for 2 steps"):
+    steps = 21  # 20 passes + the noise: 2,390 px tall as one axes per row before
+    video = rng.standard_normal((steps, 4, 20, 8, 8))
+    audio = rng.standard_normal((steps, 2 * 37, 8))
+    labels = ["noise"] + [f"pass {i} (sigma {1 - i / 20:.3f})" for i in range(20)]
+    fig = plots.latent_strip(video, audio, step_labels=labels, max_frames=5, max_rows=6)
+    rows = fig.h3lab_rows
+    assert len(rows) == 6 and rows[0] == 0 and rows[-1] == 20 and rows == sorted(set(rows))
+    assert "6 of 21 rows, evenly spaced (first and last kept)" in fig._suptitle.get_text()
+    ax_v = fig.axes[0]
+    assert [tl.get_text() for tl in ax_v.get_yticklabels()] == [labels[r] for r in rows]
+    assert [tl.get_text() for tl in ax_v.get_xticklabels()] == ["0", "5", "10", "14", "19"]
+    assert ax_v.get_xlabel() == "latent frame (5 of 20, evenly spaced)"
+    basis = plots.pca_rgb_basis(video[-1])  # fitted on the last step of all 21, not of the drawn ones
+    np.testing.assert_allclose(_tile(ax_v, 2, 1)[..., :3], plots.pca_rgb(video[rows[2]], basis)[5], atol=1e-12)
+    assert_readable(fig)
+    # A page instead of a sample: rows 7..12, the page named.
+    page = plots.latent_strip(video, audio, step_labels=labels, max_rows=6, page=1)
+    assert page.h3lab_rows == list(range(6, 12)) and "rows 7-12 of 21 (page 2 of 4)" in page._suptitle.get_text()
+    assert_readable(page)
+    with pytest.raises(PlotError, match="page=4: the 21 rows make 4 page"):
+        plots.latent_strip(video, step_labels=labels, max_rows=6, page=4)
+    with pytest.raises(PlotError, match="3 step labels for 21 steps"):
         plots.latent_strip(video, step_labels=["a", "b", "c"])
     with pytest.raises(PlotError, match="audio latents have 3 steps"):
         plots.latent_strip(video, rng.standard_normal((3, 4, 2)))
     with pytest.raises(PlotError, match="expected 5 axes"):
         plots.latent_strip(rng.standard_normal((4, 20, 3, 3)))
+
+
+def test_one_axes_per_row_would_fail_the_readability_checks():
+    """The checks can fail: a strip drawn the old way (one axes per row, 21 rows, 23.9 in tall, row labels at 6 pt
+    that do not fit their rows) is over the size limit, its labels overlap and its font is too small."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13.0, 23.9), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    rng = _rng(5)
+    for r in range(21):
+        ax = fig.add_subplot(21, 1, r + 1)
+        ax.imshow(rng.random((4, 400, 3)))  # equal aspect: a 0.1 in tall row for 4 labels
+        ax.set_yticks([0, 1, 2, 3], [f"pass {r} (sigma 0.{r:03d})"] * 4, fontsize=6)
+    with pytest.raises(AssertionError):
+        assert_readable(fig)
+    assert tick_label_overlaps(fig) and small_fonts(fig)
 
 
 # =================================================================================================== norms
@@ -120,8 +167,22 @@ def test_norm_curves_lines_match_inputs_and_align_velocities():
             assert ln.get_xdata()[0] == (1 if kind == "velocity" else 0)
         assert [t.get_text() for t in ax.get_xticklabels()] == labels
         assert ln.get_color() == plots.MODALITY_COLORS[modality]
+    assert_readable(fig)
     with pytest.raises(PlotError, match="'latent/<modality>'"):
         plots.norm_curves({"video": np.ones(3)})
+
+
+def test_norm_curves_of_many_passes_thin_their_labels_and_say_so():
+    rng = _rng(15)
+    n = 41
+    norms = {"latent/video": rng.random(n), "velocity/video": rng.random(n - 1)}
+    labels = ["noise"] + [f"pass {i}" for i in range(n - 1)]
+    fig = plots.norm_curves(norms, step_labels=labels)
+    ax = fig.axes[0]
+    shown = [t.get_text() for t in ax.get_xticklabels()]
+    k = int(ax.get_xlabel().split("1 label in ")[1].split()[0])
+    assert k >= 2 and shown == labels[::k]
+    assert_readable(fig)
 
 
 # =================================================================================================== drift
@@ -134,9 +195,10 @@ def test_drift_heatmaps_colours_bands_and_arrays():
     sl[1, 3] = np.nan  # not captured
     lr = rng.random((4, 7)) * 1e-2 + 1e-6
     lr[:, :2] = 0.0  # text rows byte-equal
+    first = {"step": 1, "point": "blocks.0.q_norm", "packed_row": 5}
     fig = plots.drift_heatmaps(sl, lr, step_labels=steps, layer_labels=layers, row_labels=rows, row_step=1,
-                               metric="max |a-b|", title="a vs b")
-    ax_sl, ax_lr, ax_band, ax_cb = fig.axes
+                               first=first, metric="max |a-b|", title="a vs b")
+    ax_sl, ax_lr, ax_band, ax_cb_sl, ax_cb_lr = fig.axes
     (im_sl,) = _images(ax_sl)
     (im_lr,) = _images(ax_lr)
     assert im_sl.get_array().shape == (2, 4) and im_lr.get_array().shape == (4, 7)
@@ -156,10 +218,56 @@ def test_drift_heatmaps_colours_bands_and_arrays():
     codes = _image(ax_band)[0]
     assert codes.tolist() == [0, 0, 2, 2, 2, 1, 1]  # text, video, audio in MODALITY_COLORS order
     assert [t.get_text() for t in ax_band.texts] == ["text", "audio", "video"]
-    assert sorted(ln.get_xdata()[0] for ln in ax_lr.get_lines()) == [1.5, 4.5]
+    assert sorted(ln.get_xdata()[0] for ln in ax_lr.get_lines() if ln.get_marker() in ("None", "")) == [1.5, 4.5]
     assert "pass 1" in ax_band.get_title()
-    assert ax_cb.get_ylabel() == "max |a-b|"
+    # A colorbar per heatmap, on the shared scale.
+    assert im_sl.colorbar.ax is ax_cb_sl and im_lr.colorbar.ax is ax_cb_lr
+    assert ax_cb_sl.get_ylabel() == ax_cb_lr.get_ylabel() == "max |a-b|"
     assert fig._suptitle.get_text() == "a vs b"
+    # The first drift (blocks.0.q_norm at pass 1, packed row 5) is marked in the plotted column that holds it.
+    (mark,) = [ln for ln in ax_sl.get_lines() if ln.get_marker() == "s"]
+    assert (list(mark.get_xdata()), list(mark.get_ydata())) == ([1], [1])  # blocks.0, pass 1
+    (row_mark,) = [ln for ln in ax_lr.get_lines() if ln.get_marker() == "s"]
+    assert (list(row_mark.get_xdata()), list(row_mark.get_ydata())) == ([5], [1])
+    assert "blocks.0.q_norm, in layer column blocks.0" in fig._supxlabel.get_text().replace("\n", " ")
+    assert_readable(fig)
+
+
+def test_drift_titles_tell_byte_equal_from_nothing_comparable():
+    kw = dict(step_labels=[0], layer_labels=["pack", "blocks.0"], row_labels=["0:text", "1:video"])
+    equal = plots.drift_heatmaps(np.zeros((1, 2)), np.zeros((2, 2)), title="a vs b", **kw)
+    assert equal._suptitle.get_text() == "a vs b -- byte-equal at every plotted point"
+    differ = plots.drift_heatmaps(np.full((1, 2), np.nan), np.full((2, 2), np.nan), title="a vs b", **kw)
+    text = differ._suptitle.get_text().replace("\n", " ")
+    assert "nothing comparable" in text and "different prompts or shapes" in text and "byte-equal" not in text
+    part = plots.drift_heatmaps(np.array([[0.0, np.nan]]), np.zeros((2, 2)), title="t", **kw)
+    assert "byte-equal where both runs were captured" in part._suptitle.get_text()
+    assert plots.first_drift_layer("refiner.0.attention", ["pack", "blocks.0", "final_modulate"]) == 0
+    assert plots.first_drift_layer("blocks.0.attention", ["pack", "blocks.0", "final_modulate"]) == 1
+    assert plots.first_drift_layer("scheduler.video", ["pack", "blocks.0", "final_modulate"]) == 2
+    assert plots.first_drift_layer("blocks.10.q", ["pack", "blocks.1", "blocks.10"]) == 2  # not blocks.1
+
+
+def test_drift_of_many_packed_rows_is_binned_to_a_sane_png():
+    """512x512x22f packs 2,066 rows; `!plot drift` drew them one column each (an 11,770 px wide PNG)."""
+    rng = _rng(16)
+    rows = [f"{i}:text" for i in range(40)] + [f"{i}:audio" for i in range(40, 77)] + \
+        [f"{i}:video" for i in range(77, 2066)]
+    layers = ["pack"] + [f"blocks.{i}" for i in range(48)] + ["final_modulate"]
+    lr = rng.random((len(layers), len(rows))) + 1e-6
+    lr[:, 100] = np.nan
+    lr[3, 500] = 50.0  # one large value inside a bin
+    sl = rng.random((20, len(layers)))
+    fig = plots.drift_heatmaps(sl, lr, step_labels=list(range(20)), layer_labels=layers, row_labels=rows)
+    ax_lr = fig.axes[1]
+    shown = np.ma.filled(_images(ax_lr)[0].get_array().astype(float), np.nan)
+    mats, mods, spans, k = plots.bin_rows(lr, plots.row_modalities(rows), 160)
+    assert k == 13 and shown.shape == (len(layers), len(spans)) and shown.shape[1] <= 160 + 3
+    assert all(mods[i] == plots.row_modalities(rows)[s0] for i, (s0, _s1) in enumerate(spans))  # bins stay in a band
+    b = next(i for i, (s0, s1) in enumerate(spans) if s0 <= 500 < s1)
+    assert shown[3, b] == 50.0  # max per bin
+    assert "bins of 13 rows" in ax_lr.get_xlabel()
+    assert_readable(fig)
 
 
 def test_drift_heatmaps_reject_label_mismatch():
@@ -172,7 +280,8 @@ def test_drift_plot_of_a_real_report(tiny_session, two_results):
     report = tiny_session.drift(*two_results)
     assert not report.equal  # different seeds: the inputs differ
     fig = plots.PLOTS["drift"](report)
-    ax_sl, ax_lr, ax_band, _ = fig.axes
+    assert_readable(fig)
+    ax_sl, ax_lr, ax_band = fig.axes[:3]
     sl = np.ma.filled(_images(ax_sl)[0].get_array().astype(float), np.nan)
     expected = np.where(report.step_layer_max_abs == 0, np.nan, report.step_layer_max_abs)  # zeros drawn "under"
     np.testing.assert_allclose(np.where(sl < _images(ax_sl)[0].norm.vmin, np.nan, sl), expected)
@@ -181,12 +290,30 @@ def test_drift_plot_of_a_real_report(tiny_session, two_results):
         m for m in ("text", "video", "audio") if any(label.endswith(":" + m) for label in report.row_labels)
     )
     assert report.summary()[:40] in fig._suptitle.get_text().replace("\n", " ")
-    # The list form re-runs the pair through the session and draws the same matrices.
-    fig2 = plots.PLOTS["drift"](list(two_results), tiny_session)
+    # The report's dict form (as ablation rows carry it) draws the same matrices.
+    fig_d = plots.PLOTS["drift"](report.to_dict())
+    np.testing.assert_array_equal(np.ma.filled(_images(fig_d.axes[0])[0].get_array().astype(float), -1),
+                                  np.ma.filled(_images(ax_sl)[0].get_array().astype(float), -1))
+    # The renderer does no model work: a list of results is refused; `plot()` (what `!plot` calls today) still
+    # re-runs the pair through the session and draws the same matrices.
+    with pytest.raises(PlotError, match="compute it with session.drift"):
+        plots.PLOTS["drift"](list(two_results), tiny_session)
+    fig2 = plots.plot("drift", list(two_results), tiny_session)
     np.testing.assert_array_equal(np.ma.filled(_images(fig2.axes[0])[0].get_array().astype(float), -1),
                                   np.ma.filled(_images(ax_sl)[0].get_array().astype(float), -1))
     with pytest.raises(PlotError, match="needs two generations"):
-        plots.PLOTS["drift"]([two_results[0]], tiny_session)
+        plots.plot("drift", [two_results[0]], tiny_session)
+
+
+def test_drift_between_different_prompts_is_not_called_byte_equal(tiny_session, two_results):
+    from nb_helpers import TINY_REQUEST
+
+    other = tiny_session.generate("A cat.", seed=11, **TINY_REQUEST)
+    report = tiny_session.drift(two_results[0], other)
+    fig = plots.PLOTS["drift"](report)
+    title = fig._suptitle.get_text().replace("\n", " ")
+    assert "nothing comparable" in title and "byte-equal" not in title
+    assert_readable(fig)
 
 
 # ================================================================================================ ablation
@@ -213,6 +340,8 @@ def test_ablation_table_cells_and_pass_fail_colours():
     assert cells[1, 4].get_text().get_text() == "pass 0 rope_cos row 15\n(video)"
     assert cells[2, 4].get_text().get_text() == "-"
     assert "1 passed, 1 failed, 1 not run" in fig._suptitle.get_text()
+    assert table.get_celld()[1, 3].get_text().get_fontsize() == plots.FONT_PT
+    assert_readable(fig)
     with pytest.raises(PlotError, match="lacks 'passed'"):
         plots.ablation_table([{"name": "X", "expected": "", "observed": ""}])
 
@@ -229,6 +358,9 @@ def test_ablation_table_of_real_rows(tiny_snapshot):
         assert cells[i, 0].get_facecolor() == pytest.approx(to_rgba(want))
         assert cells[i, 0].get_text().get_text() == row["name"]
     assert rows[2]["passed"] is None  # A4 needs ranks: drawn grey, never green
+    assert_readable(fig)
+    with pytest.raises(PlotError, match="run the matrix and pass its rows"):
+        plots.PLOTS["ablation"](None)
 
 
 # ================================================================================================== sigmas
@@ -251,6 +383,8 @@ def test_sigma_grids_plot_both_schedules():
     fig3 = plots.PLOTS["sigmas"](3)
     assert len(fig3.axes[0].get_lines()[0].get_ydata()) == 4
     assert not np.array_equal(lines["video (shift 12)"].get_ydata(), lines["audio (shift 3)"].get_ydata())
+    assert_readable(fig)
+    assert_readable(plots.PLOTS["sigmas"](200))  # 201 grid points: labels thinned, not piled up
 
 
 # ======================================================================================== adapters / PLOTS
@@ -267,8 +401,10 @@ def test_plots_from_a_real_result(two_results):
     assert steps.step_labels[0] == "noise" and steps.step_labels[-1].startswith(f"pass {s.steps - 1}")
 
     fig = plots.PLOTS["latents"](list(two_results))  # a list: the newest result is drawn
-    assert len(fig.axes) == (s.steps + 1) * (s.num_latent_frames + 1)
-    assert _image(fig.axes[0]).shape == (s.latent_height, s.latent_width, 3)
+    assert fig.h3lab_rows == list(range(s.steps + 1))
+    np.testing.assert_allclose(_tile(fig.axes[0], s.steps, 0)[..., :3],
+                               plots.pca_rgb(steps.video[-1], plots.pca_rgb_basis(steps.video[-1]))[0], atol=1e-12)
+    assert_readable(fig)
 
     norms, labels = plots.step_norms(result)
     nv = result.trajectory.inputs.num_condition_video_rows
@@ -316,33 +452,95 @@ def test_save_is_atomic_png_and_no_pyplot_state(tmp_path):
 
 
 # =============================================================================================== benchmarks
-def test_load_benchmarks_keeps_valid_documents_and_lists_the_rest(tmp_path):
+def test_load_benchmarks_keeps_valid_documents_and_lists_the_rest_once_per_file(tmp_path):
     sample = write_benchmark_sample(tmp_path / "results")
     docs, problems = plots.load_benchmarks(tmp_path / "results")
-    assert [d["name"] for d in docs] == ["forward_sample"]
+    assert [d["name"] for d in docs] == ["forward_sample"]  # the sweep's entries all lack keys: no empty plot
     assert len(docs[0]["results"]) == 4
-    assert [p.split(":")[0] for p in problems] == sample["skipped"]
+    assert [p.split(":")[0] for p in problems] == sample["skipped"]  # one line per file, not per entry
     assert "lacks gpu" in problems[1]
+    assert problems[2] == "gemm_sweep.json: 30 results lack shape, rows, impl, runs, peak_mem_gib"
+    line = plots.skipped_line(problems)
+    assert "\n" not in line and line.startswith("skipped (not in the DESIGN schema): broken.json: not readable JSON")
+    assert all(n in line for n in sample["skipped"])
+    assert plots.skipped_line([]) == ""
     assert plots.load_benchmarks(tmp_path / "missing")[0] == []
     (tmp_path / "empty").mkdir()
     docs_empty, problems_empty = plots.load_benchmarks(tmp_path / "empty")
     assert docs_empty == [] and "no *.json" in problems_empty[0]
 
 
-def test_benchmark_summary_bars_and_failures(tmp_path):
+def _bars(ax) -> list:
+    return [p for p in ax.patches if p.get_width() > 0]
+
+
+def test_benchmark_figure_ratios_on_a_zero_based_linear_axis(tmp_path):
     write_benchmark_sample(tmp_path)
     docs, _ = plots.load_benchmarks(tmp_path)
-    fig = plots.benchmark_summary(docs)
+    fig = plots.benchmark_figure(docs[0])
     (ax,) = fig.axes
-    heights = sorted(p.get_height() for p in ax.patches)
-    assert heights == pytest.approx(sorted([0.25, 0.31, 2.5]))
-    assert ax.get_yscale() == "log"
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+    # diffusers is the baseline (the line at 1); h3lab-strict 0.31 s / 0.25 s of the same case, same run.
+    (bar,) = _bars(ax)
+    assert bar.get_width() == pytest.approx(0.31 / 0.25)
+    assert any(t.get_text().strip() == "1.24x (310 ms)" for t in ax.texts)
+    assert [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_label() == "diffusers = 1"] == [1.0]
     fails = [ln for ln in ax.get_lines() if ln.get_label() == "h3lab-strict failed"]
-    assert len(fails) == 1 and len(fails[0].get_xdata()) == 1
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["512x512x22f", "768x768x121f"]
-    assert "forward_sample" in ax.get_title() and "NVIDIA H200" in ax.get_title()
-    rows = plots.benchmark_rows(docs)
-    strict = [r for r in rows if r["impl"] == "h3lab-strict"]
-    assert strict[0]["vs_diffusers"] == pytest.approx(0.31 / 0.25) and strict[1]["error"]
+    assert len(fails) == 1 and list(fails[0].get_xdata()) == [0.0]  # the 768 case failed: marked, no bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["512x512x22f 2066 rows", "768x768x121f 21000 rows"]
+    assert "ratio" not in ax.get_xlabel() and "diffusers time of the same case, same run" in ax.get_xlabel()
+    assert_readable(fig)
+
+
+def _doc(name, results):
+    return {"name": name, "date": "d", "gpu": "g", "torch": "t", "triton": "tr", "git_rev": "r", "command": "c",
+            "file": f"{name}.json", "results": [{"rows": 1, "runs": 3, "peak_mem_gib": 1.0, **e} for e in results]}
+
+
+def test_benchmark_colours_cases_and_rows_without_nan():
+    rng = _rng(20)
+    kernels = _doc("kernels", [{"shape": "s", "op": op, "impl": impl, "median_s": float(rng.random()) + 0.1}
+                               for op in ("rope", "silu") for impl in ("h3lab-off", "h3lab-strict")])
+    loops = _doc("loops", [  # one shape, cases told apart by `what`; one implementation: absolute seconds
+        {"shape": "512x512x22f", "what": "loop, no recorder", "impl": "h3lab-strict", "median_s": 3.8},
+        {"shape": "512x512x22f", "what": "loop, recorder", "impl": "h3lab-strict", "median_s": 4.46,
+         "peak_mem_gib": float("nan")},
+    ])
+    figs = plots.benchmark_figures([kernels, loops])
+    colors = plots.impl_colors([kernels, loops])
+    assert len(figs) == 2
+    seen = {}
+    for fig in figs:  # every bar of an implementation has that implementation's colour, in every figure
+        for container in fig.axes[0].containers:
+            for bar in container.patches:
+                seen.setdefault(container.get_label(), set()).add(to_rgba(bar.get_facecolor()))
+        assert_readable(fig)
+    assert seen == {"h3lab-strict": {to_rgba(colors["h3lab-strict"])}}  # the baseline is the line, not a bar
+    ax = figs[1].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["512x512x22f loop, no recorder", "512x512x22f loop, recorder"]
+    assert sorted(b.get_width() for b in _bars(ax)) == [3.8, 4.46]  # seconds from 0: 3.8 vs 4.46 is no chasm
+    assert ax.get_xlim()[0] == 0 and ax.get_xscale() == "linear"
+    rows = plots.benchmark_rows([kernels, loops])
+    assert all(not (isinstance(v, float) and np.isnan(v)) for r in rows for v in r.values())
+    assert rows[-1]["peak_mem_gib"] is None and rows[-1]["ratio"] is None and rows[-1]["baseline"] is None
+    assert rows[1]["ratio"] == pytest.approx(kernels["results"][1]["median_s"] / kernels["results"][0]["median_s"])
+    summary = plots.benchmark_summary([kernels, loops])
+    (sax,) = summary.axes
+    (bar,) = _bars(sax)
+    assert bar.get_width() == pytest.approx(np.median([r["ratio"] for r in rows if r["ratio"] is not None
+                                                       and r["impl"] == "h3lab-strict"]))
+    assert "loops.json" in summary._supxlabel.get_text()  # no baseline: named, not drawn as a ratio
+    assert_readable(summary)
     empty = plots.benchmark_summary([])
     assert len(empty.axes) == 1 and empty.axes[0].texts[0].get_text() == "no benchmark results yet"
+
+
+def test_benchmark_figures_of_the_committed_results_are_readable():
+    from nb_helpers import REPO
+
+    docs, problems = plots.load_benchmarks(REPO / "benchmarks" / "results")
+    if not docs:
+        pytest.skip("no committed benchmark results")
+    assert all(d["results"] for d in docs)
+    for fig in plots.benchmark_figures(docs) + [plots.benchmark_summary(docs)]:
+        assert_readable(fig)
