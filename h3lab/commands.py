@@ -792,29 +792,13 @@ def run_generation(state: SessionState, settings: GenerationSettings, cancel: th
 
 
 def what_ran(result) -> str:
-    """"ran: strict 1,230 op calls / torch 0 in 2 forwards" -- what served the transformer's op calls over the
-    whole generation (the trajectory manifest's provenance summary), with the requested mode when it differs
-    ("auto -> torch: ... (interpreter not used)") and the reason of the first fallback."""
+    """"ran " + the one line of `h3lab.whatran.what_ran` over the generation's trajectory provenance summary: what
+    served the transformer's op calls, with the requested mode when it differs ("ran auto → torch: ...") and why."""
+    from .whatran import what_ran as line
+
     trace = (getattr(result.trajectory, "manifest", None) or {}).get("trace") or {}
-    counts: dict[str, int] = {}
-    for backends in (trace.get("ops") or {}).values():
-        for backend, n in backends.items():
-            counts[backend] = counts.get(backend, 0) + int(n)
-    forwards = int(trace.get("forwards") or 0)
-    mode = result.settings.mode
-    served = [b for b in ("strict", "torch") if counts.get(b)] or (["override"] if counts.get("override") else [])
-    actual = " + ".join(served) or "nothing"
-    expected = {"strict": "strict", "auto": "strict", "off": "torch", "audit": "torch"}.get(mode, actual)
-    head = f"ran {mode}" if expected == actual else f"ran {mode} -> {actual}"
-    parts = [f"strict {counts.get('strict', 0):,}", f"torch {counts.get('torch', 0):,}"]
-    parts += [f"{b} {n:,}" for b, n in sorted(counts.items()) if b not in ("strict", "torch")]
-    line = f"{head}: {' / '.join(parts)} op calls in {forwards:,} forwards"
     reasons = [r.fallback for r in getattr(result.trace, "fallbacks", ()) or () if r.fallback]
-    if mode == "auto" and counts.get("torch"):
-        line += f" ({reasons[0].removeprefix('auto fallback: ')})" if reasons else ""
-    elif counts.get("strict") and str(trace.get("device", "")).startswith("cpu"):
-        line += " (strict kernels in Triton's interpreter)"
-    return line
+    return "ran " + line(trace, result.settings.mode, reasons, result.settings.ablations)
 
 
 def generation_lines(result, profile: bool = False) -> list[str]:

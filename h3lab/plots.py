@@ -44,10 +44,8 @@ per-step tensors kept: `Session.keep = ("latents", "velocities")` before generat
     sigmas    a DualSchedule, a GenerationResult / Trajectory (its schedule), or a list of results (the newest);
               an int N builds the N-pass grids with the session's shifts (the released ones without a session)
 
-`plot(kind, source, session)` is what `!plot KIND PATH` calls today with the front end's recent results; for drift and
-ablation it still obtains the data from the session (`session.drift(results[-2], results[-1])`, the ablation matrix on
-the session's snapshot) before rendering -- model work that belongs to the command handler, which should pass the
-report / rows instead (see `_legacy_data`).
+`plot(kind, source, session)` is what `!plot KIND PATH` calls; for drift and ablation the command handler computes the
+data first (`session.drift(...)`, the ablation rows) and passes the report / rows: the renderers do no model work.
 
 Every bad input raises `PlotError` (an `H3Error`) with one line naming the value and the rule.
 """
@@ -1212,28 +1210,9 @@ PLOTS: dict[str, Callable[..., Figure]] = {
 }
 
 
-def _legacy_data(kind: str, source: Any, session: Any) -> Any:
-    """What `!plot drift|ablation` gets today -- the front end's recent results -- turned into the data the renderer
-    takes. This is model work (a drift re-run, the ablation matrix) that belongs to the command handler: once it
-    passes `session.drift(results[-2], results[-1])` for drift and `ablation.run_matrix(ablation.tiny_bench(
-    str(session.path)))` for ablation, this function goes."""
-    if kind == "drift" and isinstance(source, (list, tuple)):
-        if len(source) < 2:
-            raise PlotError(f"!plot drift: needs two generations, have {len(source)}")
-        if session is None:
-            raise PlotError("!plot drift of two results: needs the session to re-run them")
-        return session.drift(source[-2], source[-1])
-    if kind == "ablation" and not _is_ablation_rows(source):
-        from . import ablation
-
-        bench = ablation.tiny_bench(str(session.path)) if session is not None else ablation.tiny_bench()
-        return ablation.run_matrix(bench)
-    return source
-
-
 def plot(kind: str, source: Any, session: Any = None) -> Figure:
-    """`PLOTS[kind](source, session)` with a one-line error for an unknown kind (and, for now, `_legacy_data`)."""
+    """`PLOTS[kind](source, session)` with a one-line error for an unknown kind."""
     fn = PLOTS.get(kind)
     if fn is None:
         raise PlotError(f"plot kind {kind!r}: must be one of {', '.join(PLOTS)}")
-    return fn(_legacy_data(kind, source, session), session)
+    return fn(source, session)

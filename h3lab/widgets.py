@@ -542,14 +542,10 @@ class Workbench:
 
     def _reserve_output(self) -> Path | None:
         """The next numbered MP4 path, taken now (numbers follow generation order) although the media thread writes
-        it later. `SessionState.next_output()` returns a path, or -- in the command registry that takes a number only
-        once its video is written -- (number, path), in which case the number is taken here."""
-        nxt = self.state.next_output()
-        if isinstance(nxt, tuple):
-            number, path = nxt
-            self.state.counter = number
-            return path
-        return nxt
+        it later: `SessionState.next_output()` gives (number, path) without reserving, so the number is taken here."""
+        number, path = self.state.next_output()
+        self.state.counter = number
+        return path
 
     def _draw_media(self, t: dict, result: Any, mp4: Path | None, pair: tuple | None, clicked: float,
                     run_id: int) -> None:

@@ -149,6 +149,6 @@ def test_auto_on_the_cpu_says_it_ran_torch(session, monkeypatch):
     off = session.generate("what ran", **SMALL)
     assert auto.trajectory_hash == off.trajectory_hash  # the same arithmetic as off, not the interpreter's
     line = commands.what_ran(auto)
-    assert line.startswith("ran auto -> torch: strict 0 / torch ") and "in 2 forwards" in line
+    assert line.startswith("ran auto → torch: 0 strict / ") and "in 2 forwards" in line
     assert "auto does not run Triton's interpreter" in line
-    assert commands.what_ran(off).startswith("ran off: strict 0 / torch ")
+    assert commands.what_ran(off).startswith("ran off: 0 strict / ")

@@ -108,7 +108,7 @@ def test_pass_lines_show_sigma_and_say_what_t_is(state, tmp_path):
     assert len(passes) == 2
     assert "sigma=1.0000 t=0.0000" in passes[0] and "(t = 1 - sigma: 0 noise, 1 clean)" in passes[0]
     assert "sigma=" in passes[1] and "t = 1 - sigma" not in passes[1]
-    assert any(line.startswith("ran off: strict 0 / torch ") for line in out)  # the summary says what ran
+    assert any(line.startswith("ran off: 0 strict / ") for line in out)  # the summary says what ran
 
 
 def test_idle_prompt_and_busy_prompt_text(state):
