@@ -260,3 +260,19 @@ def rel_l2(out, truth) -> float:
     if not den:
         return 0.0 if not num else float("inf")
     return (num / den) ** 0.5
+
+
+def kernel_profile(fn, top: int = 25, no_grad: bool = True) -> list[dict]:
+    """GPU time of one call of fn() per kernel name (torch.profiler, self device time), largest first:
+    [{name, ms, calls}]; `no_grad=False` for a training step."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with (torch.no_grad() if no_grad else contextlib.nullcontext()), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]

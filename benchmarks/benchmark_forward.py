@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import header, prepare, rel_l2, timed_interleaved, write
+from _common import header, kernel_profile, prepare, rel_l2, timed_interleaved, write
 
 SHAPES = {
     # name: (latent frames, latent h, latent w, audio latents per channel, text rows) -> rows
@@ -130,19 +130,6 @@ def t2va_spec(config, shape: str, passes: int, mode: str, device, seed: int = 42
         seeds={"noise": seed},
     ).to(device)
     return RunSpec(inputs, schedule, mode=mode, layout=layout)
-
-
-def kernel_profile(fn, top: int = 25) -> list[dict]:
-    """GPU time of one call of fn() per kernel name (torch.profiler, self device time), largest first:
-    [{name, ms, calls}]."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [{"name": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count}
-            for e in prof.key_averages() if e.self_device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -20,7 +20,7 @@ import dataclasses
 import statistics
 
 import torch
-from _common import header, prepare, sync, table, timed_interleaved, write
+from _common import header, kernel_profile, prepare, sync, table, timed_interleaved, write
 
 from benchmark_forward import SHAPES, init_random_  # noqa: E402 - the shapes and weight law of the forward benchmark
 
@@ -67,6 +67,8 @@ def main(argv=None) -> dict:
                         "interpreter)")
     parser.add_argument("--runs", type=int, default=3, help="timed steps per mode after one warm-up (default 3)")
     parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.tiny, flag="--tiny")
 
@@ -114,6 +116,13 @@ def main(argv=None) -> dict:
             "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
             "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
         })
+    if args.profile and device == "cuda":
+        for entry, mode in zip(doc["results"], MODES):
+            kernels = kernel_profile(step(mode), top=30, no_grad=False)
+            entry["kernel_profile"] = kernels
+            entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
+            print(f"{mode} top kernels: " + ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}"
+                                                      for k in kernels[:8]), flush=True)
     strict, off = (r["median_s"] for r in doc["results"])
     doc["ratio_strict_over_off"] = strict / off
     print(table(doc["results"], ["impl", "shape", "rows", "median_s", "peak_mem_gib", "grad_repeat_equal"]))

@@ -354,8 +354,8 @@ _TORCH_INFO = {"kernel_id": "torch", "tile": "", "acc_dtype": "torch-default"}
 # ------------------------------------------------------------------------------------------------ dispatcher
 class Ops:
     """The op table of one forward. `ops.linear(x, w, b, point="blocks.3.q")`: every op takes its reference
-    signature plus a keyword `point` (the hook point it serves, recorded in the trace). The bound op callables are
-    built once per table (first attribute access), so a call costs one dict lookup before `_call`."""
+    signature plus a keyword `point` (the hook point it serves, recorded in the trace). Every op is a method of the
+    class (installed from `OP_NAMES` below), so a table makes no reference cycle."""
 
     def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True):
         self.mode = check_mode(mode)
@@ -370,15 +370,8 @@ class Ops:
         return not any(name in self._overrides for name in names)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name not in REFERENCE_OPS:
-            raise AttributeError(f"no op {name!r}: ops are {', '.join(OP_NAMES)}")
-
-        def call(*args: Any, point: str = "", **kwargs: Any) -> Any:
-            return self._call(name, point, args, kwargs)
-
-        call.__name__ = name
-        self.__dict__[name] = call  # later lookups skip __getattr__
-        return call
+        # Only reached for names that are no op (every op is a method, installed below `Ops`).
+        raise AttributeError(f"no op {name!r}: ops are {', '.join(OP_NAMES)}")
 
     def _call(self, name: str, point: str, args: tuple, kwargs: dict) -> Any:
         if name in self._overrides:
@@ -421,6 +414,24 @@ class Ops:
             name, point, self.mode, actual, str(get("kernel_id", "")), str(get("tile", "")), str(get("acc_dtype", "")),
             shapes, dtypes, fallback,
         ))
+
+
+def _op_method(name: str) -> Callable[..., Any]:
+    def call(self: Ops, *args: Any, point: str = "", **kwargs: Any) -> Any:
+        return self._call(name, point, args, kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = REFERENCE_OPS[name].__doc__
+    return call
+
+
+# Each op is a method of the class, not a closure stored on the instance: a table holds no reference to itself, so
+# it -- and the trace it fills -- is freed by reference counting when the forward ends (a per-forward reference
+# cycle left thousands of trace objects to the cyclic garbage collector, whose pauses showed on the GPU as a
+# host-bound strict forward's jitter).
+for _name in OP_NAMES:
+    setattr(Ops, _name, _op_method(_name))
+del _name
 
 
 def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool = True) -> Ops:
