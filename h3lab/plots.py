@@ -1052,8 +1052,8 @@ def benchmark_summary(docs: Sequence[Mapping[str, Any]], *, title: str = "benchm
     if entries:
         ax.legend(fontsize=FONT_PT, loc="lower right")
     if no_base:
-        fig.supxlabel("no baseline implementation (absolute times in their own figures): " + ", ".join(no_base),
-                      fontsize=FONT_PT)
+        fig.supxlabel(_wrap("no baseline implementation (absolute times in their own figures): " + ", ".join(no_base),
+                            110), fontsize=FONT_PT)
     fig.suptitle(title, fontsize=10)
     return finish(fig)
 
