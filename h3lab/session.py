@@ -7,6 +7,9 @@ Contract
   `transformer_ref/` for ref2va; switching variants releases the other, two 33B partitions do not share a GPU), the
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
   encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist.
+- `mesh=` (an `h3lab.distributed.Mesh`; the torchrun front end passes one): every transformer the session loads or
+  is given is parallelized on it in place (`h3lab.distributed.parallelize`, named by its variant) and every run
+  spec records the topology (`RunSpec.placement`), so a sealed run replays on it.
 - `set_transformer(model, variant="transformer")` gives the session an already-built `H3Transformer` for a variant
   instead of the snapshot's weights (a full-size random DiT built on the GPU, an edited model). It is checked against
   the snapshot's interface -- `text_dim` = the text encoder's hidden width, `in_channels` = the video VAE's latent
@@ -309,7 +312,7 @@ class Session:
 
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
-                 pipeline_config: dict[str, int] | None = None):
+                 pipeline_config: dict[str, int] | None = None, mesh: Any = None):
         if residency not in RESIDENCIES:
             raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
         if path is None:
@@ -325,6 +328,7 @@ class Session:
         self.device = resolve_device(device)
         self.residency = residency
         self.dtype_policy = dtype_policy
+        self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
         self._components: dict[str, Any] = {}
         self._injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
@@ -406,6 +410,7 @@ class Session:
                     self.path, subfolder=name, device=self.device, dtype_policy=self.dtype_policy
                 )
                 comp.eval().requires_grad_(False)
+            self._place(comp, name)
         elif name == "text_encoder":
             from .components.text_encoder import TextEncoder
 
@@ -893,7 +898,16 @@ class Session:
         model = H3Transformer.from_pretrained(self.path, subfolder=other, device=self.device,
                                               dtype_policy=self.dtype_policy)
         self.load_seconds += time.perf_counter() - t0
-        return model.eval().requires_grad_(False)
+        return self._place(model.eval().requires_grad_(False), other)
+
+    def _place(self, model, variant: str):
+        """A transformer on this session's mesh (`h3lab.distributed.parallelize`, once per model; no-op without)."""
+        if self.mesh is not None:
+            from .distributed import parallelize, placement_of
+
+            if placement_of(model) is None:
+                parallelize(model, self.mesh, name=variant)
+        return model
 
     def _arm_model(self, variant: str, model) -> Callable[[str], Any]:
         """The `models` lookup a run resolves its factors against: `variant` is `model`; the other partition is
@@ -918,9 +932,13 @@ class Session:
         from .hashing import model_fingerprint
         from .run import RunSpec
 
+        placement = {}
+        if self.mesh is not None:
+            t = self.mesh.topology
+            placement = {"tp": t.tp, "cp": t.cp, "sp": t.sp, "row_parallel": t.row_parallel}
         return RunSpec(inputs, schedule, mode=s.mode, variant=self.variant_for(s.task),
                        fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                       reuse=s.reuse)
+                       reuse=s.reuse, placement=placement)
 
     # -------------------------------------------------------------------------------------- preview
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
