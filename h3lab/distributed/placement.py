@@ -47,6 +47,7 @@ import contextlib
 import contextvars
 import inspect
 import math
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
@@ -236,11 +237,14 @@ class Placement:
             frame, problem = self._frame_for(arguments.get("position_ids"))
             for announce in list(_ANNOUNCERS):
                 announce(self, arguments)
+            self._log = begin_log(self.mesh)
+            t0 = time.perf_counter()
             self._agree(arguments, frame, problem)
+            if self._log.timed and self.world > 1:
+                self._log.control_seconds = time.perf_counter() - t0
             stack.enter_context(_use_frame(frame))
             stack.enter_context(runtime.use_placement(self))
             stack.enter_context(use_view(self))
-            self._log = begin_log(self.mesh)
             self._global_shapes = {}
             self._trace_before = runtime.last_trace()
         except BaseException:
@@ -483,12 +487,12 @@ class Placement:
     def _scatter(self, x: torch.Tensor, indices: torch.Tensor, frame: Frame) -> torch.Tensor:
         """Block 0's cut of the packed rows (logged as the co-sharding of the rows and their AdaLN indices)."""
         if self.faults.to_dict():
-            return self._cut(x, "sp", 1, metadata=False)
+            return self._cut(x, "sp", 1, metadata=False).contiguous()
         shards = scatter_rows({"hidden_states": x, "adaln_indices": indices}, self.mesh, frame.cp_rows,
                               point="transformer_blocks.0")
         if frame.sp_rows is not None:
             shards = scatter_rows(shards, self.mesh, frame.sp_rows, point="transformer_blocks.0")
-        return shards["hidden_states"]
+        return shards["hidden_states"].contiguous()  # a row slice of a batch > 1 is strided; kernels want rows
 
     def _rope_post(self, module, args, output):
         cos, sin = output
