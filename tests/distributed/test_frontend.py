@@ -2,7 +2,8 @@
 runs the replay through the command registry, rank 1 follows its forwards; inputs are rank 0's, broadcast). The same
 replay run first in one process records its `# expect` line; the torchrun run must match it (exit 0: the distributed
 trajectory digest equals the one-process strict digest), seal the run with its topology and verify it on the mesh.
-One process then refuses to replay the sealed tp2 run (it names its topology)."""
+One process then refuses to replay the sealed tp2 run (it names its topology). The REPL's lead / follow path runs
+on two gloo ranks in-process (prompt-toolkit pipe input)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import run_ranks
 
 from h3lab import cli
 from h3lab.distributed import TopologyError
@@ -62,3 +64,38 @@ def test_torchrun_replay_equals_one_process_and_replays_its_topology(tmp_path, t
     with pytest.raises(TopologyError, match=r"placement tp2xcp1 \(k_chunks\): the run's model is not parallelized"):
         verify(tmp_path / "sealed", model)
     assert Path(tmp_path / "sealed" / "manifest.json").is_file()
+
+
+def _repl_rank(rank: int, world: int, snapshot: str, out_dir: str) -> dict:
+    """The torchrun REPL's code path on 2 gloo ranks: rank 0 runs the REPL (prompt-toolkit pipe input; generations
+    in the REPL's worker thread) and leads, rank 1 follows with its own session."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from h3lab.distributed import init_mesh
+    from h3lab.distributed.frontend import run_on_mesh
+    from h3lab.repl import run_repl
+    from h3lab.session import Session
+    from h3lab.settings import GenerationSettings
+
+    mesh = init_mesh(tp=2, device="cpu")
+    factory = lambda: Session(snapshot, device="cpu", mesh=mesh)  # noqa: E731
+    lines: list[str] = []
+
+    def repl() -> int:
+        with create_pipe_input() as inp:
+            inp.send_text(f"!mesh\na red fox\n!trajectory save {out_dir}/sealed\n!quit\n")
+            settings = GenerationSettings(mode="strict", width=64, height=64, steps=1)
+            return run_repl(factory, settings, session_dir=out_dir, input=inp, output=DummyOutput(),
+                            printer=lines.append)
+
+    return {"rc": str(run_on_mesh(None, mesh, repl, factory)), "lines": "\n".join(lines)}
+
+
+def test_repl_on_rank_zero_with_a_follower(tmp_path, tiny_snapshot):
+    results = run_ranks(_repl_rank, 2, str(tiny_snapshot), str(tmp_path), timeout=240)
+    assert [r["rc"] for r in results] == ["0", "0"] and results[1]["lines"] == ""  # rank 1 followed, printed nothing
+    out = results[0]["lines"]
+    assert "mesh tp2xcp1: 2 rank(s)" in out and "ran strict: strict" in out and "sealed in" in out
+    sealed = load(tmp_path / "sealed")
+    assert dict(sealed.spec.placement)["tp"] == 2 and sealed.manifest["trace"]["non_strict_calls"] == 0
