@@ -34,6 +34,9 @@ def mesh_request(args: Any) -> Mesh | None:
     if not asked and world == 1:
         return None
     tp, cp = args.tp or 1, args.cp or 1
+    if tp * cp != world:
+        raise TopologyError(f"--tp {tp} --cp {cp} needs {tp * cp} rank(s), this launch has {world}: run "
+                            f"torchrun --nproc-per-node {tp * cp} -m h3lab --tp {tp} --cp {cp} ...")
     if tp * cp > 1:
         if args.mode is None:
             args.mode = "strict"

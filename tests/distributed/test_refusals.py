@@ -138,3 +138,18 @@ def test_cp_larger_than_the_rows_is_refused_on_every_rank():
     assert results[0]["error"] == ("topology tp1xcp4: cp=4 is larger than the 3 rows to shard: every cp rank must "
                                    "own at least one row")
     assert all(r["error"] == results[0]["error"] for r in results)
+
+
+def test_cli_mesh_flags_fail_before_any_work(capsys, tmp_path):
+    from h3lab import cli
+
+    for argv, message in (
+        (["--tp", "2", "-p", "a fox", "-o", ""], "--tp 2 --cp 1 needs 2 rank(s), this launch has 1: run torchrun "
+                                                 "--nproc-per-node 2 -m h3lab --tp 2 --cp 1 ..."),
+        (["--tp", "2", "--info"], "--tp with --info: --info only reports the snapshot"),
+        (["--tp", "1", "--sp", "-p", "a fox"], "sp=True with tp=1: sequence parallel shards rows over a TP group"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"h3lab: error: {message}") and "\n" not in err, err
+    assert not list(tmp_path.iterdir())
