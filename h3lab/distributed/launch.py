@@ -10,13 +10,15 @@ distributed rows and the tests use (a GPU run is launched with torchrun instead)
   collective fails the run rather than hanging it.
 - `fn` returns a dict of tensors and strings (or None). Tensors come back through one safetensors file per rank,
   strings through its metadata.
-- A rank that raises fails the run with its traceback (the other ranks are terminated); a run past `timeout`
+- A rank that raises fails the run (the other ranks are terminated) with `RankFailed`: one line naming the rank and
+  its error's last line, chained to torch's exception that holds the rank's whole traceback. A run past `timeout`
   seconds terminates the processes it started and raises `TimeoutError`.
 - Each rank runs with one torch thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import tempfile
@@ -29,6 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from .errors import DistributedError
 
 PRELOAD = ["torch", "triton", "h3kernels", "h3kernels.gemm", "h3kernels.attention", "h3lab.model", "h3lab.run",
            "h3lab.drift", "h3lab.distributed"]
@@ -48,8 +52,11 @@ def _child(rank: int, fn: Callable, world_size: int, rendezvous: str, out_dir: s
                             timeout=timedelta(seconds=60))
     try:
         result = fn(rank, world_size, *args) or {}
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        with contextlib.suppress(Exception):  # a peer that already left must not mask this rank's own error
+            dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
     tensors = {k: v.detach().contiguous().clone() for k, v in result.items() if isinstance(v, torch.Tensor)}
     strings = {k: v for k, v in result.items() if isinstance(v, str)}
     if len(tensors) + len(strings) != len(result):
@@ -57,6 +64,18 @@ def _child(rank: int, fn: Callable, world_size: int, rendezvous: str, out_dir: s
     tmp = os.path.join(out_dir, f"rank{rank}.tmp")
     save_file(tensors, tmp, metadata=strings or None)  # an empty metadata dict writes an unreadable header
     os.replace(tmp, os.path.join(out_dir, f"rank{rank}.safetensors"))
+
+
+class RankFailed(DistributedError):
+    """A spawned rank raised; the message is its error's last line, the cause its traceback."""
+
+
+def _joined(ctx) -> bool:
+    try:
+        return ctx.join(timeout=0.5)
+    except torch_mp.ProcessRaisedException as exc:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise RankFailed(f"rank {exc.error_index} failed: {lines[-1].strip() if lines else exc}") from exc
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list[dict]:
@@ -68,7 +87,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list[
             join=False, start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=0.5):
+        while not _joined(ctx):
             if time.monotonic() > deadline:
                 for process in ctx.processes:
                     if process.is_alive():

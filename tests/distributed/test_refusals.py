@@ -153,3 +153,17 @@ def test_cli_mesh_flags_fail_before_any_work(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"h3lab: error: {message}") and "\n" not in err, err
     assert not list(tmp_path.iterdir())
+
+
+def _one_rank_fails(rank: int, world: int) -> dict:
+    if rank == 1:
+        raise ValueError(f"boom on rank {rank}")
+    return {}
+
+
+def test_a_failing_rank_fails_the_run_in_one_line():
+    from h3lab.distributed.launch import RankFailed
+
+    with pytest.raises(RankFailed, match=r"^rank 1 failed: ValueError: boom on rank 1$") as info:
+        run_ranks(_one_rank_fails, 2)
+    assert "Traceback" in str(info.value.__cause__)  # the rank's whole traceback stays reachable
