@@ -11,15 +11,24 @@ the runtime mode and scope it runs in, and its `Expected` signature:
   DRIFT     the first drift is at exactly `point` in pass `step` (-1 = scheduler construction), and, where given,
             the first drift inside the block stack is at `block_point`;
   REJECTED  the comparison must refuse the pair as non-comparable;
-  N/A       the factor does not exist in H3; the row runs a check that it indeed does not (A5, C2);
-  distributed rows (A4, C0, H17, H-C4, H-C5) need several ranks: until `h3lab.distributed` provides an entry point
-            they report status "needs distributed" with `passed = None` — never True — and are counted apart.
+  N/A       the factor does not exist in H3; the row runs a check that it indeed does not (A5, C2).
+
+Distributed rows (A4, A7, C0, H17, H-C4, H-C5; `Ablation.distributed` says what they run) compare arms on several
+ranks: `h3lab.distributed.ablation_rows` spawns local gloo CPU processes (2 for the tiny bench; one set per
+comparison, about 5-15 s each under the interpreter) and runs `drift.compare` on every rank through the placement's
+hook view, which shows each rank the one-process tensors. A4 (a rank holding another rank's rows) is REJECTED by
+the forward's ownership check; A7 (a ring-attention KV-block plan, merged in canonical vs rank order) drifts at
+`blocks.0.attention`; C0 (tp 2 with the other row-parallel partition), H-C4 (tp 2/4/8 the bench admits) and H-C5
+(cp 2/3/4, uneven shards) PASS against one process; H17 (hidden rows sharded, metadata not) drifts at
+`blocks.0.modulate1`. The drift rows name the rank owning the first differing row (`first_drift["owner"]`). A7 is
+also a factor of a one-process run (`factors=("A7",)`: two KV blocks merged in reverse order).
 
 `run_ablation(name, bench=None, mode=None)` and `run_matrix(bench=None, names=None, modes=None)` return per row a
 dict: `name`, `factor`, `description`, `apply`, `mode`, `scope`, `expected` (text), `expected_signature`, `rfc`
-(the RFC's wording), `observed` (text), `status` (PASS / DRIFT / REJECTED / N/A / NEEDS DISTRIBUTED / ERROR),
+(the RFC's wording), `observed` (text), `status` (PASS / DRIFT / REJECTED / N/A / ERROR),
 `first_drift` and `first_in_block` (`DriftPoint.to_dict()` or None), `passed` (True / False / None), `seconds`,
-and `report` (the `DriftReport.to_dict()`, None for rows without a comparison).
+and `report` (the `DriftReport.to_dict()`, None for rows without a comparison); a distributed row adds
+`comparisons` (per comparison: the arms, scope, world size and its own observed text).
 
 Modes. Perturbation rows run in ``off``: on CPU torch is deterministic, so the only drift between the arms is the
 planted one, and the signature (where it first shows) is a property of the perturbation, not of the arithmetic.
@@ -71,7 +80,7 @@ import torch.nn.functional as F
 
 from . import runtime
 from .config import AUDIO
-from .drift import Capture, DriftError, DriftReport, Execution, RowMap, capture, compare
+from .drift import Capture, DriftError, DriftPoint, DriftReport, Execution, RowMap, capture, compare
 from .errors import H3Error
 from .hashing import model_fingerprint, tensor_digest
 from .run import (
@@ -87,7 +96,7 @@ from .run import (
 from .sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
 from .trajectory import TrajectoryRecorder, load
 
-KINDS = ("PASS", "DRIFT", "REJECTED", "N/A", "DISTRIBUTED")
+KINDS = ("PASS", "DRIFT", "REJECTED", "N/A")
 
 
 class AblationError(H3Error):
@@ -101,7 +110,6 @@ class Expected:
     point: str | None = None
     step: int | None = None
     block_point: str | None = None
-    rfc_kind: str | None = None  # for DISTRIBUTED rows: what the RFC expects once it runs (PASS / REJECTED)
 
     def describe(self) -> str:
         if self.kind == "PASS":
@@ -112,13 +120,10 @@ class Expected:
             return f"EXPECTED DRIFT at {self.point} ({where}){block}"
         if self.kind == "REJECTED":
             return "REJECTED as non-comparable"
-        if self.kind == "N/A":
-            return "N/A"
-        return f"{self.rfc_kind or 'PASS'} (needs distributed)"
+        return "N/A"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "point": self.point, "step": self.step, "block_point": self.block_point,
-                "rfc_kind": self.rfc_kind}
+        return {"kind": self.kind, "point": self.point, "step": self.step, "block_point": self.block_point}
 
 
 PASS = Expected("PASS")
@@ -147,6 +152,7 @@ class Ablation:
     check: Callable[["Bench", str], tuple[str, str, bool | None, DriftReport | None]] | None = None
     transform: Callable[[ResolvedRun], ResolvedRun] | None = None
     changes: tuple[str, ...] = ()
+    distributed: str = ""  # a distributed row: what its arms run (h3lab.distributed.ablation_rows)
 
 
 # ======================================================================================================= bench
@@ -698,9 +704,9 @@ def _row(name, factor, description, apply, expected, mode, scope, rfc, probe=Non
                     tuple(changes))
 
 
-def _distributed(name, factor, description, rfc_kind, rfc) -> Ablation:
-    return Ablation(name, factor, description, "distributed", Expected("DISTRIBUTED", rfc_kind=rfc_kind), "strict",
-                    "-", rfc)
+def _distributed(name, factor, description, expected, scope, rfc, arms, transform=None, changes=()) -> Ablation:
+    return Ablation(name, factor, description, "distributed", expected, "strict", scope, rfc,
+                    transform=transform, changes=tuple(changes), distributed=arms)
 
 
 ROWS: dict[str, Ablation] = {r.name: r for r in (
@@ -717,8 +723,9 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
     _row("A3", "Mask / sequence boundary", "the packed document split in two halves that do not attend to each other",
          "op override", drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT at attention",
          transform=_t_A3, changes=("op:attention",)),
-    _distributed("A4", "TP/CP logical ownership", "a row/head/metadata item given to the wrong rank", "REJECTED",
-                 "REJECTED as non-comparable"),
+    _distributed("A4", "TP/CP logical ownership", "CP ranks holding each other's rows (and their metadata)",
+                 Expected("REJECTED"), "forward", "REJECTED as non-comparable",
+                 "one process vs cp 2 with the row shards rotated (2 gloo ranks)"),
     _row("A5", "KV-cache identity / layout", "no KV cache in H3: checks the model carries no state across calls",
          "control", Expected("N/A"), "off", "forward", "N/A; fail if a runtime silently introduces cache semantics",
          check=_check_A5),
@@ -726,12 +733,15 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
          "AdaLN modulation computed in float32 and rounded once (cast point moved)",
          "op override", drift_at("blocks.0.modulate1"), "off", "trajectory", "EXPECTED DRIFT at changed boundary",
          transform=_t_A6, changes=("op:modulate",)),
-    _row("A7", "KV block plan / merge order",
-         "attention over two KV blocks with bfloat16 partials merged in reverse order (a CP plan)", "op override",
-         drift_at("blocks.0.attention"), "off", "trajectory", "EXPECTED DRIFT when order changes",
-         transform=_t_A7, changes=("op:attention",)),
-    _distributed("C0", "TP partition preserving head mapping", "TP degree changed, logical ownership kept", "PASS",
-                 "PASS, byte-equal"),
+    _distributed("A7", "KV block plan / merge order",
+                 "a CP ring-attention plan (2 KV blocks per rank, online softmax, bf16 running output) merged in "
+                 "canonical block order vs in rank order", drift_at("blocks.0.attention"), "forward",
+                 "EXPECTED DRIFT when order changes", "cp 2 ring canonical merge vs cp 2 ring rank-order merge (2 gloo "
+                 "ranks); as a factor of one process: two KV blocks with bf16 partials merged in reverse order",
+                 transform=_t_A7, changes=("op:attention",)),
+    _distributed("C0", "TP partition preserving head mapping",
+                 "the row-parallel layers partitioned by output columns (n_split) instead of K chunks, heads kept on "
+                 "their ranks", PASS, "forward", "PASS, byte-equal", "one process vs tp 2 n_split (2 gloo ranks)"),
     _row("C1", "Sample alone vs packed batch row", "the request at batch position 1 of 2 beside another request",
          "input change", PASS, "strict", "trajectory", "PASS, byte-equal", probe=_probe_C1),
     _row("C2", "Prefill tail vs decode tail", "no autoregressive cache handoff in H3; runs H-C2 instead", "control",
@@ -781,8 +791,9 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
     _row("H16", "Variant identity", "the Ref2VA transformer (transformer_ref/) runs the FL2VA layout",
          "model change", drift_at("video_proj_in"), "off", "trajectory", "checkpoint mapping or packed input",
          transform=_t_H16, changes=("model",)),
-    _distributed("H17", "Distributed metadata", "hidden state sharded, metadata not", "DRIFT",
-                 "first local AdaLN/MM-RoPE use"),
+    _distributed("H17", "Distributed metadata", "hidden rows sharded, per-row metadata not (local row j reads "
+                 "global row j)", drift_at("blocks.0.modulate1"), "forward", "first local AdaLN/MM-RoPE use",
+                 "one process vs cp 2 with the metadata left unsharded (2 gloo ranks)"),
     # ---- 6.3 controls
     _row("H-C0", "Repeat identical one-step model call", "one strict forward at pass 0, twice", "control", PASS,
          "strict", "forward", "bitwise zero drift", probe=_probe_repeat("forward")),
@@ -794,8 +805,10 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
     _row("H-C3", "Canonical vs consistent row permutation",
          "rows and every metadata tensor permuted; keys visited in canonical order", "layout change", PASS, "strict",
          "trajectory", "outputs equal after inverse permutation", probe=_probe_HC3),
-    _distributed("H-C4", "TP1 vs TP2/TP4/TP8", "tensor-parallel degrees", "PASS", "bitwise zero drift"),
-    _distributed("H-C5", "CP1 vs accepted CP topology", "context-parallel topologies", "PASS", "bitwise zero drift"),
+    _distributed("H-C4", "TP1 vs TP2/TP4/TP8", "the strict trajectory at every TP degree the config admits (<= 4 "
+                 "ranks)", PASS, "trajectory", "bitwise zero drift", "one process vs tp 2/4/8 (gloo ranks)"),
+    _distributed("H-C5", "CP1 vs accepted CP topology", "the strict trajectory at every CP degree the config admits, "
+                 "uneven row shards", PASS, "trajectory", "bitwise zero drift", "one process vs cp 2/3/4 (gloo ranks)"),
     _row("H-C6", "Gradient checkpointing off vs on", "training forward + backward of a fixed probe loss",
          "model change", PASS, "off", "forward", "byte-equal forward and accepted gradient profile", probe=_probe_HC6),
     _row("H-C7", "FL2VA/Ref2VA repeated preprocessing", "layouts, sealed inputs and component hashes built twice",
@@ -851,30 +864,63 @@ register_stepper("reordered_euler", _ReorderedEuler, replace=True)
 
 
 # ================================================================================================ running rows
-def _distributed_entry() -> Callable[..., Any] | None:
-    """`h3lab.distributed.run_ablation_row(name, bench, mode)` once the distributed room provides it."""
-    try:
-        from . import distributed
-    except ImportError:
-        return None
-    return getattr(distributed, "run_ablation_row", None)
+def _view(report: Any) -> tuple[bool, Any, Any, int]:
+    """(equal, first, first_in_block, compared) of a `DriftReport` or of its `to_dict()` (points as `DriftPoint`s)."""
+    if not isinstance(report, dict):
+        return report.equal, report.first, report.first_in_block, report.compared
+
+    def point(d):
+        if d is None:
+            return None
+        shapes = {k: tuple(d[k]) if d.get(k) else None for k in ("shape_a", "shape_b")}
+        return DriftPoint(**{**d, **shapes})
+
+    return report["equal"], point(report["first"]), point(report["first_in_block"]), report["compared"]
 
 
-def _observe(expected: Expected, report: DriftReport) -> tuple[str, str, bool]:
-    if report.equal:
-        status, observed = "PASS", f"PASS byte-equal ({report.compared} points compared)"
+def _observe(expected: Expected, report: Any) -> tuple[str, str, bool]:
+    equal, first, first_in_block, compared = _view(report)
+    if equal:
+        status, observed = "PASS", f"PASS byte-equal ({compared} points compared)"
     else:
-        status, observed = "DRIFT", f"DRIFT at {report.first}"
-        if report.first_in_block is not None and report.first_in_block.point != report.first.point:
-            observed += f"; first in-block drift {report.first_in_block.point}"
+        status, observed = "DRIFT", f"DRIFT at {first}"
+        if first_in_block is not None and first_in_block.point != first.point:
+            observed += f"; first in-block drift {first_in_block.point}"
     if expected.kind == "PASS":
-        return status, observed, report.equal
+        return status, observed, equal
     if expected.kind == "DRIFT":
-        ok = (not report.equal and report.first.point == expected.point and report.first.step == expected.step)
+        ok = (not equal and first.point == expected.point and first.step == expected.step)
         if ok and expected.block_point is not None:
-            ok = report.first_in_block is not None and report.first_in_block.point == expected.block_point
+            ok = first_in_block is not None and first_in_block.point == expected.block_point
         return status, observed, ok
     return status, observed, False
+
+
+def _run_distributed(row: Ablation, bench: "Bench", mode: str) -> dict[str, Any]:
+    """A distributed row: its comparisons on local gloo ranks, each judged against the row's signature."""
+    from .distributed import ablation_rows
+
+    comparisons = ablation_rows.run_row(row.name, bench, mode)
+    passed, statuses, observed, failing = True, [], [], None
+    for c in comparisons:
+        if "rejected" in c:
+            status, text, ok = "REJECTED", f"REJECTED: {c['rejected']}", row.expected.kind == "REJECTED"
+        else:
+            status, text, ok = _observe(row.expected, c["report"])
+        c["observed"] = text
+        statuses.append(status)
+        observed.append(f"{c['a']} vs {c['b']} ({c['world']} ranks): {text}")
+        if not ok and failing is None:
+            failing = c
+        passed = passed and ok
+    shown = failing or comparisons[0]
+    report = shown.get("report")
+    return {
+        "status": statuses[comparisons.index(shown)], "observed": "; ".join(observed), "passed": passed,
+        "report": report, "comparisons": comparisons,
+        "first_drift": report["first"] if report else None,
+        "first_in_block": report["first_in_block"] if report else None,
+    }
 
 
 def _compared(row: Ablation, bench: Bench, mode: str) -> tuple[DriftReport, str | None]:
@@ -908,13 +954,8 @@ def run_ablation(name: str, bench: Bench | None = None, mode: str | None = None)
     }
     start = time.perf_counter()
     try:
-        if row.expected.kind == "DISTRIBUTED":
-            entry = _distributed_entry()
-            if entry is None:
-                out.update(status="NEEDS DISTRIBUTED", passed=None,
-                           observed="needs distributed: h3lab.distributed provides no run_ablation_row yet (not run)")
-            else:
-                out.update(entry(name, bench, mode))
+        if row.distributed:
+            out.update(_run_distributed(row, bench, mode))
         elif row.check is not None:
             status, observed, passed, report = row.check(bench, mode)
             out.update(status=status, observed=observed, passed=passed,
@@ -949,7 +990,7 @@ def run_matrix(
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counts: passed, failed, not run (needs distributed), and the names of failed rows."""
+    """Counts: passed, failed, not run (`passed` None: rows the environment cannot run), and the failed rows."""
     return {
         "rows": len(rows),
         "passed": sum(r["passed"] is True for r in rows),

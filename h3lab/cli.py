@@ -5,10 +5,15 @@
     h3lab -d ./MiniMax-H3                                          # interactive session (REPL)
     h3lab --replay sessions/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
     h3lab --info [-d PATH] [--json]                                # snapshot report, no generation
+    torchrun --nproc-per-node 4 -m h3lab --tp 2 --cp 2 -p PROMPT   # strict TP / CP (Ulysses) / SP on 4 ranks
 
 Reference flags (`--ref-image`, `--ref-video`, `--ref-silent-video`, `--ref-video-audio VIDEO AUDIO`,
 `--ref-audio`) may repeat; their command-line order is the reference order. Settings flags map one to one onto
 `h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands.
+
+`--tp T --cp C [--sp] [--row-parallel auto|k_chunks|n_split]` (under torchrun, world size T*C) run the one-shot
+generation, the REPL or a replay on a device mesh (`h3lab.distributed.frontend`): rank 0 runs the front end, the
+other ranks follow its forwards; the mode defaults to strict there (a sharded forward runs strict only).
 
 The CLI parses flags and prints; the work is elsewhere: `--info` is `h3lab.diagnostics.info_report`, `--replay` is
 `h3lab.replay.run_replay`, the REPL is `h3lab.repl.run_repl` given a session factory (`session_from_args`), and a
@@ -119,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="REPL outputs, previews and history (default ./h3lab-session)")
     p.add_argument("--lora", metavar="PATH", default=None,
                    help="generate with this LoRA adapter (PEFT folder or Diffusers .safetensors)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (under torchrun; world = tp*cp)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree (under torchrun)")
+    p.add_argument("--sp", action="store_true", help="sequence parallel inside each TP group (needs --tp > 1)")
+    p.add_argument("--row-parallel", choices=("auto", "k_chunks", "n_split"), default=None,
+                   help="row-parallel layers: the 8-chunk tree split by K (k_chunks) or by output columns (n_split)")
     p.set_defaults(references=[])
     return p
 
@@ -208,8 +218,10 @@ def session_from_args(args: argparse.Namespace):
     from .session import Session
 
     quiet_libraries()
+    mesh = getattr(args, "mesh", None)  # set by h3lab.distributed.frontend under torchrun
+    device = mesh.device if mesh is not None else args.device
     residency = args.residency or ("streamed" if args.gpu_memory is not None else "resident")
-    session = Session(args.model, device=args.device, residency=residency, gpu_memory=args.gpu_memory)
+    session = Session(args.model, device=device, residency=residency, gpu_memory=args.gpu_memory, mesh=mesh)
     if getattr(args, "lora", None):
         session.load_lora(args.lora)  # checked against the snapshot's config; no model loads
     return session
@@ -228,12 +240,14 @@ OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
                "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
+MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel"}
 ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
-    "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory"},
+    "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory", *MESH_FLAGS},
     "one-shot": {"prompt", "json", "show", "zoom", "profile", "residency", "gpu_memory", "session_dir", "lora",
-                 *SETTINGS_FLAGS, *OUTPUT_FLAGS},
-    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS},
+                 *SETTINGS_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
+    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS,
+             *MESH_FLAGS},
 }
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
@@ -258,7 +272,7 @@ def check_flags(args: argparse.Namespace) -> str:
     if args.update and not args.replay:
         raise CliError("--update only goes with --replay FILE")
     action = action_of(args)
-    names = {**SETTINGS_FLAGS, **OUTPUT_FLAGS, **OTHER_FLAGS}
+    names = {**SETTINGS_FLAGS, **OUTPUT_FLAGS, **OTHER_FLAGS, **MESH_FLAGS}
     if action == "one-shot" and args.session_dir is not None and not args.show:
         raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")
     if action == "one-shot" and args.zoom is not None and not args.show:
@@ -428,30 +442,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         action = check_flags(args)
-        settings = settings_from_args(args) if action in ("one-shot", "repl") else None
-        preflight(args, action)
-        if action == "info":
-            return _info(args)
-        if action == "replay":
-            return _replay(args)
-        if action == "repl":
-            from .repl import run_repl
+        mesh = None
+        if action != "info":
+            from .distributed.frontend import mesh_request
 
-            return run_repl(lambda: session_from_args(args), settings, session_dir=args.session_dir,
-                            show=args.show, profile=args.profile, zoom=2 if args.zoom is None else args.zoom)
-        return _one_shot(args)
+            mesh = mesh_request(args)  # None without --tp/--cp/--sp and without torchrun; sets --mode strict
+        settings = settings_from_args(args) if action in ("one-shot", "repl") else None
+        if mesh is not None:  # rank 0 checks and runs the action, the other ranks follow its forwards
+            from .distributed.frontend import run_on_mesh
+
+            def lead_action() -> int:
+                preflight(args, action)
+                return run_action(args, action, settings)
+
+            return run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+        preflight(args, action)
+        return run_action(args, action, settings)
     except KeyboardInterrupt:
         print("h3lab: cancelled", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - the CLI's contract: one line, exit 2
         if os.environ.get("H3LAB_DEBUG"):
             raise
+        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank refuses alike; rank 0 says it once
+            return 2
         message = user_message(err)
         if as_json:
             print(json.dumps({"error": message, "exit": 2}), file=sys.stderr)
         else:
             print(f"h3lab: error: {message}", file=sys.stderr)
         return 2
+
+
+def run_action(args: argparse.Namespace, action: str, settings) -> int:
+    """The chosen action, after `check_flags` and `preflight` (on a mesh: rank 0's part)."""
+    if action == "info":
+        return _info(args)
+    if action == "replay":
+        return _replay(args)
+    if action == "repl":
+        from .repl import run_repl
+
+        return run_repl(lambda: session_from_args(args), settings, session_dir=args.session_dir,
+                        show=args.show, profile=args.profile, zoom=2 if args.zoom is None else args.zoom)
+    return _one_shot(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

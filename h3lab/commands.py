@@ -415,6 +415,18 @@ def _h_status(state):
     return lines
 
 
+@command("mesh", "!mesh", "the device mesh (torchrun --tp/--cp): topology, ranks, row-parallel strategy, this rank",
+         parse=no_args, drain=True)
+def _h_mesh(state):
+    mesh = getattr(state.get_session(), "mesh", None)
+    if mesh is None:
+        return ["one process, no mesh (torchrun --nproc-per-node N -m h3lab --tp T --cp C runs on a mesh)"]
+    t = mesh.topology
+    return [f"mesh {t.name}: {t.world_size} rank(s), row-parallel {t.strategy}, sequence parallel "
+            f"{'on' if t.sp else 'off'}; this front end is rank {mesh.rank} on {mesh.device} "
+            f"({mesh.backend or 'no process group'}); generations record placement {t.name}"]
+
+
 @command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
          args=(Arg(("random",)),))
 def _h_seed(state, value):

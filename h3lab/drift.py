@@ -35,7 +35,9 @@ Diffusers exposes no module for) are listed in `uncompared`, never counted as dr
 The first drift is the first (pass, point) in canonical order whose bytes differ; `DriftPoint` names its pass,
 layer, operator, row axis, the first differing row along it, the packed row and modality that row is (video/audio/
 text rows through the layout's index tensors; AdaLN table rows as timestep_index*3 + tag), the batch item, the
-number of differing rows, max |a-b| and relative L2 ||a-b|| / ||a||. Layout metadata (positions, tags, indices, the
+number of differing rows, max |a-b| and relative L2 ||a-b|| / ||a||. Across ranks (an arm whose spec has a
+placement, captured through the placement's hook view, so both arms are seen in the one-process frame) it also
+names the `owner` of that packed row: the rank, its (cp, tp) coordinates and the local row there. Layout metadata (positions, tags, indices, the
 per-row timestep of every pass) is compared separately (`DriftReport.metadata`): it explains a drift, it is not an
 operator boundary.
 
@@ -420,6 +422,7 @@ class DriftPoint:
     shape_a: tuple | None = None
     shape_b: tuple | None = None
     note: str = ""
+    owner: dict | None = None  # an arm with a placement: the rank(s) holding `packed_row` (`placement.row_owner`)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -439,6 +442,8 @@ class DriftPoint:
             row = f", AdaLN table row {self.table_row} ({self.modality})"
         elif self.row is not None:
             row = f", {self.rows} row {self.row}"
+        if self.owner is not None:
+            row += f" {self.owner['text']}"
         mag = "" if self.max_abs is None else f", max|a-b| {self.max_abs:.3g}, rel L2 {self.rel_l2:.3g}"
         return f"{where}{row}{mag}{'; ' + self.note if self.note else ''}"
 
@@ -734,6 +739,13 @@ def compare(
         if k[1].startswith("blocks."):
             first_in_block = _drift_point(k, cap_a, cap_b, stats, {})
             break
+    placement = next((dict(x.spec.placement) for x in (b, a) if x.spec.placement), None)
+    if placement is not None:  # across ranks: name the rank that holds the first differing row
+        from .distributed.placement import row_owner
+
+        for dp in (first, first_in_block):
+            if dp is not None and dp.packed_row is not None:
+                dp.owner = row_owner(placement, dp.point, dp.packed_row, cap_a.inputs.seq_len)
 
     # --- matrices
     steps = sorted({k[0] for k in common if k[0] >= 0})

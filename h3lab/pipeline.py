@@ -15,9 +15,10 @@ Contract
 - `draw_inputs(settings, layout, schedule, text, cond, config, device) -> DenoiseInputs`: the noise on one CPU
   generator seeded with the request seed in the released order -- one draw per visual condition (augmentation), the
   video noise as a latent tensor, the audio noise in row layout -- then the sealed inputs on `device`.
-- `build_spec(settings, model, layout, schedule, inputs, adapters=(), residency=None) -> RunSpec`: mode, variant,
-  fingerprint, layout, ablation factors by name (checked here), reuse, the speed presets (`presets.preset_for`),
-  adapters, and where the DiT's blocks live (`RunSpec.residency`).
+- `build_spec(settings, model, layout, schedule, inputs, adapters=(), residency=None, mesh=None) -> RunSpec`: mode,
+  variant, fingerprint, layout, ablation factors by name (checked here), reuse, the speed presets
+  (`presets.preset_for`), adapters, where the DiT's blocks live (`RunSpec.residency`) and the device mesh's topology
+  (`RunSpec.placement`).
 - `final_latents(settings, inputs, video, audio, patch)`: the target rows after the loop as (C, T, h, w) video
   latents and (2A, C) audio rows, float32 CPU. `decode_video(vae, latents, settings)` -> uint8 frames at the output
   size (`upscale_frames` from the render canvas); `preview_frame(vae, latents)` -> the middle frame of the smallest
@@ -223,7 +224,8 @@ def draw_inputs(s: GenerationSettings, layout, schedule, text: TextEntry, cond: 
     ).to(device)
 
 
-def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=(), residency: dict | None = None):
+def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=(), residency: dict | None = None,
+               mesh=None):
     """The request's `RunSpec`: its sealed inputs, schedule and layout, its mode, the transformer partition and
     its fingerprint, the ablation factors by name (`h3lab.ablation` applies them inside the loop, the same way
     each time the spec runs), the reuse interval and the LoRA adapters (`Session.load_lora` entries, applied by the
@@ -232,9 +234,14 @@ def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=
     from .presets import preset_for
     from .run import RunSpec
 
+    placement = {}
+    if mesh is not None:  # the topology the run is parallelized on (h3lab.distributed; verify replays on it)
+        t = mesh.topology
+        placement = {"tp": t.tp, "cp": t.cp, "sp": t.sp, "row_parallel": t.row_parallel}
     return RunSpec(inputs, schedule, mode=s.mode, variant=variant_for(s.task),
                    fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                   reuse=s.reuse, preset=preset_for(s, model, layout), adapters=list(adapters), residency=residency)
+                   reuse=s.reuse, preset=preset_for(s, model, layout), adapters=list(adapters), residency=residency,
+                   placement=placement)
 
 
 def variant_for(task: str) -> str:

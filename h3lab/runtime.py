@@ -27,6 +27,14 @@ strict raises `StrictError`); any other exception from a check is a bug in the c
 Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
 plant a perturbation, and the trace records them as backend ``override``.
 
+Placement (`use_placement(p)`, entered by `h3lab.distributed` around a sharded forward): a point-scoped layer before
+the overrides and the mode's kernels. `p.serve(name, point, ops)` returns None (the op runs as usual) or a callable
+that serves the call on the shards -- the row-parallel `linear_tree` as a gather and the declared tree, attention as
+the Ulysses exchange around `ops.dispatch(...)` (so an override or the mode's kernel still computes the attention,
+on all rows of the rank's heads). The trace records served calls (`ops.log_served`), the topology
+(`Trace.placement`) and the forward's collective log (`Trace.collectives`); both are None, and absent from
+`to_dict()`, for a one-process forward.
+
 `last_trace()` returns the `Trace` of the most recent forward in this context: per op call the hook point, the
 requested and actual backend, kernel id, tile config, accumulator dtype, shapes and dtypes, plus device, library
 versions and checkpoint fingerprint. `Trace.to_json()` serialises it.
@@ -194,6 +202,7 @@ _mode: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_mode", defaul
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_overrides", default={})
 _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
 _current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
+_placement: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_placement", default=None)
 
 
 def check_mode(mode: str) -> str:
@@ -227,6 +236,26 @@ def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
+
+
+@contextlib.contextmanager
+def use_placement(placement: Any) -> Iterator[Any]:
+    """Serve the enclosed forwards' ops through `placement` (`serve(name, point, ops) -> callable | None`, and
+    `describe() -> dict` for the trace); `h3lab.distributed` enters it around a sharded forward."""
+    token = _placement.set(placement)
+    try:
+        yield placement
+    finally:
+        _placement.reset(token)
+
+
+def current_placement() -> Any:
+    return _placement.get()
+
+
+def active_overrides() -> tuple[str, ...]:
+    """Names of the ops the enclosing `use_overrides` replace, sorted."""
+    return tuple(sorted(_overrides.get()))
 
 
 @contextlib.contextmanager
@@ -277,6 +306,8 @@ class Trace:
     fingerprint: str = ""
     versions: dict = field(default_factory=dict)
     records: list[OpRecord] = field(default_factory=list)
+    placement: dict | None = None  # topology, rank, ownership of a sharded forward (h3lab.distributed)
+    collectives: Any = None  # its CollectiveLog (`to_dict()`): each collective, its algorithm, fallback state
 
     @property
     def fallbacks(self) -> list[OpRecord]:
@@ -291,7 +322,7 @@ class Trace:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "mode": self.mode,
             "device": self.device,
             "fingerprint": self.fingerprint,
@@ -299,6 +330,11 @@ class Trace:
             "summary": self.summary(),
             "records": [asdict(r) for r in self.records],
         }
+        if self.placement is not None:
+            out["placement"] = self.placement
+        if self.collectives is not None:
+            out["collectives"] = self.collectives.to_dict()
+        return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -357,11 +393,13 @@ class Ops:
     signature plus a keyword `point` (the hook point it serves, recorded in the trace). Every op is a method of the
     class (installed from `OP_NAMES` below), so a table makes no reference cycle."""
 
-    def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True):
+    def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True,
+                 placement: bool = True):
         self.mode = check_mode(mode)
         self.trace = trace
         self.record = record
         self._overrides = _overrides.get() if overrides else {}
+        self._placement = _placement.get() if placement else None
         self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
@@ -374,6 +412,16 @@ class Ops:
         raise AttributeError(f"no op {name!r}: ops are {', '.join(OP_NAMES)}")
 
     def _call(self, name: str, point: str, args: tuple, kwargs: dict) -> Any:
+        if self._placement is not None:
+            served = self._placement.serve(name, point, self)
+            if served is not None:
+                return served(*args, **kwargs)
+        return self.dispatch(name, point, args, kwargs)
+
+    def dispatch(self, name: str, point: str, args: tuple, kwargs: dict | None = None) -> Any:
+        """Op `name` through the overrides and the mode's kernels, traced (what a call runs without a placement,
+        and what a placement calls on the exchanged tensors)."""
+        kwargs = kwargs or {}
         if name in self._overrides:
             self._log(name, point, "override", {"kernel_id": f"override:{name}", "tile": "", "acc_dtype": ""}, args, kwargs)
             return self._overrides[name](*args, **kwargs)
@@ -404,6 +452,11 @@ class Ops:
             )
         self._log(name, point, "torch", _TORCH_INFO, args, kwargs, f"auto fallback: {reason}")
         return REFERENCE_OPS[name](*args, **kwargs)
+
+    def log_served(self, name: str, point: str, info: dict, args: tuple) -> None:
+        """Trace a call a placement served with strict kernels and strict collectives (`info`: kernel_id, tile,
+        acc_dtype)."""
+        self._log(name, point, "strict", info, args, {})
 
     def _log(self, name, point, actual, info, args, kwargs, fallback: str = "") -> None:
         if not self.record:
@@ -438,15 +491,18 @@ def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool 
     """Start a forward in the current mode: a fresh `Trace` becomes `last_trace()` and the returned `Ops` fills it."""
     mode = current_mode()
     trace = Trace(mode=mode, device=str(device), fingerprint=fingerprint, versions=versions())
+    placement = _placement.get()
+    if placement is not None:
+        trace.placement = placement.describe()
     _last_trace.set(trace)
     return Ops(mode, trace, record=record)
 
 
 def mode_op(name: str) -> Callable[..., Any]:
     """Op `name` exactly as the current mode dispatches it (strict fails closed, auto falls back), ignoring overrides
-    and recording nothing: what an override that perturbs only some calls delegates the others to."""
+    and any placement, recording nothing: what an override that perturbs only some calls delegates the others to."""
     mode = current_mode()
-    return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False), name)
+    return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False, placement=False), name)
 
 
 def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:

@@ -17,6 +17,9 @@ Contract
   to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `set_residency(residency, gpu_memory)`
   switches it (`!streaming on|off`); a streamed run records it in `RunSpec.residency` and `result.streaming` holds
   its copy statistics (`--profile`).
+- `mesh=` (an `h3lab.distributed.Mesh`; the torchrun front end passes one): every transformer the session loads or
+  is given is parallelized on it in place (`h3lab.distributed.parallelize`, named by its variant) and every run
+  spec records the topology (`RunSpec.placement`), so a sealed run replays on it.
 - `set_transformer(model, variant="transformer")` gives the session an already-built `H3Transformer` for a variant
   instead of the snapshot's weights (a full-size random DiT built on the GPU, an edited model). It is checked against
   the snapshot's interface -- `text_dim` = the text encoder's hidden width, `in_channels` = the video VAE's latent
@@ -277,11 +280,12 @@ class Session:
 
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
-                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None):
+                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None):
         check_residency(residency, gpu_memory)
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
-        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory)
+        self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
+        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
@@ -544,7 +548,7 @@ class Session:
         layout = pipeline.build_layout(s, media, text, cond, patch)
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
         spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
-                                   residency=self.store.residency_value())
+                                   residency=self.store.residency_value(), mesh=self.mesh)
         if "blocks" in spec.preset and variant not in self.store.injected:  # a pinned model stays whole
             from .presets import release_dropped
 

@@ -106,6 +106,7 @@ class TraceSummary:
         self.kernels: set[str] = set()
         self.fallbacks = 0
         self.head: dict[str, Any] = {}
+        self.collectives: dict[str, dict[str, int]] = {}  # sharded forwards (h3lab.distributed): name -> algorithm
 
     def add(self, trace: runtime.Trace | None) -> None:
         self.forwards += 1
@@ -115,6 +116,13 @@ class TraceSummary:
         if not self.head:
             self.head = {"mode": trace.mode, "device": trace.device, "fingerprint": trace.fingerprint,
                          "versions": trace.versions}
+            if trace.placement is not None:  # topology, this rank and what it holds
+                self.head["placement"] = trace.placement
+        if trace.collectives is not None:
+            for name, algorithms in trace.collectives.summary().items():
+                slot = self.collectives.setdefault(name, {})
+                for algorithm, n in algorithms.items():
+                    slot[algorithm] = slot.get(algorithm, 0) + n
         for op, backends in trace.summary().items():
             slot = self.ops.setdefault(op, {})
             for backend, n in backends.items():
@@ -123,8 +131,11 @@ class TraceSummary:
         self.fallbacks += len(trace.fallbacks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.head, "forwards": self.forwards, "untraced_forwards": self.untraced, "ops": self.ops,
-                "kernels": sorted(self.kernels), "non_strict_calls": self.fallbacks}
+        out = {**self.head, "forwards": self.forwards, "untraced_forwards": self.untraced, "ops": self.ops,
+               "kernels": sorted(self.kernels), "non_strict_calls": self.fallbacks}
+        if self.collectives:
+            out["collectives"] = self.collectives
+        return out
 
 
 # ================================================================================================== recorder

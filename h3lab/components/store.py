@@ -92,10 +92,14 @@ class ComponentStore:
     """The loaded components of one snapshot and their residency (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, device: torch.device, residency: str = "resident",
-                 dtype_policy: str = "released", gpu_memory: float | None = None):
+                 dtype_policy: str = "released", gpu_memory: float | None = None, mesh: Any = None):
         self.path = Path(path)
         self.device = device
         self.residency = check_residency(residency, gpu_memory)
+        if mesh is not None and self.residency == "streamed":
+            raise ValidationError("residency='streamed' with a device mesh: streamed blocks are not sharded (run "
+                                  "streamed on one process, or tensor/context parallel resident)")
+        self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it in place
         self.gpu_memory = None if gpu_memory is None else streaming.check_gpu_memory(gpu_memory)
         self.dtype_policy = dtype_policy
         self.components: dict[str, Any] = {}
@@ -193,7 +197,7 @@ class ComponentStore:
             # Two 33B partitions do not share a GPU: loading one variant releases the other.
             self.release("transformer_ref" if name == "transformer" else "transformer")
             comp = self.injected.get(name)  # pinned by set_transformer: no disk read
-            comp = self._load_transformer(name) if comp is None else self._place(comp)
+            comp = self._load_transformer(name) if comp is None else self._place(comp, name)
         elif name == "text_encoder":
             from .text_encoder import TextEncoder
 
@@ -218,11 +222,18 @@ class ComponentStore:
         streamed = self.residency == "streamed"
         model = H3Transformer.from_pretrained(self.path, subfolder=variant, device=None if streamed else self.device,
                                               dtype_policy=self.dtype_policy)
-        return self._place(model.eval().requires_grad_(False))
+        return self._place(model.eval().requires_grad_(False), variant)
 
     # -------------------------------------------------------------------------------------- residency
-    def _place(self, model):
-        """Make a DiT's placement the policy's: streamed with the store's budget, or resident on the device."""
+    def _place(self, model, variant: str):
+        """Make a DiT's placement the policy's: parallelized on the store's mesh (`h3lab.distributed.parallelize`,
+        once per model, named by its variant), streamed with the store's budget, or resident on the device."""
+        if self.mesh is not None:
+            from ..distributed import parallelize, placement_of
+
+            if placement_of(model) is None:
+                parallelize(model, self.mesh, name=variant)
+            return model
         current = streaming.streamer_of(model)
         if self.residency == "streamed":
             plan = self.plan_for(model)
@@ -256,8 +267,8 @@ class ComponentStore:
             if residency == "streamed":
                 for _, model in dits:
                     self.plan_for(model)  # every plan checked before any block moves
-            for _, model in dits:
-                self._place(model)
+            for variant, model in dits:
+                self._place(model, variant)
         except Exception:
             self.residency, self.gpu_memory = before
             raise
@@ -370,7 +381,7 @@ class ComponentStore:
         """The other transformer partition, loaded beside the resident one without registering it (H16 only)."""
         other = "transformer" if variant == "transformer_ref" else "transformer_ref"
         if other in self.injected:
-            return self._place(self.injected[other])
+            return self._place(self.injected[other], other)
         t0 = time.perf_counter()
         try:
             return self._load_transformer(other)

@@ -15,9 +15,18 @@ rows. Three things make that true here, and each file holds one:
 - `plan.py`         the declarative plan at Diffusers' module paths (`TP_PLAN`: style + reason per entry; `CP_PLAN`:
                     where rows are cut and gathered, where heads are exchanged) and the weight sharding it implies,
                     with its exact inverse.
+- `placement.py`    `parallelize(model, mesh)`: the plan applied to a built `H3Transformer` from outside (weights
+                    sharded in place, module hooks, the runtime's placement layer, the hook view, the per-forward
+                    agreement of every rank); `placement_of(model)`; `Faults` for the ablation probes.
+- `field.py`        the `RunSpec.placement` provider (`{"tp", "cp", "sp", "row_parallel"}`): a sealed run records
+                    its topology and replays on it.
+- `follow.py`       lead / follow: rank 0 runs a front end, the other ranks its forwards (torchrun CLI).
+- `frontend.py`     `torchrun --nproc-per-node N -m h3lab --tp T --cp C ...`: mesh, sessions, lead / follow.
+- `launch.py`       `spawn(fn, n, *args)`: n local gloo CPU processes (the ablation rows, the tests).
+- `ablation_rows.py` the matrix's distributed rows (A4, A7, C0, H17, H-C4, H-C5) on gloo ranks.
 
-The model never imports this package; a plan is applied to a built model from outside (the wiring onto the model's
-modules is the next step, see docs/ARCHITECTURE.md). Forward only for now.
+The model never imports this package; a plan is applied to a built model from outside. Forward only: a sharded
+forward runs under no_grad, in mode strict on more than one rank.
 """
 
 from .collectives import (
@@ -34,14 +43,16 @@ from .collectives import (
     ulysses_attention,
 )
 from .errors import DistributedError, TopologyError
+from .field import check_placement
 from .mesh import Mesh, Topology, check_config, init_mesh, supported_tp
+from .placement import Faults, OwnershipError, Placement, parallelize, placement_of
 from .plan import CP_PLAN, TP_PLAN, PlanEntry, shard_parameters_, shard_state_dict, unshard_state_dict
 from .shards import RowShards, cat_grouped, split_grouped, tree_strategy
 
 __all__ = [
-    "CP_PLAN", "CollectiveLog", "CollectiveRecord", "DistributedError", "Mesh", "PlanEntry", "RowShards", "TP_PLAN",
-    "Topology", "TopologyError", "begin_log", "cat_grouped", "check_config", "gather_columns", "gather_rows",
-    "heads_to_rows", "init_mesh", "last_log", "row_parallel_tree", "rows_to_heads", "scatter_rows",
-    "shard_parameters_", "shard_state_dict", "split_grouped", "supported_tp", "tree_strategy", "ulysses_attention",
-    "unshard_state_dict",
+    "CP_PLAN", "CollectiveLog", "CollectiveRecord", "DistributedError", "Faults", "Mesh", "OwnershipError",
+    "Placement", "PlanEntry", "RowShards", "TP_PLAN", "Topology", "TopologyError", "begin_log", "cat_grouped",
+    "check_config", "check_placement", "gather_columns", "gather_rows", "heads_to_rows", "init_mesh", "last_log",
+    "parallelize", "placement_of", "row_parallel_tree", "rows_to_heads", "scatter_rows", "shard_parameters_",
+    "shard_state_dict", "split_grouped", "supported_tp", "tree_strategy", "ulysses_attention", "unshard_state_dict",
 ]

@@ -45,6 +45,10 @@ code (world size 1 is the one-GPU path).
     grouped layout of `shards.cat_grouped` (groups 1: heads or plain columns; 2: `[value; gate]` of `ff.net.0.proj`
     or `[shift | scale]` of `norm_out.linear`; 18: the six tensors x three modalities of `adaln_proj.linear`).
 
+Timing (`use_timing()`, the benchmarks): a log begun inside it times every transport call (CUDA events on the
+current stream around the NCCL call, so waiting for the slowest rank counts; perf_counter on gloo) and
+`log.transport_seconds()` sums them after the forward, separating communication from compute.
+
 Forward only: the collectives refuse inputs that require grad while grad is enabled (the backward of TP/CP needs its
 own declared reduction trees — weight gradients over row shards, input gradients over output shards — that are not
 defined yet). Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
@@ -52,11 +56,13 @@ defined yet). Inputs are expected on the mesh's device; gloo moves CPU tensors, 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -97,6 +103,20 @@ class CollectiveRecord:
 class CollectiveLog:
     mesh: dict
     records: list[CollectiveRecord] = field(default_factory=list)
+    timed: bool = False
+    transports: list = field(default_factory=list)  # timed: (start, end) CUDA events or perf_counter floats
+    control_seconds: float = 0.0  # timed: host time of the placement's per-forward agreement exchange
+
+    def transport_seconds(self) -> float:
+        """Seconds spent in transport calls (synchronises CUDA events first); 0.0 when not timed."""
+        total = 0.0
+        for start, end in self.transports:
+            if isinstance(start, float):
+                total += end - start
+            else:
+                end.synchronize()
+                total += start.elapsed_time(end) / 1e3
+        return total
 
     def summary(self) -> dict[str, dict[str, int]]:
         """name -> {algorithm: count}."""
@@ -113,13 +133,42 @@ class CollectiveLog:
 
 
 _log: contextvars.ContextVar[CollectiveLog | None] = contextvars.ContextVar("h3lab_collective_log", default=None)
+_timing: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_collective_timing", default=False)
+
+
+@contextlib.contextmanager
+def use_timing(on: bool = True) -> Iterator[None]:
+    """Logs begun inside time their transport calls (module docstring)."""
+    token = _timing.set(on)
+    try:
+        yield
+    finally:
+        _timing.reset(token)
 
 
 def begin_log(mesh: Mesh) -> CollectiveLog:
     """Start the collective log of one forward on this rank; it is what `last_log()` returns until the next."""
-    log = CollectiveLog(mesh=mesh.to_dict())
+    log = CollectiveLog(mesh=mesh.to_dict(), timed=_timing.get())
     _log.set(log)
     return log
+
+
+@contextlib.contextmanager
+def _timed(device: torch.device) -> Iterator[None]:
+    log = _log.get()
+    if log is None or not log.timed:
+        yield
+        return
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        log.transports.append((start, end))
+        return
+    t0 = time.perf_counter()
+    yield
+    log.transports.append((t0, time.perf_counter()))
 
 
 def last_log() -> CollectiveLog | None:
@@ -153,7 +202,8 @@ def _all_gather(t: torch.Tensor, mesh: Mesh, dim: str) -> list[torch.Tensor]:
         return [t]
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(mesh.size(dim))]
-    dist.all_gather(out, t, group=mesh.group(dim))
+    with _timed(t.device):
+        dist.all_gather(out, t, group=mesh.group(dim))
     return out
 
 
@@ -164,8 +214,9 @@ def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
         return send
     send = send.contiguous()
     recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
-                           group=mesh.group(dim))
+    with _timed(send.device):
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                               group=mesh.group(dim))
     return recv
 
 
@@ -240,7 +291,9 @@ def _exchange_rows(t: torch.Tensor, rows: RowShards, mesh: Mesh) -> list[torch.T
     tp = mesh.size("tp")
     mine = rows.sizes[mesh.local_rank("tp")]
     recv = _all_to_all(t.transpose(0, 1), list(rows.sizes), [mine] * tp, mesh, "tp")  # (tp * mine, B, C)
-    return [block.transpose(0, 1) for block in recv.unflatten(0, (tp, mine)).unbind(0)]
+    # contiguous (B, mine, C) blocks: with B > 1 the transposed views are strided, and the strict kernels
+    # downstream (gated residual) take row-major tensors
+    return [block.transpose(0, 1).contiguous() for block in recv.unflatten(0, (tp, mine)).unbind(0)]
 
 
 # ------------------------------------------------------------------------------------------------- (b) Ulysses

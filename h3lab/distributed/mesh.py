@@ -64,7 +64,7 @@ class Topology:
         return f"tp{self.tp}xcp{self.cp}" + ("+sp" if self.sp else "")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "world_size": self.world_size, "strategy": self.strategy}
+        return {**asdict(self), "name": self.name, "world_size": self.world_size, "strategy": self.strategy}
 
 
 def check_degrees(tp, cp, sp, row_parallel: str = "auto") -> Topology:

@@ -34,6 +34,10 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
 - Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
   (fully or up to torch's early stop), so a perturbation shapes the gradients exactly as it shaped the forward.
   `model.recomputing` is True during such a replay, for observers that must count each forward once.
+- Sharded forwards (`h3lab.distributed`): a placement makes a `HookView` current for the forward (`use_view`), and
+  a point that some hook selects fires on the tensor one process would hold there (rows, columns or heads gathered
+  from the ranks); a replacement is cut back to each rank's shard and must be made on every rank alike. The model
+  never knows; a point no hook selects costs nothing more.
 - `model.hook_context` is a caller-owned dict (the denoise loop sets e.g. `{"step": 3}` before each forward) that a
   hook holding the model may read; during a checkpoint replay it reads the dict of the forward being replayed.
 
@@ -49,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -193,11 +197,29 @@ class HookRegistry:
         self._hooks[handle.id] = (fn, selected)
         return handle
 
+    def hooked_points(self) -> frozenset[str]:
+        """Names of the points at least one registered hook fires at."""
+        if any(selected is None for _, selected in self._hooks.values()):
+            return frozenset(self.points)
+        return frozenset().union(*(selected for _, selected in self._hooks.values()))
+
     def fire(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         point = self.points[name]
-        for fn, selected in list(self._hooks.values()):
-            if selected is not None and name not in selected:
-                continue
+        fns = [fn for fn, selected in list(self._hooks.values()) if selected is None or name in selected]
+        if not fns:
+            return tensor
+        view = _view.get()
+        if view is None:
+            return self._run(point, fns, tensor)
+        # A placement's view (h3lab.distributed): hooks see the one-process tensor, a replacement is re-sharded.
+        full = view.to_global(point, tensor)
+        out = self._run(point, fns, full)
+        replaced = view.agree(point, out is not full)
+        return view.to_local(point, out) if replaced else tensor
+
+    def _run(self, point: HookPoint, fns: list, tensor: torch.Tensor) -> torch.Tensor:
+        name = point.name
+        for fn in fns:
             out = fn(point, tensor)
             if out is None:
                 continue
@@ -218,6 +240,30 @@ class HookRegistry:
 
 # ------------------------------------------------------------------------------------------------ call sites
 _active: contextvars.ContextVar[HookRegistry | None] = contextvars.ContextVar("h3lab_active_hooks", default=None)
+_view: contextvars.ContextVar["HookView | None"] = contextvars.ContextVar("h3lab_hook_view", default=None)
+
+
+class HookView(Protocol):
+    """How a placement that shards a forward (h3lab.distributed) shows hooks the one-process tensors: `to_global`
+    gathers a point's local shard (rows, columns or heads) into the tensor one process would have there, `to_local`
+    cuts a replacement back to this rank's shard, `agree(point, replaced)` makes every rank reach the same verdict
+    (a replacement on some ranks only is refused) and returns it."""
+
+    def to_global(self, point: HookPoint, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def to_local(self, point: HookPoint, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def agree(self, point: HookPoint, replaced: bool) -> bool: ...
+
+
+@contextlib.contextmanager
+def use_view(view: "HookView | None") -> Iterator[None]:
+    """Fire the enclosed forward's hooks through `view` (None: hooks see the tensors as computed)."""
+    token = _view.set(view)
+    try:
+        yield
+    finally:
+        _view.reset(token)
 
 
 def active_hooks() -> HookRegistry | None:

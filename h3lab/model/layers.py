@@ -142,9 +142,11 @@ class Attention(nn.Module):
         q = self.hook_q(self.to_q(x))  # (B, S, inner)
         k = self.hook_k(self.to_k(x))
         v = self.hook_v(self.to_v(x))
-        q = q.unflatten(-1, (self.heads, -1))  # (B, S, H, D)
-        k = k.unflatten(-1, (self.heads, -1))
-        v = v.unflatten(-1, (self.heads, -1))
+        # Heads counted from the width (B, S, H, D): a tensor-parallel rank whose to_q/k/v hold whole heads of its
+        # own (h3lab.distributed) sees its H/tp heads; one process sees all H.
+        q = q.unflatten(-1, (-1, self.head_dim))
+        k = k.unflatten(-1, (-1, self.head_dim))
+        v = v.unflatten(-1, (-1, self.head_dim))
 
         q = self.hook_q_norm(self.norm_q(q))
         k = self.hook_k_norm(self.norm_k(k))

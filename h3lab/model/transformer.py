@@ -118,6 +118,10 @@ class H3Transformer(nn.Module):
         """Every hook point, in execution order (docs/ARCHITECTURE.md)."""
         return self._points
 
+    def hooked_points(self) -> frozenset[str]:
+        """Names of the points some registered hook fires at (empty when none is registered)."""
+        return self._hooks.hooked_points()
+
     def add_hook(self, fn: HookFn, names: Iterable[str] | None = None):
         """Register `fn(point, tensor) -> tensor | None` at every point (or only at `names`); returns a handle
         whose `.remove()` unregisters it."""

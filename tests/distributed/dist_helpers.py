@@ -27,3 +27,54 @@ def randn(seed: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:
 def permutation(seed: int, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randperm(n, generator=g)
+
+
+# ------------------------------------------------------------------------------------------- model-level runs
+def _ones(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.long)
+
+
+def build_layout(name: str):
+    """The three layouts of the model-level tests; none of their row counts is a multiple of 2 or 3:
+    t2va 11 rows (CP3 shards 4 + 4 + 3), fl2va 15 (first-frame anchor; CP2 8 + 7), ref2va 17 (an image and an
+    audio reference; CP2 9 + 8, then SP 5 + 4 and 4 + 4)."""
+    from h3lab.layout import Reference
+    from h3lab.layout import build_layout as build
+
+    p = CONFIG.patch_size
+    if name == "t2va":
+        return build("t2va", _ones(3), 1, 2, 4, 3, patch_size=p)
+    if name == "fl2va":
+        return build("fl2va", _ones(3), 2, 2, 4, 3, anchors=("first",), patch_size=p)
+    if name == "ref2va":
+        return build("ref2va", _ones(3), 1, 2, 4, 3, references=(Reference.image(2, 4), Reference.audio(2)),
+                     patch_size=p)
+    raise KeyError(name)
+
+
+def config(layers: int = 2):
+    """CONFIG with `layers` blocks (1: a quarter fewer kernel launches per forward under the interpreter)."""
+    return CONFIG if layers == CONFIG.num_layers else H3Config(**{**CONFIG.to_diffusers(), "num_layers": layers})
+
+
+def build_model(layers: int = 2):
+    """The 12-head model with seeded random weights (released dtypes), the same bytes in every process."""
+    from h3lab import H3Transformer
+    from h3lab.model.random_init import random_state_dict
+
+    c = config(layers)
+    model = H3Transformer(c)
+    model.load_state_dict(random_state_dict(c, 5))
+    return model.eval().requires_grad_(False)
+
+
+def build_spec(layout_name: str, passes: int = 3, mode: str = "strict"):
+    """A sealed strict run of `passes` passes on a layout: seeded text, anchor and noise rows."""
+    from h3lab.ablation import make_inputs
+    from h3lab.run import RunSpec
+    from h3lab.sampler import DualSchedule
+
+    layout = build_layout(layout_name)
+    schedule = DualSchedule.build(passes + 1)
+    inputs = make_inputs(CONFIG, layout, schedule, seed=3)
+    return RunSpec(inputs, schedule, mode=mode, layout=layout)

@@ -346,14 +346,14 @@ def test_ablation_table_of_real_rows(tiny_snapshot):
     from h3lab import ablation
 
     bench = ablation.tiny_bench(str(tiny_snapshot))
-    rows = ablation.run_matrix(bench, names=["A1", "H9", "A4"])  # off-mode probes and a distributed row
+    rows = ablation.run_matrix(bench, names=["A1", "H9", "A4"])  # off-mode probes and a distributed row (2 ranks)
     fig = plots.PLOTS["ablation"](rows)
     cells = fig.axes[0].tables[0].get_celld()
     for i, row in enumerate(rows, start=1):
         want = {True: plots.PASS_COLOR, False: plots.FAIL_COLOR, None: plots.NOT_RUN_COLOR}[row["passed"]]
         assert cells[i, 0].get_facecolor() == pytest.approx(to_rgba(want))
         assert cells[i, 0].get_text().get_text() == row["name"]
-    assert rows[2]["passed"] is None  # A4 needs ranks: drawn grey, never green
+    assert rows[2]["passed"] is True and rows[2]["status"] == "REJECTED"  # A4 ran: refused as non-comparable
     assert_readable(fig)
     with pytest.raises(PlotError, match="run the matrix and pass its rows"):
         plots.PLOTS["ablation"](None)

@@ -1,6 +1,7 @@
 """The RFC ablation matrix on the tiny snapshot: every row declared, every row run in its declared mode, and every
-row's observed signature equal to its expected one (the localiser's first drift *is* the expected operator and pass);
-rows that need several ranks say so and are never counted as passed."""
+row's observed signature equal to its expected one (the localiser's first drift *is* the expected operator and pass).
+The distributed rows (A4, A7, C0, H17, H-C4, H-C5) run too, on 2 local gloo ranks each (h3lab.distributed), and their
+drift rows name the rank that owns the first differing row."""
 
 import json
 
@@ -12,7 +13,7 @@ RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
     + [f"H-C{i}" for i in range(8)]
 )
-DISTRIBUTED = {"A4", "C0", "H17", "H-C4", "H-C5"}
+DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
 
 
@@ -31,11 +32,13 @@ def test_every_rfc_row_is_declared():
     for name, row in A.ROWS.items():
         assert row.factor and row.description and row.rfc and row.apply
         assert row.expected.kind in A.KINDS and row.mode in ("off", "strict")
-        assert (row.expected.kind == "DISTRIBUTED") == (name in DISTRIBUTED)
+        assert bool(row.distributed) == (name in DISTRIBUTED)
         if row.expected.kind == "DRIFT":
             assert row.expected.point and row.expected.step is not None
         if name not in DISTRIBUTED:
             assert (row.probe is None) != (row.check is None)
+        else:  # run by h3lab.distributed.ablation_rows, in strict
+            assert row.probe is None and row.check is None and row.mode == "strict"
     # the strict promises run strict
     assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
         "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3"}
@@ -46,9 +49,6 @@ def test_row_matches_its_expected_signature(matrix, name):
     row = matrix[name]
     assert KEYS <= set(row)
     json.dumps(row)
-    if name in DISTRIBUTED:
-        assert row["passed"] is None and row["status"] == "NEEDS DISTRIBUTED"
-        return
     assert row["passed"] is True, f"{name}: expected {row['expected']}, observed {row['observed']}"
     exp = A.ROWS[name].expected
     if exp.kind == "DRIFT":
@@ -80,9 +80,25 @@ def test_planted_rows_point_at_the_perturbed_row(matrix, bench):
 def test_summary_counts_and_table(matrix):
     rows = [matrix[n] for n in RFC_ROWS]
     s = A.summarize(rows)
-    assert s == {"rows": 36, "passed": 31, "failed": [], "not_run": sorted(DISTRIBUTED, key=RFC_ROWS.index)}
+    assert s == {"rows": 36, "passed": 36, "failed": [], "not_run": []}
     table = A.format_table(rows)
-    assert table.count("\n") == 36 and "needs distributed" in table
+    assert table.count("\n") == 36 and "needs distributed" not in table
+
+
+def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
+    """Every distributed row ran on gloo ranks; A4 was refused before any work; the drift rows' first differing
+    row is the first row of CP rank 1 (rank 0 holds rows [0, 12) of 23 in both arms), named with its owner."""
+    for name in DISTRIBUTED:
+        comparisons = matrix[name]["comparisons"]
+        assert comparisons and all(c["world"] >= 2 for c in comparisons), name
+    assert "wrong ownership" in matrix["A4"]["observed"] and matrix["A4"]["status"] == "REJECTED"
+    first_rank1 = (bench.inputs.seq_len + 1) // 2
+    for name in ("A7", "H17"):
+        f = matrix[name]["first_drift"]
+        assert f["packed_row"] >= first_rank1 and f["owner"]["ranks"] == [1] and f["owner"]["cp"] == 1, name
+        assert f["owner"]["local_row"] == f["packed_row"] - first_rank1
+    assert [c["b"] for c in matrix["H-C4"]["comparisons"]] == ["tp2"]  # the tiny config's 2 heads admit tp 1, 2
+    assert [c["b"] for c in matrix["H-C5"]["comparisons"]] == ["cp2"]
 
 
 def test_a_wrong_expectation_fails(bench, matrix):
@@ -99,3 +115,12 @@ def test_unknown_row_raises(bench):
         A.run_ablation("H18", bench)
     with pytest.raises(ValueError, match="mode"):
         A.run_ablation("H5", bench, mode="fast")
+
+
+def test_a7_is_still_a_factor_of_one_process(bench):
+    """A7 stays a factor (`factors=("A7",)`, `!ablate A7`): two KV blocks with bf16 partials merged in reverse order
+    drift at the first block attention in one process too."""
+    assert "A7" in A.FACTORS
+    a, b = A._factor_probe("A7")(bench, "off")
+    report = A.compare(a, b, reference=bench.reference_capture("off"))
+    assert (report.first.point, report.first.step) == ("blocks.0.attention", 0)

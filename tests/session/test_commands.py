@@ -16,6 +16,7 @@ EXAMPLES = {
     "help": ("!help", ()),
     "plot": ("!plot sigmas s.png", ("sigmas", "s.png")),
     "status": ("!status", ()),
+    "mesh": ("!mesh", ()),
     "seed": ("!seed 7", (7,)),
     "seconds": ("!seconds 2.5", (2.5,)),
     "frames": ("!frames 39", (39,)),

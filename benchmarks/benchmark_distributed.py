@@ -1,0 +1,296 @@
+"""Strict TP / CP (Ulysses) / SP forwards of the full-size H3 transformer (random weights) against one GPU: time,
+peak memory per GPU, communication separated from compute, and byte equality with TP1.
+
+    torchrun --nproc-per-node 2 benchmarks/benchmark_distributed.py --topologies tp2,cp2,tp2+sp --out dist.json
+    python benchmarks/benchmark_distributed.py --out dist_ws1.json          # world size 1: tp1 vs plain strict
+    python benchmarks/benchmark_distributed.py --tiny --topologies tp1 --out x.json   # CPU smoke (interpreter)
+
+Every rank builds the same model (H3Config.full(), `benchmark_forward.init_random_` with one seed, released
+dtypes) on its GPU. Per shape (benchmark_forward's t2va layouts) the plain one-process strict forward is run first on
+the full model (TP1: batch 1 timed, batch 2 kept as the reference bytes); then for each topology the model is
+rebuilt (same bytes), `parallelize`d on a mesh of that topology and measured:
+- `median_s` over --runs forwards (CUDA events, after one warm-up), `peak_mem_gib` of every rank (`peak_mem_gib_ranks`),
+- `comm_median_s`: the transport calls of the strict collectives (CUDA events around each NCCL call, so waiting for
+  the slowest rank counts) plus the per-forward agreement exchange; `compute_median_s` = the rest,
+- `bytes_equal_tp1`: video and audio of both items of a batch of 2 equal TP1's bytes on every rank (and item 0 the
+  batch-1 bytes), `output_sha256` of the batch-1 velocities, the collective summary of one forward.
+A topology whose world size is not the launch's is recorded as skipped. World size 1 ("tp1", the default without
+torchrun) runs the distributed code path on one GPU next to the plain strict model (shared weights, timings
+interleaved): `ratio_vs_plain` and byte equality. `--diffusers-cp` adds Diffusers' own Ulysses
+(`ContextParallelConfig(ulysses_degree=world)`) for contrast where it loads: its time and how far it is from its
+own one-GPU output (it does not promise bytes).
+
+`--row-parallel k_chunks|n_split|auto` picks the row-parallel strategy (the GPU comparison that decides the default).
+One JSON (DESIGN.md schema) from rank 0 to --out. Set NCCL_NVLS_ENABLE=0 on the lent H200 machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+from _common import header, prepare, timed_interleaved, write
+
+TOPOLOGY_HELP = "comma-separated tpT[xcpC][+sp], e.g. tp2,cp2,tp2xcp2,tp2+sp (world size T*C each)"
+
+
+def parse_topology(name: str) -> dict:
+    """'tp2xcp2+sp' -> {"tp": 2, "cp": 2, "sp": True}; 'cp2' -> {"tp": 1, "cp": 2, "sp": False}."""
+    sp = name.endswith("+sp")
+    out = {"tp": 1, "cp": 1, "sp": sp}
+    for part in name.removesuffix("+sp").split("x"):
+        key = part.rstrip("0123456789")
+        if key not in ("tp", "cp") or not part[len(key):].isdigit():
+            raise SystemExit(f"topology {name!r}: {TOPOLOGY_HELP}")
+        out[key] = int(part[len(key):])
+    return out
+
+
+def build_model(config, device, seed: int):
+    """H3Transformer with `init_random_(seed)` weights in the released dtypes, built on `device`."""
+    from benchmark_forward import init_random_
+
+    from h3lab import H3Transformer
+
+    with torch.device("meta"):
+        model = H3Transformer(config)
+    model = model.to_empty(device=device)
+    model.apply_dtype_policy("released")
+    init_random_(model, seed)
+    model.reset_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def shared_copy(model, device):
+    """A second H3Transformer over the same parameter tensors (no extra weight memory)."""
+    from h3lab import H3Transformer
+
+    with torch.device("meta"):
+        other = H3Transformer(model.config)
+    other.load_state_dict(model.state_dict(), assign=True, strict=True)
+    other.reset_buffers(device)
+    other.fingerprint = model.fingerprint
+    return other.eval().requires_grad_(False)
+
+
+def forward(model, inputs):
+    from h3lab import runtime
+
+    with runtime.use_mode("strict"), torch.no_grad():
+        return model(**inputs)
+
+
+def timed_forwards(model, inputs, runs: int, device: str) -> dict:
+    """Seconds of each forward (after one warm-up), its communication seconds (0 for a plain model), peak GiB,
+    and the last forward's outputs."""
+    from h3lab.distributed.collectives import last_log, use_timing
+
+    cuda = device == "cuda"
+    forward(model, inputs)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, comm = [], []
+    for _ in range(runs):
+        with use_timing():
+            before = last_log()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = forward(model, inputs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                out = forward(model, inputs)
+                times.append(time.perf_counter() - t0)
+            log = last_log()
+        comm.append(log.transport_seconds() + log.control_seconds if log is not None and log is not before else 0.0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return {"times_s": times, "comm_s": comm, "peak_mem_gib": peak, "out": out}
+
+
+def free(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gather(obj):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topologies", default=None, help=TOPOLOGY_HELP + " (default: tp<world>, or tp1 alone)")
+    ap.add_argument("--shapes", default="512x512x22f,864x480x56f")
+    ap.add_argument("--runs", type=int, default=7, help="timed forwards per topology and shape (median; >= 5 on GPU)")
+    ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the config's)")
+    ap.add_argument("--row-parallel", default="auto", choices=("auto", "k_chunks", "n_split"))
+    ap.add_argument("--diffusers-cp", action="store_true", help="also time Diffusers' Ulysses CP (contrast)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny() (gloo, interpreter)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    device = prepare(ap, cpu=args.tiny, flag="--tiny")
+    import torch.distributed as dist
+    from benchmark_forward import make_inputs, output_sha256
+
+    from h3lab import runtime
+    from h3lab.config import H3Config
+    from h3lab.distributed import init_mesh, parallelize
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    config = H3Config.tiny() if args.tiny else H3Config.full()
+    if args.layers is not None:
+        config = H3Config(**{**config.to_diffusers(), "num_layers": args.layers})
+    shapes = ["tiny-64x64x22f"] if args.tiny else args.shapes.split(",")
+    names = (args.topologies or (f"tp{world}" if world > 1 else "tp1")).split(",")
+    if world > 1 and not dist.is_initialized():  # under torchrun: start the process group through a first mesh
+        first = parse_topology(names[0])
+        init_mesh(tp=first["tp"], cp=first["cp"], sp=first["sp"], device="cpu" if args.tiny else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dev = torch.device("cpu") if args.tiny else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+    results, checks = [], []
+    t0 = time.time()
+    model = build_model(config, dev, seed=1234)
+    print(f"rank {rank}: built ({sum(p.numel() for p in model.parameters())/1e9:.3f} B params) in "
+          f"{time.time() - t0:.1f} s", flush=True)
+
+    # TP1: the plain one-process strict forward on the full model; batch 2 is the reference bytes.
+    reference = {}
+    for shape in shapes:
+        layout, one = make_inputs(config, shape, 1, dev, seed=7)
+        _, two = make_inputs(config, shape, 2, dev, seed=7)
+        measured = timed_forwards(model, one, args.runs, device)
+        v1, a1 = measured.pop("out")
+        v2, a2 = forward(model, two)
+        reference[shape] = (layout.sequence_length, one, two, (v1.cpu(), a1.cpu()), (v2.cpu(), a2.cpu()),
+                            statistics.median(measured["times_s"]))
+        results.append({"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict", "topology": "plain",
+                        "median_s": statistics.median(measured["times_s"]), "runs": args.runs,
+                        "times_s": measured["times_s"], "peak_mem_gib": measured["peak_mem_gib"],
+                        "output_sha256": output_sha256(v1, a1), "rank": rank})
+        print(f"rank {rank} {shape} plain strict: {results[-1]['median_s'] * 1e3:.2f} ms", flush=True)
+
+    if world > 1:  # each topology rebuilds the same weights and shards them in place
+        del model
+        model = None
+        free(dev)
+    for name in names:
+        topo = parse_topology(name)
+        if topo["tp"] * topo["cp"] != world:
+            results.append({"shape": "-", "rows": 0, "impl": f"h3lab-strict-{name}", "topology": name,
+                            "skipped": f"world size {topo['tp'] * topo['cp']} != launch world size {world}"})
+            continue
+        mesh = init_mesh(tp=topo["tp"], cp=topo["cp"], sp=topo["sp"], device=dev, config=config,
+                         row_parallel=args.row_parallel)
+        # world size 1: the distributed code path beside the plain model, on the same weights
+        placed = shared_copy(model, dev) if world == 1 else build_model(config, dev, seed=1234)
+        parallelize(placed, mesh)
+        for shape in shapes:
+            rows, one, two, ref1, ref2, plain_s = reference[shape]
+            if world == 1:  # plain and placed calls interleaved (a, b, a, b): clock drift hits both alike
+                pair = timed_interleaved({"plain": lambda: forward(model, one), "placed": lambda: forward(placed, one)},
+                                         args.runs, device)
+                plain_s = statistics.median(pair["plain"][0])
+                measured = {"times_s": pair["placed"][0], "comm_s": [0.0] * args.runs,
+                            "peak_mem_gib": pair["placed"][1], "out": forward(placed, one)}
+            else:
+                measured = timed_forwards(placed, one, args.runs, device)
+            trace = runtime.last_trace()  # of the last batch-1 forward
+            v1, a1 = measured.pop("out")
+            v2, a2 = forward(placed, two)
+            equal = bool(torch.equal(v2.cpu(), ref2[0]) and torch.equal(a2.cpu(), ref2[1])
+                         and torch.equal(v1.cpu(), ref1[0]) and torch.equal(a1.cpu(), ref1[1])
+                         and torch.equal(v2[:1].cpu(), ref1[0]) and torch.equal(a2[:1].cpu(), ref1[1]))
+            per_rank = gather({"equal": equal, "peak": measured["peak_mem_gib"],
+                               "median_s": statistics.median(measured["times_s"]),
+                               "comm_s": statistics.median(measured["comm_s"])})
+            med = statistics.median(measured["times_s"])
+            comm = statistics.median(measured["comm_s"])
+            entry = {"shape": shape, "rows": rows, "impl": f"h3lab-strict-{name}", "topology": name,
+                     "world_size": world, "row_parallel": mesh.topology.strategy, "median_s": med,
+                     "runs": args.runs, "times_s": measured["times_s"], "peak_mem_gib": measured["peak_mem_gib"],
+                     "peak_mem_gib_ranks": [r["peak"] for r in per_rank],
+                     "median_s_ranks": [r["median_s"] for r in per_rank],
+                     "comm_median_s": comm, "compute_median_s": med - comm,
+                     "comm_median_s_ranks": [r["comm_s"] for r in per_rank],
+                     "bytes_equal_tp1": all(r["equal"] for r in per_rank),
+                     "ratio_vs_plain": med / plain_s, "output_sha256": output_sha256(v1, a1),
+                     "collectives": trace.collectives.summary() if trace and trace.collectives else None}
+            results.append(entry)
+            print(f"rank {rank} {shape} {name}: {med * 1e3:.2f} ms (comm {comm * 1e3:.2f} ms), peak "
+                  f"{measured['peak_mem_gib']:.1f} GiB, bytes equal TP1: {entry['bytes_equal_tp1']}, ratio vs plain "
+                  f"{entry['ratio_vs_plain']:.3f}", flush=True)
+        del placed
+        free(dev)
+
+    if args.diffusers_cp:
+        checks += diffusers_contrast(config, dev, shapes, world, args.runs, device)
+
+    doc = header("distributed" if not args.tiny else "distributed_tiny_smoke", __file__, argv, device,
+                 config={"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+                         "heads": config.num_attention_heads},
+                 world_size=world, weights="random (seeded, the same on every rank)", checks=checks)
+    doc["results"] = results
+    if rank == 0:
+        write(args.out, doc)
+    return doc
+
+
+def diffusers_contrast(config, dev, shapes, world, runs, device) -> list[dict]:
+    """Diffusers' own context parallelism (Ulysses over all ranks), where it loads: time, and max |diff| from its
+    own one-GPU forward (it makes no byte promise). Any failure is recorded, not raised."""
+    from benchmark_forward import build_diffusers, make_inputs
+
+    out = []
+    try:
+        from diffusers import ContextParallelConfig
+
+        dm = build_diffusers(config, dev, seed=1234)
+        single = {}
+        for shape in shapes:
+            _, one = make_inputs(config, shape, 1, dev, seed=7)
+            with torch.no_grad():
+                single[shape] = dm(**one, return_dict=False)
+        dm.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        for shape in shapes:
+            layout, one = make_inputs(config, shape, 1, dev, seed=7)
+            times = []
+            for i in range(runs + 1):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    v, a = dm(**one, return_dict=False)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            diff = max(float((v.float() - single[shape][0].float()).abs().max()),
+                       float((a.float() - single[shape][1].float()).abs().max()))
+            out.append({"check": "diffusers_ulysses", "shape": shape, "rows": layout.sequence_length,
+                        "ulysses_degree": world, "median_s": statistics.median(times),
+                        "max_abs_diff_vs_one_gpu": diff, "bytes_equal_one_gpu": diff == 0.0})
+    except Exception as exc:  # noqa: BLE001 - a contrast that does not load is a result, not a crash
+        out.append({"check": "diffusers_ulysses", "error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Lead / follow: rank 0 runs a front end (one-shot, REPL, replay) as one process would; the other ranks run the
+same sharded forwards. Used by `torchrun ... -m h3lab --tp T --cp C` (`frontend.py`).
+
+Every rank holds the same parallelized models (each rank's session loads and parallelizes them alike); only rank 0
+encodes, decodes, writes and prints. Rank 0 (`lead(channel)`) announces over a gloo control group whose timeout is
+long (an idle REPL waits for its user; the mesh's own groups only carry forwards):
+
+  ("resolve", key, spec)            a run with a placement starts (`RunSpec.placement`'s provider): the followers
+                                    resolve the same spec on their model `key` (mode, the factors' overrides and
+                                    hooks, the placement check) -- the inputs are rank 0's, broadcast
+  ("forward", key, mode, args, hooked)   before every sharded forward on rank 0: its arguments (host copies), its mode,
+                                    and the points rank 0 has hooks at (followers observe the same points, so the
+                                    hook view's gathers match)
+  ("end",)                          that run ended (also on error)
+  ("stop",)                         the front end is done: `follow` returns
+
+A run whose spec carries custom callables cannot be announced (callables do not travel) and is refused on rank 0.
+A follower that fails a forward keeps following: the forward's agreement step makes rank 0 raise the same one-line
+error, which the front end reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+from ..errors import H3Error
+from .errors import DistributedError
+from .mesh import Mesh
+from .placement import Placement, add_announcer
+
+CONTROL_TIMEOUT = timedelta(days=7)
+_channel: list["Channel"] = []  # the lead channel while `lead` runs on rank 0
+
+
+class Channel:
+    """Rank 0 -> every rank, objects through `broadcast_object_list` on a dedicated gloo group (created
+    collectively: every rank must build its Channel at the same point)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    def send(self, message: tuple) -> None:
+        if self.group is not None:
+            dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def recv(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def leading() -> "Channel | None":
+    return _channel[-1] if _channel else None
+
+
+@contextlib.contextmanager
+def lead(channel: Channel) -> Iterator[Channel]:
+    """Rank 0: announce every sharded forward (and every placed run) to the followers; "stop" them at the end."""
+    if channel.mesh.rank != 0:
+        raise DistributedError(f"lead: rank {channel.mesh.rank} is a follower; rank 0 leads")
+    remove = add_announcer(_announce_forward)
+    _channel.append(channel)
+    try:
+        yield channel
+    finally:
+        _channel.pop()
+        remove()
+        channel.send(("stop",))
+
+
+def _host(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _announce_forward(placement: Placement, arguments: dict) -> None:
+    channel = leading()
+    if channel is None:
+        return
+    args = {k: _host(v) for k, v in arguments.items() if k != "self"}
+    hooked = sorted(placement.model.hooked_points())
+    channel.send(("forward", placement.name, runtime.current_mode(), args, hooked))
+
+
+@contextlib.contextmanager
+def announce_run(run: Any, placement: Placement) -> Iterator[None]:
+    """The placement provider's part in lead mode: announce the run's spec ("resolve") and its end."""
+    channel = leading()
+    if channel is None:
+        yield
+        return
+    spec = run.spec
+    if not spec.sealable:
+        raise DistributedError(
+            f"a run with custom callables ({spec.custom.describe()}) cannot be announced to the other ranks of "
+            f"{placement.topology.name}: use ablation factors (by name) or run the research code on every rank"
+        )
+    payload = {"spec": spec.to_dict(), "tensors": {k: _host(v) for k, v in spec.tensors().items()}}
+    channel.send(("resolve", placement.name, payload))
+    try:
+        yield
+    finally:
+        channel.send(("end",))
+
+
+def _observer(point, tensor) -> None:
+    return None
+
+
+def follow(channel: Channel, models: Callable[[str], Any]) -> None:
+    """A follower's loop (ranks > 0) until rank 0 says "stop". `models(key)`: this rank's parallelized model for
+    a placement name ("transformer", "transformer_ref")."""
+    from ..run import RunSpec, resolve
+
+    device = channel.mesh.device
+    runs: list[contextlib.ExitStack | None] = []
+    while True:
+        message = channel.recv()
+        op = message[0]
+        if op == "stop":
+            for stack in reversed(runs):
+                if stack is not None:
+                    stack.close()
+            return
+        try:
+            if op == "resolve":
+                _, key, payload = message
+                runs.append(None)
+                spec = RunSpec.from_dict(payload["spec"], payload["tensors"]).to(device)
+                stack = contextlib.ExitStack()
+                stack.enter_context(resolve(spec, models(key), models=models))
+                runs[-1] = stack
+            elif op == "end":
+                stack = runs.pop() if runs else None
+                if stack is not None:
+                    stack.close()
+            elif op == "forward":
+                _, key, mode, args, hooked = message
+                _forward(models(key), mode, args, hooked, device, in_run=bool(runs))
+            else:
+                raise DistributedError(f"follow: unknown message {op!r} from rank 0")
+        except H3Error as exc:  # rank 0 reports the same error (agreement); keep following
+            if os.environ.get("H3LAB_DEBUG"):
+                print(f"h3lab rank {channel.mesh.rank}: {exc}", file=sys.stderr)
+
+
+def _forward(model: Any, mode: str, args: dict, hooked: list[str], device, in_run: bool) -> None:
+    missing = sorted(set(hooked) - model.hooked_points())
+    handle = model.add_hook(_observer, names=missing) if missing else None
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    try:
+        with contextlib.ExitStack() as stack:
+            if not in_run:
+                stack.enter_context(runtime.use_mode(mode))
+            stack.enter_context(torch.no_grad())
+            model(**args)
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -1,0 +1,65 @@
+"""The torchrun front end: `torchrun --nproc-per-node N -m h3lab --tp T --cp C [--sp] [--row-parallel S] ...`.
+
+`h3lab.cli` calls `mesh_request(args)` (None unless a mesh flag is given or WORLD_SIZE > 1) and, with a mesh,
+`run_on_mesh(args, mesh, action, session_factory)`:
+- every rank builds the mesh (`init_mesh`: under torchrun it starts the process group, NCCL for CUDA devices, gloo
+  for `--device cpu`; a refused topology is the same one-line error on every rank) and a control channel;
+- rank 0 runs the action (preflight included) as one process would -- one-shot generation, REPL, replay -- with a
+  session on the mesh (`Session(mesh=...)`: its transformers parallelized, its specs recording the placement), and
+  leads (`follow.lead`): every placed run and every sharded forward is announced; only rank 0 encodes, decodes,
+  writes and prints;
+- the other ranks follow (`follow.follow`) with their own session, which loads and parallelizes a transformer the
+  first time rank 0 runs it; they return when rank 0's action ends (also on error).
+The mode defaults to strict on a mesh of more than one rank; another mode is refused there. World size 1
+(`h3lab --tp 1`) runs the same code path without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from .errors import TopologyError
+from .follow import Channel, follow, lead
+from .mesh import Mesh, init_mesh
+
+MESH_ARGS = ("tp", "cp", "sp", "row_parallel")
+
+
+def mesh_request(args: Any) -> Mesh | None:
+    """The mesh the flags (or torchrun's WORLD_SIZE) ask for, built on every rank; None for a one-process run.
+    Sets `args.mesh` and, on a mesh of several ranks, `args.mode` to strict when it was not given."""
+    asked = any(getattr(args, name, None) not in (None, False) for name in MESH_ARGS)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not asked and world == 1:
+        return None
+    tp, cp = args.tp or 1, args.cp or 1
+    if tp * cp != world:
+        raise TopologyError(f"--tp {tp} --cp {cp} needs {tp * cp} rank(s), this launch has {world}: run "
+                            f"torchrun --nproc-per-node {tp * cp} -m h3lab --tp {tp} --cp {cp} ...")
+    if tp * cp > 1:
+        if args.mode is None:
+            args.mode = "strict"
+        elif args.mode != "strict":
+            raise TopologyError(f"--mode {args.mode} with --tp {tp} --cp {cp}: a forward on several ranks runs in mode "
+                                "strict only")
+    mesh = init_mesh(tp=tp, cp=cp, sp=bool(args.sp), device=args.device, row_parallel=args.row_parallel or "auto")
+    args.mesh = mesh
+    return mesh
+
+
+def run_on_mesh(args: Any, mesh: Mesh, action: Callable[[], int], session_factory: Callable[[], Any]) -> int:
+    """Rank 0 runs `action()` and leads; the other ranks follow with `session_factory()`'s transformers."""
+    channel = Channel(mesh)
+    if mesh.rank == 0:
+        with lead(channel):
+            return action()
+    sessions: list = []
+
+    def models(key: str):
+        if not sessions:
+            sessions.append(session_factory())
+        return sessions[0].transformer(key)
+
+    follow(channel, models)
+    return 0

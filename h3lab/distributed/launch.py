@@ -1,0 +1,103 @@
+"""Local gloo ranks: `spawn(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` CPU processes
+joined by a gloo process group and returns each rank's result, in rank order. What the ablation matrix's
+distributed rows and the tests use (a GPU run is launched with torchrun instead).
+
+- Processes start from a forkserver that has imported torch, triton, h3kernels and h3lab's model, run-spec,
+  drift and distributed modules once, so a run costs about a second of start-up instead of a fresh interpreter per
+  rank. The environment is inherited (`TRITON_INTERPRET=1` for strict kernels on the CPU). `fn` must be a
+  module-level function (it is pickled by reference); its arguments are pickled (tensors through shared memory).
+- Rendezvous through a file in a fresh temporary directory (no ports); gloo's timeout is 60 s, so a rank stuck in a
+  collective fails the run rather than hanging it.
+- `fn` returns a dict of tensors and strings (or None). Tensors come back through one safetensors file per rank,
+  strings through its metadata.
+- A rank that raises fails the run (the other ranks are terminated) with `RankFailed`: one line naming the rank and
+  its error's last line, chained to torch's exception that holds the rank's whole traceback. A run past `timeout`
+  seconds terminates the processes it started and raises `TimeoutError`.
+- Each rank runs with one torch thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import tempfile
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .errors import DistributedError
+
+PRELOAD = ["torch", "triton", "h3kernels", "h3kernels.gemm", "h3kernels.attention", "h3lab.model", "h3lab.run",
+           "h3lab.drift", "h3lab.distributed"]
+_started = False
+
+
+def _ensure_forkserver() -> None:
+    global _started
+    if not _started:
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        _started = True
+
+
+def _child(rank: int, fn: Callable, world_size: int, rendezvous: str, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        result = fn(rank, world_size, *args) or {}
+    except BaseException:
+        with contextlib.suppress(Exception):  # a peer that already left must not mask this rank's own error
+            dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    tensors = {k: v.detach().contiguous().clone() for k, v in result.items() if isinstance(v, torch.Tensor)}
+    strings = {k: v for k, v in result.items() if isinstance(v, str)}
+    if len(tensors) + len(strings) != len(result):
+        raise TypeError(f"rank {rank}: results must be tensors or strings, got {sorted(result)}")
+    tmp = os.path.join(out_dir, f"rank{rank}.tmp")
+    save_file(tensors, tmp, metadata=strings or None)  # an empty metadata dict writes an unreadable header
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.safetensors"))
+
+
+class RankFailed(DistributedError):
+    """A spawned rank raised; the message is its error's last line, the cause its traceback."""
+
+
+def _joined(ctx) -> bool:
+    try:
+        return ctx.join(timeout=0.5)
+    except torch_mp.ProcessRaisedException as exc:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise RankFailed(f"rank {exc.error_index} failed: {lines[-1].strip() if lines else exc}") from exc
+
+
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list[dict]:
+    """Run `fn(rank, world_size, *args)` on `world_size` local gloo ranks; each rank's returned dict, rank order."""
+    _ensure_forkserver()
+    with tempfile.TemporaryDirectory(prefix="h3lab-dist-") as tmp:
+        ctx = torch_mp.start_processes(
+            _child, args=(fn, world_size, os.path.join(tmp, "rendezvous"), tmp, args), nprocs=world_size,
+            join=False, start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout
+        while not _joined(ctx):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    if process.is_alive():
+                        process.terminate()
+                raise TimeoutError(f"spawn({fn.__name__}, {world_size}): ranks still running after {timeout} s")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.safetensors")
+            out: dict = dict(load_file(path))
+            with safe_open(path, "pt") as f:
+                out.update(f.metadata() or {})
+            results.append(out)
+        return results

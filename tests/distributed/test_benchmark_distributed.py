@@ -1,0 +1,57 @@
+"""CPU smoke of benchmarks/benchmark_distributed.py (the GPU script the lead runs): tiny config, one block, one timed
+forward, under the interpreter -- on 2 gloo ranks (tp2: the multi-GPU path) and in one process (tp1 through the
+distributed code path beside plain strict: the single-H200 run). Timings are not checked, only the schema, the byte
+equality with TP1 and that communication was timed apart from compute."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from harness import run_ranks
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ARGS = ["--tiny", "--layers", "1", "--runs", "1"]
+SCHEMA = {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"}
+
+
+def _bench(rank: int, world: int, out: str) -> dict:
+    sys.path.insert(0, str(BENCHMARKS))
+    import benchmark_distributed
+
+    benchmark_distributed.main([*ARGS, "--topologies", "tp2,tp2xcp2", "--out", out])
+    return {}
+
+
+def _check(doc: dict, topology: str, world: int) -> dict:
+    assert SCHEMA <= set(doc) and doc["world_size"] == world
+    plain = [r for r in doc["results"] if r["topology"] == "plain"]
+    (placed,) = [r for r in doc["results"] if r["topology"] == topology]
+    assert plain and {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(placed)
+    assert placed["bytes_equal_tp1"] is True and placed["output_sha256"] == plain[0]["output_sha256"]
+    assert len(placed["peak_mem_gib_ranks"]) == world and placed["median_s"] > 0
+    return placed
+
+
+def test_two_gloo_ranks(tmp_path):
+    out = tmp_path / "dist.json"
+    run_ranks(_bench, 2, str(out), timeout=240)
+    doc = json.loads(out.read_text())
+    placed = _check(doc, "tp2", 2)
+    assert placed["comm_median_s"] > 0 and placed["compute_median_s"] > 0
+    # O-proj and FFN down of the tiny config's 2 refiner blocks and 1 block (--layers 1)
+    assert placed["collectives"]["row_parallel_tree"] == {"all_gather + tree": 6}
+    assert [r["skipped"] for r in doc["results"] if r["topology"] == "tp2xcp2"] == [
+        "world size 4 != launch world size 2"]
+
+
+def test_world_size_one(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", ["benchmark_distributed.py"])
+    import benchmark_distributed
+
+    out = tmp_path / "ws1.json"
+    benchmark_distributed.main([*ARGS, "--out", str(out)])
+    placed = _check(json.loads(out.read_text()), "tp1", 1)
+    assert placed["comm_median_s"] == 0 and placed["collectives"] == {} and placed["ratio_vs_plain"] > 0

@@ -1,0 +1,101 @@
+"""The torchrun front end: `torchrun --nproc-per-node 2 -m h3lab --tp 2 --device cpu --replay FILE` on gloo (rank 0
+runs the replay through the command registry, rank 1 follows its forwards; inputs are rank 0's, broadcast). The same
+replay run first in one process records its `# expect` line; the torchrun run must match it (exit 0: the distributed
+trajectory digest equals the one-process strict digest), seal the run with its topology and verify it on the mesh.
+One process then refuses to replay the sealed tp2 run (it names its topology). The REPL's lead / follow path runs
+on two gloo ranks in-process (prompt-toolkit pipe input)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import run_ranks
+
+from h3lab import cli
+from h3lab.distributed import TopologyError
+from h3lab.model import H3Transformer
+from h3lab.trajectory import load, verify
+
+REPLAY = """\
+!size 64x64
+!frames 5
+!steps 2
+!mode strict
+!mesh
+A red fox walks through fresh snow.
+"""
+ON_THE_MESH = """\
+!trajectory save sealed
+!trajectory verify sealed
+"""
+
+
+def test_torchrun_replay_equals_one_process_and_replays_its_topology(tmp_path, tiny_snapshot, capsys):
+    replay = tmp_path / "dist.h3"
+    replay.write_text(REPLAY)
+    assert cli.main(["-d", str(tiny_snapshot), "--replay", str(replay), "--update"]) == 0
+    one = capsys.readouterr().out
+    assert "one process, no mesh" in one
+    expect = [line for line in replay.read_text().splitlines() if line.startswith("# expect")]
+    assert len(expect) == 1
+    one_digest = expect[0].split()[-1]
+    replay.write_text(replay.read_text() + ON_THE_MESH)
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "h3lab",
+           "--tp", "2", "--device", "cpu", "-d", str(tiny_snapshot), "--replay", str(replay)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert "mesh tp2xcp1: 2 rank(s), row-parallel k_chunks" in out and "rank 0 on cpu (gloo)" in out
+    assert "1 checked, 0 mismatches" in out  # the one-process expect line holds on the mesh
+    assert "OK: 2/2 passes byte-equal" in out  # !trajectory verify replayed the sealed run on tp2
+    assert out.count("replay ") == 1  # only rank 0 prints
+
+    sealed = load(tmp_path / "sealed")
+    assert sealed.digest == one_digest
+    assert dict(sealed.spec.placement) == {"tp": 2, "cp": 1, "sp": False, "row_parallel": "auto"}
+    assert sealed.manifest["trace"]["placement"]["topology"]["name"] == "tp2xcp1"
+    model = H3Transformer.from_pretrained(tiny_snapshot, subfolder="transformer")
+    with pytest.raises(TopologyError, match=r"placement tp2xcp1 \(k_chunks\): the run's model is not parallelized"):
+        verify(tmp_path / "sealed", model)
+    assert Path(tmp_path / "sealed" / "manifest.json").is_file()
+
+
+def _repl_rank(rank: int, world: int, snapshot: str, out_dir: str) -> dict:
+    """The torchrun REPL's code path on 2 gloo ranks: rank 0 runs the REPL (prompt-toolkit pipe input; generations
+    in the REPL's worker thread) and leads, rank 1 follows with its own session."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from h3lab.distributed import init_mesh
+    from h3lab.distributed.frontend import run_on_mesh
+    from h3lab.repl import run_repl
+    from h3lab.session import Session
+    from h3lab.settings import GenerationSettings
+
+    mesh = init_mesh(tp=2, device="cpu")
+    factory = lambda: Session(snapshot, device="cpu", mesh=mesh)  # noqa: E731
+    lines: list[str] = []
+
+    def repl() -> int:
+        with create_pipe_input() as inp:
+            inp.send_text(f"!mesh\na red fox\n!trajectory save {out_dir}/sealed\n!quit\n")
+            settings = GenerationSettings(mode="strict", width=64, height=64, steps=1)
+            return run_repl(factory, settings, session_dir=out_dir, input=inp, output=DummyOutput(),
+                            printer=lines.append)
+
+    return {"rc": str(run_on_mesh(None, mesh, repl, factory)), "lines": "\n".join(lines)}
+
+
+def test_repl_on_rank_zero_with_a_follower(tmp_path, tiny_snapshot):
+    results = run_ranks(_repl_rank, 2, str(tiny_snapshot), str(tmp_path), timeout=240)
+    assert [r["rc"] for r in results] == ["0", "0"] and results[1]["lines"] == ""  # rank 1 followed, printed nothing
+    out = results[0]["lines"]
+    assert "mesh tp2xcp1: 2 rank(s)" in out and "ran strict: strict" in out and "sealed in" in out
+    sealed = load(tmp_path / "sealed")
+    assert dict(sealed.spec.placement)["tp"] == 2 and sealed.manifest["trace"]["non_strict_calls"] == 0
