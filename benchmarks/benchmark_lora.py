@@ -67,6 +67,10 @@ def main(argv=None) -> dict:
                         "interpreter)")
     parser.add_argument("--runs", type=int, default=3, help="timed steps per mode after one warm-up (default 3)")
     parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--factor-dtypes", default="float32",
+                        help="comma list of the LoRA factors' dtype to time in turn (float32 = h3lab's adapters; "
+                             "bfloat16 = an experiment: the same factors cast to the base dtype, float32 masters in "
+                             "StrictAdamW, to see what the float32 factor GEMMs cost)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
@@ -85,48 +89,63 @@ def main(argv=None) -> dict:
     lora_numel = sum(p.numel() for _, p in params)
     doc = header("lora", __file__, argv, device, config={"hidden": config.hidden_size, "layers": config.num_layers},
                  lora={"rank": args.rank, "alpha": float(args.rank), "modules": len(params) // 2,
-                       "parameters": lora_numel, "dtype": "float32", "gradient_checkpointing": True},
+                       "parameters": lora_numel, "dtype": args.factor_dtypes, "gradient_checkpointing": True},
                  target_ratio=1.3)
 
-    optimizers = {m: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for m in MODES}  # one per mode: a mode's
-    # steps see only its own optimiser state; both move the same factors, which changes no timing
+    dtypes = args.factor_dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad:
+        parser.error(f"--factor-dtypes {bad[0]!r}: must be float32 or bfloat16")
 
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
-    def step(mode: str):
-        def run():
-            result = gradients(mode)
-            optimizers[mode].step(result.gradient)
-        return run
+    doc["ratios_strict_over_off"] = {}
+    for factor_dtype in dtypes:
+        with torch.no_grad():
+            for _, p in params:
+                p.data = p.data.to(getattr(torch, factor_dtype))
+        optimizers = {m: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for m in MODES}  # one per mode: a mode's
+        # steps see only its own optimiser state; both move the same factors, which changes no timing
 
-    repeat, calls = {}, {}
-    for mode in MODES:  # byte-repeatability from the same weights, before any optimiser step
-        a, b = gradients(mode), gradients(mode)
-        repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
-        calls[mode] = a.trace.to_dict()
-        sync(device)
-    timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
-    for mode in MODES:
-        times, peak = timings[mode]
-        doc["results"].append({
-            "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
-            "median_s": statistics.median(times), "runs": len(times), "times_s": times,
-            "peak_mem_gib": round(peak, 3) if peak == peak else None,
-            "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
-            "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
-        })
-    if args.profile and device == "cuda":
-        for entry, mode in zip(doc["results"], MODES):
-            kernels = kernel_profile(step(mode), top=30, no_grad=False)
-            entry["kernel_profile"] = kernels
-            entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
-            print(f"{mode} top kernels: " + ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}"
-                                                      for k in kernels[:8]), flush=True)
-    strict, off = (r["median_s"] for r in doc["results"])
-    doc["ratio_strict_over_off"] = strict / off
-    print(table(doc["results"], ["impl", "shape", "rows", "median_s", "peak_mem_gib", "grad_repeat_equal"]))
-    print(f"strict / off = {doc['ratio_strict_over_off']:.3f} (target <= {doc['target_ratio']})")
+        def step(mode: str):
+            def run():
+                result = gradients(mode)
+                optimizers[mode].step(result.gradient)
+            return run
+
+        repeat, calls = {}, {}
+        for mode in MODES:  # byte-repeatability from the same weights, before any optimiser step
+            a, b = gradients(mode), gradients(mode)
+            repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
+            calls[mode] = a.trace.to_dict()
+            sync(device)
+        timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
+        entries = []
+        for mode in MODES:
+            times, peak = timings[mode]
+            entries.append({
+                "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
+                "factor_dtype": factor_dtype,
+                "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                "peak_mem_gib": round(peak, 3) if peak == peak else None,
+                "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
+                "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
+            })
+        if args.profile and device == "cuda":
+            for entry, mode in zip(entries, MODES):
+                kernels = kernel_profile(step(mode), top=30, no_grad=False)
+                entry["kernel_profile"] = kernels
+                entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
+                print(f"{factor_dtype} {mode} top kernels: " + ", ".join(
+                    f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in kernels[:8]), flush=True)
+        doc["results"] += entries
+        strict, off = (r["median_s"] for r in entries)
+        doc["ratios_strict_over_off"][factor_dtype] = strict / off
+        print(f"factors {factor_dtype}: strict / off = {strict / off:.3f} (target <= {doc['target_ratio']})")
+    doc["ratio_strict_over_off"] = doc["ratios_strict_over_off"][dtypes[0]]  # h3lab's adapters: the first listed
+    print(table(doc["results"], ["impl", "factor_dtype", "shape", "rows", "median_s", "peak_mem_gib",
+                                 "grad_repeat_equal"]))
     write(args.out, doc)
     return doc
 
