@@ -41,9 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +52,7 @@ import torch
 from . import __version__, runtime
 from .errors import H3Error
 from .hashing import digest_mismatch, model_fingerprint, tensor_digest
-from .io_utils import atomic_save_safetensors, atomic_write_json
+from .io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from .run import Custom, DenoiseInputs, ResolvedRun, RunSpec, StepRecord, denoise
 from .run.spec import schedule_from_dict
 from .sampler import DualSchedule
@@ -308,32 +306,20 @@ class Trajectory:
         return self.spec.mode
 
     def seal(self, path: str | os.PathLike) -> Path:
-        """Write the trajectory directory atomically (see the module docstring); returns its path."""
+        """Write the trajectory directory atomically (`io_utils.atomic_write_dir`, see the module docstring); returns
+        its path."""
         target = Path(path)
         if target.exists() and not target.is_dir():
             raise TrajectoryError(f"trajectory path {str(target)!r} exists and is not a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        old = None
-        try:
+
+        def write(tmp: Path) -> None:
             atomic_save_safetensors(tmp / INPUTS_FILE, self.spec.tensors(), metadata={"format": FORMAT})
             if self.kept:
                 atomic_save_safetensors(tmp / TENSORS_FILE, self.kept, metadata={"format": FORMAT})
             atomic_write_json(tmp / MANIFEST, self.manifest)  # last: a directory with a manifest is complete
-            if target.exists():
-                old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}")
-                os.replace(target, old)
-            os.replace(tmp, target)
-        except BaseException:
-            if old is not None and not target.exists():
-                os.replace(old, target)
-                old = None
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        self.path = target
-        return target
+
+        self.path = atomic_write_dir(target, write)
+        return self.path
 
 
 def record(
