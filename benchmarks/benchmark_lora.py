@@ -11,11 +11,16 @@ as it comes). The ratio strict / off is measured in the same run.
 
     python benchmarks/benchmark_lora.py --out benchmarks/results/lora.json     # one H200, ~2-3 minutes
     python benchmarks/benchmark_lora.py --tiny --out /tmp/lora.json             # CPU smoke (tiny config)
+
+`--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`): a variant
+is a precision ("ieee" FMA or "tf32x3") with "+nosplit" to turn the narrow rule's parallel tree chunks off
+("ieee+nosplit" is the GEMM of wave 2 before the rule); the first listed is reported as `ratio_strict_over_off`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 
@@ -46,6 +51,25 @@ def build(config, device: str, rank: int, seed: int):
     return model
 
 
+@contextlib.contextmanager
+def fp32_variant(variant: str):
+    """Run the strict float32 GEMMs as `variant` ("ieee", "tf32x3", either with "+nosplit") inside the block."""
+    from h3kernels import gemm
+
+    precision, _, flag = variant.partition("+")
+    saved = (dict(gemm.LINEAR_TILES), dict(gemm.TREE_TILES), gemm.SPLIT_MAX_N)
+    for tiles in (gemm.LINEAR_TILES, gemm.TREE_TILES):
+        tiles[torch.float32] = dataclasses.replace(tiles[torch.float32], precision=precision)
+    if flag == "nosplit":
+        gemm.SPLIT_MAX_N = 0
+    try:
+        yield
+    finally:
+        gemm.LINEAR_TILES.update(saved[0])
+        gemm.TREE_TILES.update(saved[1])
+        gemm.SPLIT_MAX_N = saved[2]
+
+
 def clip_request(config, shape, seed: int):
     from h3lab.layout import build_layout
     from h3lab.training import ClipRequest
@@ -71,6 +95,9 @@ def main(argv=None) -> dict:
                         help="comma list of the LoRA factors' dtype to time in turn (float32 = h3lab's adapters; "
                              "bfloat16 = an experiment: the same factors cast to the base dtype, float32 masters in "
                              "StrictAdamW, to see what the float32 factor GEMMs cost)")
+    parser.add_argument("--fp32-variants", default="ieee",
+                        help="comma list of strict float32 GEMM variants to time in turn: ieee | tf32x3, each "
+                             "optionally +nosplit (default ieee, the contract)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
@@ -96,12 +123,17 @@ def main(argv=None) -> dict:
     bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
     if bad:
         parser.error(f"--factor-dtypes {bad[0]!r}: must be float32 or bfloat16")
+    variants = args.fp32_variants.split(",")
+    bad = [v for v in variants if v.partition("+")[0] not in ("ieee", "tf32x3") or v.partition("+")[2] not in ("", "nosplit")]
+    if bad:
+        parser.error(f"--fp32-variants {bad[0]!r}: must be ieee or tf32x3, optionally with +nosplit")
 
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
     doc["ratios_strict_over_off"] = {}
-    for factor_dtype in dtypes:
+    runs = [(d, v) for d in dtypes for v in variants]
+    for factor_dtype, variant in runs:
         with torch.no_grad():
             for _, p in params:
                 p.data = p.data.to(getattr(torch, factor_dtype))
@@ -114,37 +146,40 @@ def main(argv=None) -> dict:
                 optimizers[mode].step(result.gradient)
             return run
 
-        repeat, calls = {}, {}
-        for mode in MODES:  # byte-repeatability from the same weights, before any optimiser step
-            a, b = gradients(mode), gradients(mode)
-            repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
-            calls[mode] = a.trace.to_dict()
-            sync(device)
-        timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
-        entries = []
-        for mode in MODES:
-            times, peak = timings[mode]
-            entries.append({
-                "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
-                "factor_dtype": factor_dtype,
-                "median_s": statistics.median(times), "runs": len(times), "times_s": times,
-                "peak_mem_gib": round(peak, 3) if peak == peak else None,
-                "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
-                "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
-            })
-        if args.profile and device == "cuda":
-            for entry, mode in zip(entries, MODES):
-                kernels = kernel_profile(step(mode), top=30, no_grad=False)
-                entry["kernel_profile"] = kernels
-                entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
-                print(f"{factor_dtype} {mode} top kernels: " + ", ".join(
-                    f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in kernels[:8]), flush=True)
+        with fp32_variant(variant):
+            repeat, calls = {}, {}
+            for mode in MODES:  # byte-repeatability from the same weights, before any optimiser step
+                a, b = gradients(mode), gradients(mode)
+                repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
+                calls[mode] = a.trace.to_dict()
+                sync(device)
+            timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
+            entries = []
+            for mode in MODES:
+                times, peak = timings[mode]
+                entries.append({
+                    "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
+                    "factor_dtype": factor_dtype, "fp32_variant": variant,
+                    "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                    "peak_mem_gib": round(peak, 3) if peak == peak else None,
+                    "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
+                    "op_calls": {op: sum(b.values()) for op, b in calls[mode]["ops"].items()},
+                })
+            if args.profile and device == "cuda":
+                for entry, mode in zip(entries, MODES):
+                    kernels = kernel_profile(step(mode), top=30, no_grad=False)
+                    entry["kernel_profile"] = kernels
+                    entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
+                    print(f"{factor_dtype} {variant} {mode} top kernels: " + ", ".join(
+                        f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in kernels[:8]), flush=True)
         doc["results"] += entries
         strict, off = (r["median_s"] for r in entries)
-        doc["ratios_strict_over_off"][factor_dtype] = strict / off
-        print(f"factors {factor_dtype}: strict / off = {strict / off:.3f} (target <= {doc['target_ratio']})")
-    doc["ratio_strict_over_off"] = doc["ratios_strict_over_off"][dtypes[0]]  # h3lab's adapters: the first listed
-    print(table(doc["results"], ["impl", "factor_dtype", "shape", "rows", "median_s", "peak_mem_gib",
+        key = factor_dtype if len(runs) == 1 or len(variants) == 1 else f"{factor_dtype}/{variant}"
+        doc["ratios_strict_over_off"][key] = strict / off
+        print(f"factors {factor_dtype}, fp32 {variant}: strict / off = {strict / off:.3f} "
+              f"(target <= {doc['target_ratio']})", flush=True)
+    doc["ratio_strict_over_off"] = next(iter(doc["ratios_strict_over_off"].values()))  # the first listed
+    print(table(doc["results"], ["impl", "factor_dtype", "fp32_variant", "shape", "rows", "median_s", "peak_mem_gib",
                                  "grad_repeat_equal"]))
     write(args.out, doc)
     return doc

@@ -152,7 +152,7 @@ def _attn_fwd_kernel(
     for n0 in range(0, S, BLOCK_N):
         kv_rows, kv_ok = _visit_rows(order_ptr, n0 + offs_n, S, HAS_ORDER)
         kT = tl.load(k_base + kv_rows[None, :] * sks + offs_d[:, None] * skd, mask=d_ok[:, None], other=0.0)  # (D, N)
-        s2 = mma(q, kT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRETED) * qk_scale
+        s2 = mma(q, kT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), "ieee", INTERPRETED) * qk_scale
         s2 = tl.where(kv_ok[None, :], s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
         alpha = _exp2(m_i - m_new, INTERPRETED)
@@ -160,7 +160,7 @@ def _attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + kv_rows[:, None] * svs + offs_d[None, :] * svd, mask=d_ok[None, :], other=0.0)  # (N, D)
         acc = acc * alpha[:, None]
-        acc = mma(cast_rne(p, v.dtype, INTERPRETED), v, acc, INTERPRETED)
+        acc = mma(cast_rne(p, v.dtype, INTERPRETED), v, acc, "ieee", INTERPRETED)
         m_i = m_new
 
     out = tl.math.div_rn(acc, l_i[:, None])
@@ -223,12 +223,12 @@ def _attn_bwd_dkdv_kernel(
         do = tl.load(do_base + q_rows[:, None] * sds + offs_d[None, :] * sdd, mask=d_ok[None, :], other=0.0)  # (M, D)
         lse = tl.load(lse_ptr + stat_base + q_rows)
         delta = tl.load(delta_ptr + stat_base + q_rows)
-        s2T = mma(k, qT, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRETED) * qk_scale
+        s2T = mma(k, qT, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "ieee", INTERPRETED) * qk_scale
         pT = tl.where(q_ok[None, :], _exp2(s2T - lse[None, :], INTERPRETED), 0.0)  # (N, M)
-        dv = mma(cast_rne(pT, do.dtype, INTERPRETED), do, dv, INTERPRETED)
-        dpT = mma(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRETED)
+        dv = mma(cast_rne(pT, do.dtype, INTERPRETED), do, dv, "ieee", INTERPRETED)
+        dpT = mma(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), "ieee", INTERPRETED)
         dsT = pT * (dpT - delta[None, :])
-        dk = mma(cast_rne(dsT, qT.dtype, INTERPRETED), tl.trans(qT), dk, INTERPRETED)
+        dk = mma(cast_rne(dsT, qT.dtype, INTERPRETED), tl.trans(qT), dk, "ieee", INTERPRETED)
 
     dk = dk * sm_scale
     out = b * sgb + h * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :] * sgd
@@ -268,11 +268,11 @@ def _attn_bwd_dq_kernel(
         kv_rows, kv_ok = _visit_rows(order_ptr, n0 + offs_n, S, HAS_ORDER)
         kT = tl.load(k_base + kv_rows[None, :] * sks + offs_d[:, None] * skd, mask=d_ok[:, None], other=0.0)  # (D, N)
         vT = tl.load(v_base + kv_rows[None, :] * svs + offs_d[:, None] * svd, mask=d_ok[:, None], other=0.0)  # (D, N)
-        s2 = mma(q, kT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRETED) * qk_scale
+        s2 = mma(q, kT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), "ieee", INTERPRETED) * qk_scale
         p = tl.where(kv_ok[None, :], _exp2(s2 - lse[:, None], INTERPRETED), 0.0)  # (M, N)
-        dp = mma(do, vT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRETED)
+        dp = mma(do, vT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), "ieee", INTERPRETED)
         ds = p * (dp - delta[:, None])
-        dq = mma(cast_rne(ds, kT.dtype, INTERPRETED), tl.trans(kT), dq, INTERPRETED)
+        dq = mma(cast_rne(ds, kT.dtype, INTERPRETED), tl.trans(kT), dq, "ieee", INTERPRETED)
 
     dq = dq * sm_scale
     out = dq_ptr + b * sgb + h * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :] * sgd

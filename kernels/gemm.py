@@ -15,8 +15,9 @@ Tiles     one fixed config per (op, dtype), never autotuned and never chosen fro
           descriptors, others through pointers; both read the same tiles in the same order into the same dot
           (bit-equal; checked on the H200 by `benchmarks/benchmark_gemm.py --sweep`).
 Reduction `linear`: each output element owns one float32 accumulator; the K axis is visited in BLOCK_K tiles in
-          ascending order, acc = dot(x_tile, w_tile^T, acc) (tensor core for bf16 operands; IEEE float32 for
-          float32 operands via input_precision="ieee", never TF32). No split-K, no atomics.
+          ascending order, acc = dot(x_tile, w_tile^T, acc): the tensor core for bf16 operands; for float32
+          operands the tile's `precision`, "ieee" (FMA, never TF32) or "tf32x3" (the tensor core's three-TF32
+          split). No atomics.
           `linear_tree`: K is cut into 8 equal chunks (K % 8 == 0, else refused); chunk c covers
           [c*K/8, (c+1)*K/8) and is reduced like `linear` (BLOCK_K tiles ascending, from zero) into its own float32
           partial p_c; the partials are combined in float32 by the fixed binary tree
@@ -24,10 +25,17 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           wait in a float32 scratch slot of the program (exact), so at most two accumulators are live. A TP2/4/8
           rank owning 4/2/1 consecutive chunks computes its subtree with `tree_partial`, and `tree_combine`
           finishes the same tree: TP1 bytes.
+Narrow    a float32 product whose weight has N <= SPLIT_MAX_N outputs over K >= SPLIT_MIN_K (K a multiple of
+          8*BLOCK_K; `splits(dtype, N, K)`, the weight's shape only, never M) is the 8-chunk tree with TREE_TILES,
+          its chunks in parallel programs (`_gemm_partials_kernel`) and `tree_combine` finishing it: bytes equal to
+          the one-program tree, so a narrow `linear` equals `linear_tree` there. This applies to the forward and to
+          dX (a LoRA factor x @ A^T and its backward dY @ B: 64 outputs over thousands of K would fill a quarter of
+          the GPU's SMs); dW never splits.
 Epilogue  bias (cast to float32) is added once after the reduction, then one round-to-nearest-even cast to the
           output dtype. Kernels are compiled with enable_fp_fusion=False: no multiply-add contraction outside dot.
 Backward  (same kernel and tiles as `linear` for the dtype, for both ops: the tree is a forward-only split)
-          dX = dY @ W     reduction over N in BLOCK_K tiles, ascending; dX rows are row-invariant.
+          dX = dY @ W     reduction over N in BLOCK_K tiles, ascending (the Narrow rule may apply); dX rows are
+                          row-invariant.
           dW = dY^T @ X   reduction over the M rows in fixed BLOCK_K-row chunks in ascending row order, one float32
                           accumulator per element (no split over rows, so no atomics and no merge).
           dB = sum_m dY   row r is added to lane r % 64 of a (64, 128) float32 tile, row chunks ascending, then the
@@ -61,6 +69,7 @@ from ._strict_math import round_to
 TREE_CHUNKS = 8
 _MAX_NUMEL = 2**31 - 1
 _DTYPES = (torch.bfloat16, torch.float32)
+PRECISIONS = ("ieee", "tf32x3")  # float32 operands: FMA, or the tensor core's three-TF32 split
 
 
 @dataclass(frozen=True)
@@ -75,9 +84,16 @@ class Tile:
     num_stages: int
     persistent: bool = True  # one program per SM looping over output tiles (else one program per tile)
     tma: bool = True  # read aligned row-major operands through TMA descriptors (else always pointers)
+    precision: str = "ieee"  # float32 operands: "ieee" (FMA) or "tf32x3" (three TF32 tensor-core products)
 
-    def describe(self) -> str:
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Tile precision {self.precision!r} is not one of {PRECISIONS}")
+
+    def describe(self, split: bool = False) -> str:
         flags = ("-persistent" if self.persistent else "") + ("-tma" if self.tma else "")
+        flags += "" if self.precision == "ieee" else f"-{self.precision}"
+        flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
         return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
 
@@ -91,18 +107,24 @@ TREE_TILES = {
     torch.float32: Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True),
 }
 ROWSUM_BLOCK_M, ROWSUM_BLOCK_N = 64, 128  # dB: (row lanes, columns) of one program
+# Narrow float32 outputs over a long K (a LoRA factor x @ A^T, its backward dY @ B) give too few output tiles to
+# fill the GPU: there the 8 tree chunks run in parallel programs. The rule reads the weight's shape only, never M.
+SPLIT_MAX_N = 128
+SPLIT_MIN_K = 2048
 
 
 # ------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def mma(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b with a float32 accumulator. bf16 operands use the tensor core; float32 operands use IEEE
-    float32 (never TF32). INTERPRETED (interpreter only) widens bf16 tiles to float32 first, which is exact."""
+def mma(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b with a float32 accumulator. bf16 operands use the tensor core; float32 operands use PRECISION:
+    "ieee" (FMA, never TF32) or "tf32x3" (the tensor core's three-TF32 split, hi*hi + hi*lo + lo*hi). INTERPRETED
+    (interpreter only) widens bf16 tiles to float32 first, which is exact; there every dot is numpy's float32."""
     if INTERPRETED:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
     else:
         return tl.dot(a, b, acc)
 
@@ -120,7 +142,7 @@ def cast_rne(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-           INTERPRETED: tl.constexpr):
+           PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """Partial p_c: float32 (BLOCK_M, BLOCK_N) = sum over k in chunk c, i.e. [c*CHUNK_K, (c+1)*CHUNK_K), of
     x[m, k] * w[n, k], in BLOCK_K tiles ascending, from zero. USE_TMA: x_src/w_src are tensor descriptors over x
     (M, K) and w (N, K), or over their row-major transposes (K, M) / (K, N) when X_TRANS / W_TRANS, and the tile
@@ -138,7 +160,7 @@ def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
                 b = w_src.load([k_lo + k, off_n])  # (BLOCK_K, BLOCK_N)
             else:
                 b = w_src.load([off_n, k_lo + k]).T  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
-            acc = mma(a, b, acc, INTERPRETED)
+            acc = mma(a, b, acc, PRECISION, INTERPRETED)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_src + k_lo * stride_xk
@@ -151,7 +173,7 @@ def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
                 # chunk tail: masked lanes load 0 and add exact zeros
                 a = tl.load(x_ptrs, mask=offs_k[None, :] < CHUNK_K - k, other=0.0)
                 b = tl.load(w_ptrs, mask=offs_k[:, None] < CHUNK_K - k, other=0.0)
-            acc = mma(a, b, acc, INTERPRETED)
+            acc = mma(a, b, acc, PRECISION, INTERPRETED)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
     return acc
@@ -178,13 +200,42 @@ def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _pair(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-          INTERPRETED: tl.constexpr):
+          PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """p_c + p_(c+1), left operand first (two live accumulators)."""
     left = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
     right = _chunk(x_src, w_src, off_m, off_n, c + 1, CHUNK_K, stride_xk, stride_wk,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
     return left + right
+
+
+@triton.jit
+def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(off_m, off_n) of output tile number `tile` in the grouped order (GROUP_M row tiles share a column sweep,
+    for L2 reuse). The order only schedules: which program computes a tile, and when, never changes its values."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (tile // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((tile % group) % group_m)
+    pid_n = (tile % group) // group_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
+             BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """The operands `_chunk` reads: the descriptors, or pointer blocks at k = 0 whose rows/cols past the end are
+    wrapped onto valid ones (loaded, never stored), so a valid row's arithmetic is the same wherever it sits."""
+    if USE_TMA:
+        return x_desc, w_desc
+    rows = offs_m % M
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
+    w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
+    return x_src, w_src
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -196,33 +247,16 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # persistent: program p computes output tiles p, p + n_programs, ...; grouped tile order for L2 reuse. Which
-    # program computes a tile, and when, never changes its values.
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, n_programs):
-        group = GROUP_M * num_pid_n
-        first_m = (tile // group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((tile % group) % group_m)
-        pid_n = (tile % group) // group_m
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+    # persistent: program p computes output tiles p, p + n_programs, ...
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
+        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        # rows/cols past the end are wrapped onto valid ones for the loads and never stored, so a valid row's
-        # arithmetic is the same wherever it sits in the tile
-        rows = offs_m % M
+        x_src, w_src = _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N,
+                                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K, USE_TMA)
         cols = offs_n % N
-        if USE_TMA:
-            x_src = x_desc
-            w_src = w_desc
-        else:
-            offs_k = tl.arange(0, BLOCK_K)
-            x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
-            w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
 
         # the declared tree ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), each add's left operand computed
         # first; finished subtrees wait in the program's scratch slots, so at most two accumulators are live
@@ -230,25 +264,25 @@ def _gemm_kernel(
         slot1 = slot0 + BLOCK_M * BLOCK_N
         if N_CHUNKS == 1:
             acc = _chunk(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
         elif N_CHUNKS == 2:
             acc = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
         else:
             tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
             s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p0 + p1
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p0 + p1
             _stash(slot0, s, BLOCK_M, BLOCK_N)
             s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p2 + p3
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p2 + p3
             acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
             if N_CHUNKS == 8:
                 _stash(slot0, acc, BLOCK_M, BLOCK_N)
                 s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p4 + p5
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p4 + p5
                 _stash(slot1, s, BLOCK_M, BLOCK_N)
                 s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, INTERPRETED)  # p6 + p7
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p6 + p7
                 s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
                 acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
 
@@ -257,6 +291,33 @@ def _gemm_kernel(
         y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_partials_kernel(
+    x_ptr, w_ptr, x_desc, w_desc, p_ptr,  # x (M, K), w (N, K) (pointers or descriptors), partials (N_CHUNKS, M, N)
+    M, N, CHUNK_K, n_programs,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_pc, stride_pm, stride_pn,
+    N_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """The tree's chunk partials, each in its own program: work item i is chunk i % N_CHUNKS of output tile
+    i // N_CHUNKS, reduced by `_chunk` exactly as `_gemm_kernel` reduces it (same tiles, order and dot), stored
+    in float32. `tree_combine` then adds them in the declared tree: the bytes of the one-program tree."""
+    for item in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) * N_CHUNKS, n_programs):
+        c = item % N_CHUNKS
+        off_m, off_n = _tile_origin(item // N_CHUNKS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        x_src, w_src = _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N,
+                                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K, USE_TMA)
+        acc = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
+        p_ptrs = (p_ptr + c.to(tl.int64) * stride_pc + offs_m.to(tl.int64)[:, None] * stride_pm
+                  + offs_n[None, :] * stride_pn)
+        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -287,15 +348,11 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
     return None
 
 
-def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_chunks: int,
-                 tile: Tile, use_tma: bool | None = None) -> torch.Tensor:
-    """out (M, N) = x (M, K) @ w (N, K)^T [+ bias], K split into `n_chunks` tree chunks; any strides. No checks.
-    Operands that are row-major (or transposes of row-major) and 16-byte aligned are read through TMA descriptors,
-    unless the tree's chunks are not whole BLOCK_K tiles; others through pointers. Both paths visit the same tiles
-    in the same order with the same dot. `use_tma=False` forces pointers (tests and sweeps compare the two)."""
-    M, K = x.shape
-    N = w.shape[0]
-    chunk_k = K // n_chunks
+def _plan_operands(x: torch.Tensor, w: torch.Tensor, n_chunks: int, tile: Tile, use_tma: bool | None):
+    """(x_desc, w_desc, chunk_k, even_k) for x (M, K) @ w (N, K)^T with K in `n_chunks` chunks: descriptors for
+    operands that are row-major (or transposes of row-major) and 16-byte aligned, unless the chunks are not whole
+    BLOCK_K tiles; (None, None, ...) means pointers. `use_tma=False` forces pointers, True requires descriptors."""
+    chunk_k = x.shape[1] // n_chunks
     even_k = chunk_k % tile.block_k == 0
     x_desc = w_desc = None
     if use_tma is None:
@@ -303,11 +360,27 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
     if use_tma is not False and (n_chunks == 1 or even_k):
         x_desc = _descriptor(x, tile.block_m, tile.block_k)
         w_desc = _descriptor(w, tile.block_n, tile.block_k)
-    tma = x_desc is not None and w_desc is not None
-    if use_tma and not tma:
-        raise ValueError(f"TMA requested but operands x {tuple(x.stride())}, w {tuple(w.stride())} do not allow it")
-    num_tiles = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
-    n_programs = num_tiles if x.device.type == "cpu" or not tile.persistent else min(num_tiles, _num_sms(x.device))
+    if x_desc is None or w_desc is None:
+        if use_tma:
+            raise ValueError(f"TMA requested but operands x {tuple(x.stride())}, w {tuple(w.stride())} do not allow it")
+        x_desc = w_desc = None
+    return x_desc, w_desc, chunk_k, even_k
+
+
+def _n_programs(x: torch.Tensor, items: int, tile: Tile) -> int:
+    return items if x.device.type == "cpu" or not tile.persistent else min(items, _num_sms(x.device))
+
+
+def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_chunks: int,
+                 tile: Tile, use_tma: bool | None = None) -> torch.Tensor:
+    """out (M, N) = x (M, K) @ w (N, K)^T [+ bias], K split into `n_chunks` tree chunks reduced in one program per
+    output tile; any strides. No checks. Descriptor and pointer paths visit the same tiles in the same order with
+    the same dot (`_plan_operands`)."""
+    M, K = x.shape
+    N = w.shape[0]
+    x_desc, w_desc, chunk_k, even_k = _plan_operands(x, w, n_chunks, tile, use_tma)
+    tma = x_desc is not None
+    n_programs = _n_programs(x, triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), tile)
     scratch = out  # unused unless the tree has 4 or 8 chunks
     if n_chunks >= 4:
         scratch = torch.empty((n_programs, 2, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
@@ -318,10 +391,42 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
         HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
-        INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
+        PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
         num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )
     return out
+
+
+def _launch_partials(x: torch.Tensor, w: torch.Tensor, tile: Tile, use_tma: bool | None = None) -> torch.Tensor:
+    """The TREE_CHUNKS float32 chunk partials (TREE_CHUNKS, M, N) of x (M, K) @ w (N, K)^T, one work item per
+    (output tile, chunk) so that narrow outputs fill the GPU. No checks; K % TREE_CHUNKS == 0."""
+    M, K = x.shape
+    N = w.shape[0]
+    x_desc, w_desc, chunk_k, even_k = _plan_operands(x, w, TREE_CHUNKS, tile, use_tma)
+    tma = x_desc is not None
+    parts = torch.empty((TREE_CHUNKS, M, N), dtype=torch.float32, device=x.device)
+    items = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n) * TREE_CHUNKS
+    n_programs = _n_programs(x, items, tile)
+    _gemm_partials_kernel[(n_programs,)](
+        x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, parts,
+        M, N, chunk_k, n_programs,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), parts.stride(0), parts.stride(1), parts.stride(2),
+        N_CHUNKS=TREE_CHUNKS,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
+        PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",
+        num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+    )
+    return parts
+
+
+def splits(dtype: torch.dtype, n: int, k: int) -> bool:
+    """True when a float32 product with a weight of N = n outputs over K = k runs its 8 tree chunks in parallel
+    programs (`SPLIT_MAX_N`, `SPLIT_MIN_K`; whole BLOCK_K tiles per chunk). A property of the weight's shape and
+    dtype only: the row count M never decides it, so rows stay batch-invariant."""
+    block_k = LINEAR_TILES[torch.float32].block_k
+    return (dtype == torch.float32 and n <= SPLIT_MAX_N and k >= SPLIT_MIN_K
+            and k % (TREE_CHUNKS * block_k) == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,7 +439,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n_chunks: int, tile: Tile,
-          out_dtype: torch.dtype, use_tma: bool | None = None) -> torch.Tensor:
+          out_dtype: torch.dtype, use_tma: bool | None = None, split: bool = False) -> torch.Tensor:
+    """x (M, K) @ w (N, K)^T [+ bias] cast once to out_dtype. `split`: the 8-chunk tree with its chunks in parallel
+    programs and `tree_combine` finishing it (bytes equal to n_chunks = 8 in one program)."""
+    if split:
+        return tree_combine(list(_launch_partials(x, w, tile, use_tma).unbind(0)), bias, out_dtype)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
     return _launch_gemm(x, w, bias, out, n_chunks, tile, use_tma)
 
@@ -386,12 +495,21 @@ def _validate(op: str, x, weight, bias, n_chunks: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- autograd
+def _product(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n_chunks: int, tile: Tile,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """x2d @ w^T [+ bias] as the op's arithmetic: a narrow float32 weight (`splits`) runs the 8-chunk tree with
+    parallel chunks (TREE_TILES), else `n_chunks` chunks in one program per tile with `tile`."""
+    if splits(x2d.dtype, w.shape[0], w.shape[1]):
+        return _gemm(x2d, w, bias, TREE_CHUNKS, TREE_TILES[x2d.dtype], out_dtype, split=True)
+    return _gemm(x2d, w, bias, n_chunks, tile, out_dtype)
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, n_chunks, tile):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return _gemm(x2d, weight, bias, n_chunks, tile, x2d.dtype)
+        return _product(x2d, weight, bias, n_chunks, tile, x2d.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -400,9 +518,9 @@ class _LinearFn(torch.autograd.Function):
         dy = dy.to(x2d.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _gemm(dy, weight.t(), None, 1, tile, x2d.dtype)  # (M, N) @ (N, K): "w" = W^T viewed (K, N)
+            dx = _product(dy, weight.t(), None, 1, tile, x2d.dtype)  # (M, N) @ (N, K): "w" = W^T viewed (K, N)
         if ctx.needs_input_grad[1]:
-            dw = _gemm(dy.t(), x2d.t(), None, 1, tile, weight.dtype)  # (N, M) @ (M, K): reduce over rows
+            dw = _gemm(dy.t(), x2d.t(), None, 1, tile, weight.dtype)  # (N, M) @ (M, K): reduce over rows, never split
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _row_sum(dy, weight.dtype)
         return dx, dw, db, None, None
@@ -464,23 +582,24 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 # ------------------------------------------------------------------------------------------------- registry
-def _provenance(op: str, dtype: torch.dtype, tile: Tile, tree: bool) -> dict:
-    name = "tree8" if tree else "kloop"
+def _provenance(op: str, dtype: torch.dtype, weight: torch.Tensor, tree: bool) -> dict:
+    split = splits(dtype, weight.shape[0], weight.shape[1])
+    tile = TREE_TILES[dtype] if tree or split else LINEAR_TILES[dtype]
     return {
-        "kernel_id": f"h3kernels.gemm.{op}.{name}.{str(dtype).replace('torch.', '')}",
-        "tile": tile.describe(),
+        "kernel_id": f"h3kernels.gemm.{op}.{'tree8' if tree or split else 'kloop'}.{str(dtype).replace('torch.', '')}",
+        "tile": tile.describe(split=split),
         "acc_dtype": "float32",
     }
 
 
 def check_linear(x, weight, bias=None) -> dict:
     _validate("linear", x, weight, bias, 1)
-    return _provenance("linear", x.dtype, LINEAR_TILES[x.dtype], tree=False)
+    return _provenance("linear", x.dtype, weight, tree=False)
 
 
 def check_linear_tree(x, weight, bias=None) -> dict:
     _validate("linear_tree", x, weight, bias, TREE_CHUNKS)
-    return _provenance("linear_tree", x.dtype, TREE_TILES[x.dtype], tree=True)
+    return _provenance("linear_tree", x.dtype, weight, tree=True)
 
 
 registry.register("linear", run=linear, check=check_linear)

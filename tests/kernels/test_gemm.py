@@ -113,6 +113,83 @@ def test_tree_differs_from_the_flat_k_loop():
     assert not torch.equal(gemm.linear_tree(x, w, b), gemm.linear(x, w, b))
 
 
+# ------------------------------------------------------------------------------- narrow float32 (parallel chunks)
+NARROW_K = gemm.SPLIT_MIN_K  # the smallest K the rule splits: 8 chunks of 8 BLOCK_K tiles each
+
+
+def _narrow(rows=(3, 23), n=64, k=NARROW_K, seed=20):
+    x = randn(*rows, k, dtype=torch.float32, seed=seed)
+    w = randn(n, k, dtype=torch.float32, seed=seed + 1, scale=k**-0.5)
+    b = randn(n, dtype=torch.float32, seed=seed + 2)
+    return x, w, b
+
+
+def test_split_rule_reads_the_weight_shape_only():
+    f32 = torch.float32
+    assert gemm.splits(f32, 64, NARROW_K) and gemm.splits(f32, gemm.SPLIT_MAX_N, 4 * NARROW_K)
+    assert not gemm.splits(f32, gemm.SPLIT_MAX_N + 1, NARROW_K), "wide outputs fill the GPU already"
+    assert not gemm.splits(f32, 64, NARROW_K - 256), "short K"
+    assert not gemm.splits(f32, 64, NARROW_K + 32), "chunks must be whole BLOCK_K tiles"
+    assert not gemm.splits(torch.bfloat16, 64, NARROW_K), "bf16 tiles are wide enough"
+    for m in (1, 69):  # the provenance (and so the arithmetic) is the same for any row count
+        x, w, b = _narrow(rows=(m,))
+        info = gemm.check_linear(x, w, b)
+        assert info["kernel_id"] == "h3kernels.gemm.linear.tree8.float32" and info["tile"].endswith("-split8")
+
+
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_parallel_chunks_equal_the_one_program_tree(use_tma):
+    """The partials kernel plus `tree_combine` reproduces the one-program tree byte for byte (both operand paths),
+    so a narrow `linear` is `linear_tree`; accuracy stays within 2x torch of a float64 truth."""
+    x, w, b = _narrow()
+    x2d, tile = x.reshape(-1, NARROW_K), gemm.TREE_TILES[torch.float32]
+    one_program = gemm._gemm(x2d, w, b, 8, tile, torch.float32, use_tma=False)
+    parallel = gemm._gemm(x2d, w, b, 8, tile, torch.float32, use_tma=use_tma, split=True)
+    assert torch.equal(parallel, one_program)
+    y = gemm.linear(x, w, b)
+    assert torch.equal(y.reshape(-1, 64), one_program) and torch.equal(gemm.linear_tree(x, w, b), y)
+    assert_error_within(y, F.linear(x, w, b), _truth(x, w, b), "narrow linear")
+
+
+def test_narrow_rows_are_invariant():
+    x, w, b = _narrow(rows=(3, 43))
+    y = gemm.linear(x, w, b)
+    assert torch.equal(gemm.linear(x, w, b), y), "repeat"
+    assert torch.equal(gemm.linear(x[1:2], w, b), y[1:2]), "batch 1 vs 3 at position 1"
+    flat, y_flat = x.reshape(-1, NARROW_K), y.reshape(-1, 64)
+    for m in (1, 64, 65):
+        assert torch.equal(gemm.linear(flat[:m], w, b), y_flat[:m]), f"{m} rows"
+    perm = torch.randperm(flat.shape[0], generator=torch.Generator().manual_seed(3))
+    assert torch.equal(gemm.linear(flat[perm], w, b), y_flat[perm]), "permuted rows"
+
+
+def test_narrow_backward_dx_splits_and_stays_row_invariant():
+    """A LoRA B factor (N_out = 2048 outputs over rank 64): the forward is wide, dX = dY @ B is narrow (64 outputs
+    over K = 2048) and runs the parallel tree. dX matches a float64 truth, repeats, and its rows do not depend on
+    the batch; dW (over rows) is unchanged by the rule."""
+    h = randn(2, 37, 64, dtype=torch.float32, seed=30)
+    w = randn(NARROW_K, 64, dtype=torch.float32, seed=31, scale=0.125)
+    dy = randn(2, 37, NARROW_K, dtype=torch.float32, seed=32)
+    assert gemm.splits(torch.float32, 64, NARROW_K) and not gemm.splits(torch.float32, NARROW_K, 64)
+
+    def grads(hh, gg):
+        hh = hh.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        gemm.linear(hh, ww).backward(gg)
+        return hh.grad, ww.grad
+
+    dx, dw = grads(h, dy)
+    dx2, dw2 = grads(h, dy)
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2), "repeat"
+    assert torch.equal(grads(h[1:], dy[1:])[0], dx[1:]), "dX rows: batch 1 vs 2"
+    tree = gemm._gemm(dy.reshape(-1, NARROW_K), w.t(), None, 8, gemm.TREE_TILES[torch.float32], torch.float32)
+    assert torch.equal(dx.reshape(-1, 64), tree), "dX is the declared tree"
+    truth = (dy.double() @ w.double())
+    assert_error_within(dx, dy @ w, truth, "narrow dX")
+    assert_error_within(dw, torch.einsum("bmn,bmk->nk", dy, h), torch.einsum("bmn,bmk->nk", dy.double(), h.double()),
+                        "dW")
+
+
 def test_no_grad_and_grad_forwards_match():
     x, w, b = _inputs(torch.bfloat16)
     with torch.no_grad():
