@@ -229,12 +229,14 @@ def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stri
     """The operands `_chunk` reads: the descriptors, or pointer blocks at k = 0 whose rows/cols past the end are
     wrapped onto valid ones (loaded, never stored), so a valid row's arithmetic is the same wherever it sits."""
     if USE_TMA:
-        return x_desc, w_desc
-    rows = offs_m % M
-    cols = offs_n % N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
-    w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
+        x_src = x_desc
+        w_src = w_desc
+    else:
+        rows = offs_m % M
+        cols = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
+        w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
     return x_src, w_src
 
 
