@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
+from pathlib import Path
 
 import torch
 from _common import header, kernel_profile, prepare, sync, table, timed_interleaved, write
@@ -49,6 +50,25 @@ def build(config, device: str, rank: int, seed: int):
             if ".lora_B." in name:  # peft starts B at zero; random B gives every factor a gradient
                 p.copy_(torch.randn(p.shape, generator=gen, device=device).mul_(p.shape[1] ** -0.5))
     return model
+
+
+def host_profile(fn, device: str, top: int = 40) -> dict:
+    """cProfile of one call of fn() (then a device sync): its wall seconds and the `top` functions by own time."""
+    import cProfile
+    import pstats
+    import time
+
+    profiler = cProfile.Profile()
+    sync(device)
+    start = time.perf_counter()
+    profiler.runcall(fn)
+    sync(device)
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {"wall_s": wall, "total_tottime_s": sum(v[2] for v in stats.stats.values()), "top": [
+        {"function": f"{Path(f).name}:{line}:{name}", "calls": int(v[1]), "tottime_s": round(v[2], 4),
+         "cumtime_s": round(v[3], 4)} for (f, line, name), v in rows]}
 
 
 @contextlib.contextmanager
@@ -98,6 +118,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--fp32-variants", default="ieee",
                         help="comma list of strict float32 GEMM variants to time in turn: ieee | tf32x3, each "
                              "optionally +nosplit (default ieee, the contract)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also profile one step of each mode on the host (cProfile: the 40 functions of most own "
+                             "time), to see where a host-bound step spends its Python time")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
@@ -172,6 +195,12 @@ def main(argv=None) -> dict:
                     entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
                     print(f"{factor_dtype} {variant} {mode} top kernels: " + ", ".join(
                         f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in kernels[:8]), flush=True)
+            if args.host_profile:
+                for entry, mode in zip(entries, MODES):
+                    entry["host_profile"] = host_profile(step(mode), device)
+                    print(f"{factor_dtype} {variant} {mode} host: " + ", ".join(
+                        f"{h['function'][-50:]} {h['tottime_s']:.3f} s x{h['calls']}"
+                        for h in entry["host_profile"]["top"][:12]), flush=True)
         doc["results"] += entries
         strict, off = (r["median_s"] for r in entries)
         key = factor_dtype if len(runs) == 1 or len(variants) == 1 else f"{factor_dtype}/{variant}"
