@@ -12,17 +12,23 @@ as it comes). The ratio strict / off is measured in the same run.
     python benchmarks/benchmark_lora.py --out benchmarks/results/lora.json     # one H200, ~2-3 minutes
     python benchmarks/benchmark_lora.py --tiny --out /tmp/lora.json             # CPU smoke (tiny config)
 
-`--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`): a variant
-is a precision ("ieee" FMA or "tf32x3") with "+nosplit" to turn the narrow rule's parallel tree chunks off
-("ieee+nosplit" is the GEMM of wave 2 before the rule); the first listed is reported as `ratio_strict_over_off`.
+`--gc default,freeze` times each setting of Python's cyclic garbage collector in turn ("freeze": `gc.freeze()` after
+the model is built, so a collection no longer walks the model's objects); every row reports the collector's seconds
+per step (`gc.callbacks`) and its collections per generation.
+
+`--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
+`fp32_variant`: "contract" as shipped, "wave2" the FMA 64x64x32 tiles before the narrow rule); the first listed is
+reported as `ratio_strict_over_off`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import dataclasses
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -52,11 +58,27 @@ def build(config, device: str, rank: int, seed: int):
     return model
 
 
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran and collections per generation, while in `gc.callbacks`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._start = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+            self._start = None
+
+
 def host_profile(fn, device: str, top: int = 40) -> dict:
     """cProfile of one call of fn() (then a device sync): its wall seconds and the `top` functions by own time."""
     import cProfile
     import pstats
-    import time
 
     profiler = cProfile.Profile()
     sync(device)
@@ -71,16 +93,24 @@ def host_profile(fn, device: str, top: int = 40) -> dict:
          "cumtime_s": round(v[3], 4)} for (f, line, name), v in rows]}
 
 
+FP32_VARIANTS = ("contract", "ieee", "tf32x3", "wave2")
+
+
 @contextlib.contextmanager
 def fp32_variant(variant: str):
-    """Run the strict float32 GEMMs as `variant` ("ieee", "tf32x3", either with "+nosplit") inside the block."""
+    """Run the strict float32 GEMMs as `variant` inside the block: "contract" (the tiles as shipped), "ieee" or
+    "tf32x3" (the shipped tiles at that precision), "wave2" (the tiles before the narrow rule: 64x64x32 FMA, no
+    parallel chunks); "+nosplit" turns the narrow rule off."""
     from h3kernels import gemm
 
-    precision, _, flag = variant.partition("+")
+    base, _, flag = variant.partition("+")
     saved = (dict(gemm.LINEAR_TILES), dict(gemm.TREE_TILES), gemm.SPLIT_MAX_N)
     for tiles in (gemm.LINEAR_TILES, gemm.TREE_TILES):
-        tiles[torch.float32] = dataclasses.replace(tiles[torch.float32], precision=precision)
-    if flag == "nosplit":
+        if base in ("ieee", "tf32x3"):
+            tiles[torch.float32] = dataclasses.replace(tiles[torch.float32], precision=base)
+        elif base == "wave2":
+            tiles[torch.float32] = gemm.Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="ieee")
+    if flag == "nosplit" or base == "wave2":
         gemm.SPLIT_MAX_N = 0
     try:
         yield
@@ -115,9 +145,11 @@ def main(argv=None) -> dict:
                         help="comma list of the LoRA factors' dtype to time in turn (float32 = h3lab's adapters; "
                              "bfloat16 = an experiment: the same factors cast to the base dtype, float32 masters in "
                              "StrictAdamW, to see what the float32 factor GEMMs cost)")
-    parser.add_argument("--fp32-variants", default="ieee",
-                        help="comma list of strict float32 GEMM variants to time in turn: ieee | tf32x3, each "
-                             "optionally +nosplit (default ieee, the contract)")
+    parser.add_argument("--fp32-variants", default="contract",
+                        help="comma list of strict float32 GEMM variants to time in turn: contract | ieee | tf32x3 "
+                             "| wave2, each optionally +nosplit (default contract: the shipped tiles)")
+    parser.add_argument("--gc", default="default",
+                        help="comma list of garbage-collector settings to time in turn: default | freeze")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile one step of each mode on the host (cProfile: the 40 functions of most own "
                              "time), to see where a host-bound step spends its Python time")
@@ -146,27 +178,43 @@ def main(argv=None) -> dict:
     bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
     if bad:
         parser.error(f"--factor-dtypes {bad[0]!r}: must be float32 or bfloat16")
+    gc_modes = args.gc.split(",")
+    if any(g not in ("default", "freeze") for g in gc_modes):
+        parser.error(f"--gc {args.gc!r}: each must be default or freeze")
     variants = args.fp32_variants.split(",")
-    bad = [v for v in variants if v.partition("+")[0] not in ("ieee", "tf32x3") or v.partition("+")[2] not in ("", "nosplit")]
+    bad = [v for v in variants if v.partition("+")[0] not in FP32_VARIANTS or v.partition("+")[2] not in ("", "nosplit")]
     if bad:
-        parser.error(f"--fp32-variants {bad[0]!r}: must be ieee or tf32x3, optionally with +nosplit")
+        parser.error(f"--fp32-variants {bad[0]!r}: must be one of {', '.join(FP32_VARIANTS)}, optionally +nosplit")
 
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
     doc["ratios_strict_over_off"] = {}
-    runs = [(d, v) for d in dtypes for v in variants]
-    for factor_dtype, variant in runs:
+    runs = [(d, v, g) for g in gc_modes for d in dtypes for v in variants]
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    for factor_dtype, variant, gc_mode in runs:
+        gc.collect()
+        if gc_mode == "freeze":
+            gc.freeze()
+        else:
+            gc.unfreeze()
         with torch.no_grad():
             for _, p in params:
                 p.data = p.data.to(getattr(torch, factor_dtype))
         optimizers = {m: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for m in MODES}  # one per mode: a mode's
         # steps see only its own optimiser state; both move the same factors, which changes no timing
 
+        gc_seconds: dict[str, list[float]] = {m: [] for m in MODES}
+        gc_counts = {m: [0, 0, 0] for m in MODES}
+
         def step(mode: str):
             def run():
+                seconds, counts = clock.seconds, list(clock.collections)
                 result = gradients(mode)
                 optimizers[mode].step(result.gradient)
+                gc_seconds[mode].append(clock.seconds - seconds)
+                gc_counts[mode] = [a + b - c for a, b, c in zip(gc_counts[mode], clock.collections, counts)]
             return run
 
         with fp32_variant(variant):
@@ -176,13 +224,18 @@ def main(argv=None) -> dict:
                 repeat[mode] = bool(torch.equal(a.gradient, b.gradient))
                 calls[mode] = a.trace.to_dict()
                 sync(device)
+            for m in MODES:
+                gc_seconds[m].clear()
+                gc_counts[m] = [0, 0, 0]
             timings = timed_interleaved({m: step(m) for m in MODES}, args.runs, device)
             entries = []
             for mode in MODES:
                 times, peak = timings[mode]
                 entries.append({
                     "shape": shape_name, "rows": layout.sequence_length, "impl": f"h3lab-{mode}",
-                    "factor_dtype": factor_dtype, "fp32_variant": variant,
+                    "factor_dtype": factor_dtype, "fp32_variant": variant, "gc": gc_mode,
+                    "gc_s_per_step": statistics.median(gc_seconds[mode][1:]),  # [0] is the warm-up
+                    "gc_collections": gc_counts[mode],
                     "median_s": statistics.median(times), "runs": len(times), "times_s": times,
                     "peak_mem_gib": round(peak, 3) if peak == peak else None,
                     "grad_repeat_equal": repeat[mode], "non_strict_calls": calls[mode]["non_strict_calls"],
@@ -203,12 +256,15 @@ def main(argv=None) -> dict:
                         for h in entry["host_profile"]["top"][:12]), flush=True)
         doc["results"] += entries
         strict, off = (r["median_s"] for r in entries)
-        key = factor_dtype if len(runs) == 1 or len(variants) == 1 else f"{factor_dtype}/{variant}"
+        key = "/".join(k for k, n in ((factor_dtype, len(dtypes)), (variant, len(variants)), (gc_mode, len(gc_modes)))
+                       if n > 1 or k == factor_dtype)
         doc["ratios_strict_over_off"][key] = strict / off
-        print(f"factors {factor_dtype}, fp32 {variant}: strict / off = {strict / off:.3f} "
+        print(f"factors {factor_dtype}, fp32 {variant}, gc {gc_mode}: strict / off = {strict / off:.3f} "
               f"(target <= {doc['target_ratio']})", flush=True)
+    gc.callbacks.remove(clock)
+    gc.unfreeze()
     doc["ratio_strict_over_off"] = next(iter(doc["ratios_strict_over_off"].values()))  # the first listed
-    print(table(doc["results"], ["impl", "factor_dtype", "fp32_variant", "shape", "rows", "median_s", "peak_mem_gib",
+    print(table(doc["results"], ["impl", "factor_dtype", "fp32_variant", "gc", "gc_s_per_step", "shape", "rows", "median_s", "peak_mem_gib",
                                  "grad_repeat_equal"]))
     write(args.out, doc)
     return doc

@@ -25,6 +25,9 @@ Contract
   `gated_residual(residual, gate, index, y) = residual + gate[index] * y` with a one-row gate table holding the
   scaling is peft's `result + lora_B(lora_A(x)) * scaling` (bf16 result promoted to float32, one rounding back to the
   base dtype at the end), so `off` mode is byte-equal to peft's own layer (tests) and strict runs only strict kernels.
+  Every layer passes the same (rows,) zero index tensor (`_row_index`): the strict gated_residual validates an index
+  once per tensor object, with a device sync, and keeps 64 of them; one index per layer (312 at full size) overflowed
+  that cache and synced the host with the GPU on every call (516 syncs per training step on the H200).
   No dropout is applied (peft's eval-mode behaviour; `add_lora` refuses dropout, a random op has no strict kernel).
   An op override of `linear` or `gated_residual` (an ablation factor) sees these calls like the model's own.
 - Files: `adapter_files(model)` is the adapter in PEFT's format -- `adapter_config.json` (the `LoraConfig`, sorted
@@ -83,6 +86,22 @@ def _peft_linear() -> type:
 _LAYER: type | None = None
 
 
+_ROW_INDEX: dict[tuple[int, torch.device], torch.Tensor] = {}
+_ROW_INDEX_SHAPES = 8  # row counts kept (a training step and a rollout at a few shapes)
+
+
+def _row_index(rows: int, device: torch.device) -> torch.Tensor:
+    """The (rows,) int64 zeros every LoRA layer's combine reads its one-row gate with, one tensor per (rows, device),
+    never written, so the strict kernel's per-tensor index check (a host sync) runs once for all layers."""
+    key = (rows, device)
+    index = _ROW_INDEX.get(key)
+    if index is None:
+        if len(_ROW_INDEX) >= _ROW_INDEX_SHAPES:
+            _ROW_INDEX.pop(next(iter(_ROW_INDEX)))
+        index = _ROW_INDEX[key] = torch.zeros(rows, dtype=torch.long, device=device)
+    return index
+
+
 def lora_layer_class() -> type:
     """`LoraLinear`: peft's LoRA `Linear` on the op table (module docstring); built on first use so that importing
     h3lab.training does not import peft."""
@@ -110,14 +129,14 @@ def lora_layer_class() -> type:
                 self._h3_tables = {}
 
             def _tables(self, name: str, rows: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                """(gate (1, out) holding the scaling, index (rows,) zeros), cached per value, shape and device (the
-                strict gated_residual checks an index tensor once per object)."""
+                """(gate (1, out) holding the scaling, index (rows,) zeros shared by all layers), cached per value,
+                shape and device (the strict gated_residual checks an index tensor once per object)."""
                 scaling = float(self.scaling[name])
                 key = (name, scaling, rows, ref.dtype, ref.device)
                 found = self._h3_tables.get(key)
                 if found is None:
                     gate = torch.full((1, self.out_features), scaling, dtype=ref.dtype, device=ref.device)
-                    index = torch.zeros(rows, dtype=torch.long, device=ref.device)
+                    index = _row_index(rows, ref.device)
                     self._h3_tables = {k: v for k, v in self._h3_tables.items() if k[0] != name or k[2] != rows}
                     found = self._h3_tables[key] = (gate, index)
                 return found

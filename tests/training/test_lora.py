@@ -202,3 +202,32 @@ def test_adapter_digest_covers_the_config():
                                                                                      b'"lora_alpha": 9.0')})
     assert other["adapter_config.json"] != files["adapter_config.json"]
     assert files_digest(other) != files_digest(files)
+
+
+def test_layers_share_one_combine_index_so_a_forward_syncs_once(monkeypatch):
+    """The strict gated_residual checks an index tensor once per object, with a host sync, in a cache of a bounded
+    number of tensors. Every LoRA layer passes the same zero index, so with the cache cut below the number of layers
+    (the full model's 312 layers overflowed its 64) a repeated strict forward validates no LoRA index again. One
+    index tensor per layer failed this (the cache evicted them in turn: a host sync per layer and forward)."""
+    from h3kernels import modulate
+
+    model = lora_model()
+    layers = [m for _, m in lora_layers(model)]
+    monkeypatch.setattr(modulate._CACHE, "_max", len(layers) - 1)
+    kwargs = sample().model_kwargs()
+
+    def strict_forward():
+        with runtime.use_mode("strict"), torch.no_grad():
+            model(**kwargs)
+
+    strict_forward()
+    indexes = {id(index) for m in layers for _, index in m._h3_tables.values()}
+    row_counts = {key[2] for m in layers for key in m._h3_tables}  # the refiner's text rows, the blocks' rows
+    assert len(indexes) == len(row_counts) == 2, f"{len(indexes)} index tensors for {len(layers)} layers"
+    syncs = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: syncs.append(tuple(self.shape)) or tolist(self))
+    strict_forward()
+    # at most the model's own per-forward modulation index (built inside the forward, so new each time); never one
+    # per layer
+    assert len(syncs) <= 1, f"the repeated strict forward synced {len(syncs)} times"
