@@ -317,6 +317,28 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, monkeypatch):
     assert all(r["bwd_repeat_equal"] for r in strict if r["pass"] == "backward")
 
 
+def test_fp32_benchmark_dry_run_checks_every_variant(tmp_path, monkeypatch):
+    """benchmark_gemm_fp32 (the LoRA factor products, both precisions, the narrow rule) runs tiny in the
+    interpreter: every strict row repeats, keeps its rows invariant where rows are the batch, and a split row equals
+    the one-program tree."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["benchmark_gemm_fp32.py"])
+    import benchmark_gemm_fp32
+
+    out = tmp_path / "gemm_fp32.json"
+    benchmark_gemm_fp32.main(["--dry-run", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    strict = [r for r in rows if r["impl"] == "h3lab-strict"]
+    assert len([r for r in rows if r["impl"] == "torch-fp32"]) == 6  # the six products of one factor pair
+    assert {r["precision"] for r in strict} == set(gemm.PRECISIONS) and any(r["split"] for r in strict)
+    assert all(r["repeat_equal"] and r.get("rows_equal", True) and r.get("tree_equal", True) for r in strict)
+    assert all(r["rel_l2"] <= 2 * r["torch_rel_l2"] + 1e-6 for r in strict)
+
+
 # -------------------------------------------------------------------------------------------- registry, runtime
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registered_check_reports_provenance(dtype):
