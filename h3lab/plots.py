@@ -841,7 +841,8 @@ def skipped_line(problems: Sequence[str]) -> str:
     return "skipped (not in the DESIGN schema): " + "; ".join(problems)
 
 
-_CASE_KEYS = ("proj", "op", "case", "pass", "what", "metric", "rows")  # `backend` goes with the impl
+_CASE_KEYS = ("proj", "op", "product", "case", "pass", "what", "metric", "rows", "factor_dtype", "fp32_variant", "gc",
+              "precision", "split")  # `backend` goes with the impl
 
 
 def case_labels(results: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -851,12 +852,14 @@ def case_labels(results: Sequence[Mapping[str, Any]]) -> list[str]:
     varying = [k for k in _CASE_KEYS if len({str(e.get(k)) for e in results}) > 1]
     labels = []
     for e in results:
-        parts = [str(e.get("shape", "?"))]
+        parts = [str(e["shape"])] if "shape" in e else []
         for k in varying:
             value = f"{e.get(k)} rows" if k == "rows" else str(e.get(k, "-"))
+            if k == "split" and k in e:
+                value = "split" if e[k] else "one program"
             if value not in parts:
                 parts.append(value)
-        labels.append(" ".join(parts))
+        labels.append(" ".join(parts) or "?")
     seen: dict[tuple[str, str], int] = {}
     out = []
     for label, e in zip(labels, results):
