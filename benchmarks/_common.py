@@ -276,3 +276,31 @@ def kernel_profile(fn, top: int = 25, no_grad: bool = True) -> list[dict]:
     rows = [{"name": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count}
             for e in prof.key_averages() if e.self_device_time_total > 0]
     return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def runtime_profile(fn, no_grad: bool = True, gaps: int = 12) -> dict:
+    """Where a host-bound call loses the GPU (torch.profiler, CPU and CUDA activity, one call of fn()): the CUDA
+    runtime/driver calls by count and host time ({name, calls, cpu_ms}: syncs, allocations, launches), the GPU's
+    busy and idle time between its first and last kernel, and the `gaps` longest idle gaps with the kernel that
+    ended each."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with (torch.no_grad() if no_grad else contextlib.nullcontext()), \
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    calls = [{"name": e.key, "calls": e.count, "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+             for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3 if kernels else 0.0
+    holes = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name, b.name)
+                   for a, b in zip(kernels, kernels[1:]))[::-1][:gaps]
+    return {"runtime_calls": sorted(calls, key=lambda r: -r["cpu_ms"])[:20], "gpu_span_ms": round(span, 3),
+            "gpu_busy_ms": round(busy, 3), "gpu_idle_ms": round(span - busy, 3), "kernels": len(kernels),
+            "largest_gaps": [{"ms": round(g, 3), "after": a[:80], "before": b[:80]} for g, a, b in holes]}
+

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import header, kernel_profile, prepare, sync, table, timed_interleaved, write
+from _common import header, kernel_profile, prepare, runtime_profile, sync, table, timed_interleaved, write
 
 from benchmark_forward import SHAPES, init_random_  # noqa: E402 - the shapes and weight law of the forward benchmark
 
@@ -150,6 +150,9 @@ def main(argv=None) -> dict:
                              "| wave2, each optionally +nosplit (default contract: the shipped tiles)")
     parser.add_argument("--gc", default="default",
                         help="comma list of garbage-collector settings to time in turn: default | freeze")
+    parser.add_argument("--runtime-profile", action="store_true",
+                        help="also record, for one step of each mode, the CUDA runtime calls (syncs, allocations, "
+                             "launches), the GPU's idle time and its longest gaps (torch.profiler, CUDA only)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile one step of each mode on the host (cProfile: the 40 functions of most own "
                              "time), to see where a host-bound step spends its Python time")
@@ -248,6 +251,14 @@ def main(argv=None) -> dict:
                     entry["kernel_ms_top30"] = round(sum(k["ms"] for k in kernels), 3)
                     print(f"{factor_dtype} {variant} {mode} top kernels: " + ", ".join(
                         f"{k['name'][:40]} {k['ms']:.1f} ms x{k['calls']}" for k in kernels[:8]), flush=True)
+            if args.runtime_profile and device == "cuda":
+                for entry, mode in zip(entries, MODES):
+                    rp = entry["runtime_profile"] = runtime_profile(step(mode), no_grad=False)
+                    print(f"{factor_dtype} {variant} {mode} runtime: GPU busy {rp['gpu_busy_ms']:.0f} ms, idle "
+                          f"{rp['gpu_idle_ms']:.0f} ms; " + ", ".join(
+                              f"{c['name']} x{c['calls']} {c['cpu_ms']:.0f} ms" for c in rp["runtime_calls"][:8])
+                          + "; gaps " + ", ".join(f"{g['ms']:.1f} ms before {g['before'][:30]}"
+                                                  for g in rp["largest_gaps"][:6]), flush=True)
             if args.host_profile:
                 for entry, mode in zip(entries, MODES):
                     entry["host_profile"] = host_profile(step(mode), device)
