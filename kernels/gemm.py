@@ -30,7 +30,8 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           finishes the same tree: TP1 bytes.
 Narrow    a float32 product whose weight has N <= SPLIT_MAX_N outputs over K >= SPLIT_MIN_K (K a multiple of
           8*BLOCK_K; `splits(dtype, N, K)`, the weight's shape only, never M) is the 8-chunk tree with TREE_TILES,
-          its chunks in parallel programs (`_gemm_partials_kernel`) and `tree_combine` finishing it: bytes equal to
+          its chunks in parallel programs (`_gemm_partials_kernel`) and `_tree_combine_kernel` finishing it (the
+          adds of `tree_combine`, in one launch): bytes equal to
           the one-program tree, so a narrow `linear` equals `linear_tree` there. This applies to the forward and to
           dX (a LoRA factor x @ A^T and its backward dY @ B: 64 outputs over thousands of K would fill a quarter of
           the GPU's SMs); dW never splits.
@@ -310,7 +311,7 @@ def _gemm_partials_kernel(
 ):
     """The tree's chunk partials, each in its own program: work item i is chunk i % N_CHUNKS of output tile
     i // N_CHUNKS, reduced by `_chunk` exactly as `_gemm_kernel` reduces it (same tiles, order and dot), stored
-    in float32. `tree_combine` then adds them in the declared tree: the bytes of the one-program tree."""
+    in float32. `_combine_partials` then adds them in the declared tree: the bytes of the one-program tree."""
     for item in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) * N_CHUNKS, n_programs):
         c = item % N_CHUNKS
         off_m, off_n = _tile_origin(item // N_CHUNKS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -323,6 +324,32 @@ def _gemm_partials_kernel(
         p_ptrs = (p_ptr + c.to(tl.int64) * stride_pc + offs_m.to(tl.int64)[:, None] * stride_pm
                   + offs_n[None, :] * stride_pn)
         tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tree_combine_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_pc, stride_pm, stride_pn, stride_ym, stride_yn,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+    """y = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) [+ bias], cast once: `tree_combine`'s float32 adds in
+    its order, in one launch instead of one torch op per add."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :] * stride_pn
+    p0 = tl.load(ptrs, mask=mask, other=0.0)
+    p1 = tl.load(ptrs + stride_pc, mask=mask, other=0.0)
+    p2 = tl.load(ptrs + 2 * stride_pc, mask=mask, other=0.0)
+    p3 = tl.load(ptrs + 3 * stride_pc, mask=mask, other=0.0)
+    left = (p0 + p1) + (p2 + p3)
+    p4 = tl.load(ptrs + 4 * stride_pc, mask=mask, other=0.0)
+    p5 = tl.load(ptrs + 5 * stride_pc, mask=mask, other=0.0)
+    p6 = tl.load(ptrs + 6 * stride_pc, mask=mask, other=0.0)
+    p7 = tl.load(ptrs + 7 * stride_pc, mask=mask, other=0.0)
+    acc = left + ((p4 + p5) + (p6 + p7))
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -446,11 +473,28 @@ def _num_sms(device: torch.device) -> int:
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n_chunks: int, tile: Tile,
           out_dtype: torch.dtype, use_tma: bool | None = None, split: bool = False) -> torch.Tensor:
     """x (M, K) @ w (N, K)^T [+ bias] cast once to out_dtype. `split`: the 8-chunk tree with its chunks in parallel
-    programs and `tree_combine` finishing it (bytes equal to n_chunks = 8 in one program)."""
+    programs and `_combine_partials` finishing it (bytes equal to n_chunks = 8 in one program)."""
     if split:
-        return tree_combine(list(_launch_partials(x, w, tile, use_tma).unbind(0)), bias, out_dtype)
+        return _combine_partials(_launch_partials(x, w, tile, use_tma), bias, out_dtype)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
     return _launch_gemm(x, w, bias, out, n_chunks, tile, use_tma)
+
+
+COMBINE_BLOCK_M, COMBINE_BLOCK_N = 64, 64
+
+
+def _combine_partials(parts: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`tree_combine(list(parts), bias, out_dtype)` for the (8, M, N) float32 partials, as one kernel (same adds,
+    same order, one cast: the same bytes)."""
+    _, M, N = parts.shape
+    out = torch.empty((M, N), dtype=out_dtype, device=parts.device)
+    grid = (triton.cdiv(M, COMBINE_BLOCK_M), triton.cdiv(N, COMBINE_BLOCK_N))
+    _tree_combine_kernel[grid](
+        parts, bias if bias is not None else out, out, M, N, parts.stride(0), parts.stride(1), parts.stride(2),
+        out.stride(0), out.stride(1), HAS_BIAS=bias is not None, BLOCK_M=COMBINE_BLOCK_M, BLOCK_N=COMBINE_BLOCK_N,
+        INTERPRETED=parts.device.type == "cpu", num_warps=4, enable_fp_fusion=False,
+    )
+    return out
 
 
 def _row_sum(dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -151,6 +151,19 @@ def test_parallel_chunks_equal_the_one_program_tree(use_tma):
     assert_error_within(y, F.linear(x, w, b), _truth(x, w, b), "narrow linear")
 
 
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_combine_kernel_is_tree_combine(out_dtype, bias):
+    """The one-launch combine of the 8 partials adds them as `tree_combine` does (same pairs, same order, bias in
+    float32, one cast): the same bytes, on partials of mixed magnitudes where the order shows."""
+    parts = randn(8, 70, 90, dtype=torch.float32, seed=40) * torch.logspace(-3, 3, 8).reshape(8, 1, 1)
+    b = randn(90, dtype=out_dtype, seed=41) if bias else None
+    got = gemm._combine_partials(parts, b, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, gemm.tree_combine(list(parts.unbind(0)), b, out_dtype))
+    flat = ((parts[0] + parts[1]) + (parts[2] + parts[3])) + ((parts[4] + parts[5]) + (parts[6] + parts[7]))
+    assert not torch.equal(flat, parts.sum(0)), "inputs where the order changes the bytes"
+
+
 def test_narrow_rows_are_invariant():
     x, w, b = _narrow(rows=(3, 43))
     y = gemm.linear(x, w, b)
