@@ -17,10 +17,11 @@ Tiles     one fixed config per (op, dtype), never autotuned and never chosen fro
 Reduction `linear`: each output element owns one float32 accumulator; the K axis is visited in BLOCK_K tiles in
           ascending order, acc = dot(x_tile, w_tile^T, acc): the tensor core for bf16 operands; for float32
           operands the tile's `precision`, "ieee" (FMA, never TF32) or "tf32x3" (the tensor core's three-TF32
-          split, hi*hi + hi*lo + lo*hi, never single TF32). The contract's float32 tiles are tf32x3: on the H200
-          (benchmarks/results/gemm_fp32.json, the LoRA factor products at 2,066 rows) it is within 0.92x of cuBLAS
-          float32's error against a float64 truth on every product, where FMA with one accumulator reached 5.3x
-          (its weight gradients and long-K narrow products), and 2.7x faster than FMA. No atomics.
+          split, hi*hi + hi*lo + lo*hi, never single TF32). The contract's float32 tiles are tf32x3. On the H200
+          (benchmarks/results/gemm_fp32.json, the LoRA factor products at 2,066 rows) its error against a float64
+          truth is within 0.92x of cuBLAS float32's on every product (0.97x in a second run,
+          gemm_fp32_contract_tile.json). FMA with one accumulator reached 5.3x (on the weight gradients and the
+          long-K narrow products), and tf32x3 is 2.7x faster than FMA. No atomics.
           `linear_tree`: K is cut into 8 equal chunks (K % 8 == 0, else refused); chunk c covers
           [c*K/8, (c+1)*K/8) and is reduced like `linear` (BLOCK_K tiles ascending, from zero) into its own float32
           partial p_c; the partials are combined in float32 by the fixed binary tree
