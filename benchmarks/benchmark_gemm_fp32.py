@@ -39,8 +39,9 @@ TILES = {  # name -> (block_m, block_n, block_k, group_m, warps, stages)
 
 
 def products(K_in: int, N_out: int, M: int, device: str):
-    """(name, x, w, rows_axis_is_m) for the six products y = x @ w^T of one factor pair (w laid out as the autograd
-    passes it: transposed views where the backward uses them)."""
+    """(name, x, w, batch_rows) for the six products y = x @ w^T of one factor pair (w laid out as the autograd
+    passes it: transposed views where the backward uses them). `batch_rows`: the rows of x are the batch's rows
+    (batch invariance applies, the narrow rule may split); False for the weight gradients, which reduce over them."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(M + K_in + N_out)
@@ -56,7 +57,7 @@ def products(K_in: int, N_out: int, M: int, device: str):
     ]
 
 
-def bench(gemm, name, kind, x, w, tile, split: bool, truth, torch_err, device) -> dict:
+def bench(gemm, name, kind, x, w, batch_rows: bool, tile, split: bool, truth, torch_err, device) -> dict:
     import torch
 
     n_chunks = 8 if split else 1
@@ -69,7 +70,7 @@ def bench(gemm, name, kind, x, w, tile, split: bool, truth, torch_err, device) -
            "impl": "h3lab-strict", "precision": tile.precision, "split": split, "tile": tile.describe(split),
            "median_s": measure(lambda: run(x), device)["median_s"], "rel_l2": rel_l2(y, truth), "torch_rel_l2": torch_err,
            "repeat_equal": equal(run(x), y)}
-    if kind in ("a_fwd", "b_fwd", "dh", "dx"):  # rows are the batch axis: batch invariance applies
+    if batch_rows:
         half = x.shape[0] // 2 + 1
         row["rows_equal"] = bool(equal(run(x[:1]), y[:1]) and equal(run(x[:half]), y[:half]))
     if split:
@@ -93,20 +94,20 @@ def main(argv: list[str] | None = None) -> dict:
     M = 67 if args.dry_run else args.rows
     doc = header("gemm_fp32", __file__, argv, device, rank=RANK, rows=M)
     for name, K_in, N_out, tree in (DRY_PROJECTIONS if args.dry_run else PROJECTIONS):
-        for kind, x, w, _ in products(K_in, N_out, M, device):
+        for kind, x, w, batch_rows in products(K_in, N_out, M, device):
             truth = F.linear(x.double(), w.double())
             torch_row = {"proj": name, "product": kind, "M": x.shape[0], "N": w.shape[0], "K": x.shape[1],
                          "impl": "torch-fp32", "median_s": measure(lambda: F.linear(x, w), device)["median_s"],
                          "rel_l2": rel_l2(F.linear(x, w), truth)}
             doc["results"].append(torch_row)
-            narrow = kind not in ("dB", "dA") and gemm.splits(torch.float32, w.shape[0], x.shape[1])
+            narrow = batch_rows and gemm.splits(torch.float32, w.shape[0], x.shape[1])
             for tname in tiles:
                 bm, bn, bk, g, warps, stages = TILES[tname]
                 for precision in gemm.PRECISIONS:
                     tile = dataclasses.replace(gemm.TREE_TILES[torch.float32], block_m=bm, block_n=bn, block_k=bk,
                                                group_m=g, num_warps=warps, num_stages=stages, precision=precision)
                     for split in ((False, True) if narrow else (False,)):
-                        row = bench(gemm, name, kind, x, w, tile, split, truth, torch_row["rel_l2"], device)
+                        row = bench(gemm, name, kind, x, w, batch_rows, tile, split, truth, torch_row["rel_l2"], device)
                         row["ratio"] = row["median_s"] / torch_row["median_s"]
                         doc["results"].append(row)
                         print(table([row], ["proj", "product", "tile", "split", "median_s", "ratio", "rel_l2",

@@ -457,7 +457,7 @@ def splits(dtype: torch.dtype, n: int, k: int) -> bool:
     """True when a float32 product with a weight of N = n outputs over K = k runs its 8 tree chunks in parallel
     programs (`SPLIT_MAX_N`, `SPLIT_MIN_K`; whole BLOCK_K tiles per chunk). A property of the weight's shape and
     dtype only: the row count M never decides it, so rows stay batch-invariant."""
-    block_k = LINEAR_TILES[torch.float32].block_k
+    block_k = TREE_TILES[torch.float32].block_k  # the tiles the split runs with (`_product`)
     return (dtype == torch.float32 and n <= SPLIT_MAX_N and k >= SPLIT_MIN_K
             and k % (TREE_CHUNKS * block_k) == 0)
 
