@@ -449,13 +449,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             mesh = mesh_request(args)  # None without --tp/--cp/--sp and without torchrun; sets --mode strict
         settings = settings_from_args(args) if action in ("one-shot", "repl") else None
         if mesh is not None:  # rank 0 checks and runs the action, the other ranks follow its forwards
-            from .distributed.frontend import run_on_mesh
+            from .distributed.frontend import close_mesh, run_on_mesh
 
             def lead_action() -> int:
                 preflight(args, action)
                 return run_action(args, action, settings)
 
-            return run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+            rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+            close_mesh()
+            return rc
         preflight(args, action)
         return run_action(args, action, settings)
     except KeyboardInterrupt:

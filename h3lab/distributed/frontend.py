@@ -9,7 +9,10 @@
   leads (`follow.lead`): every placed run and every sharded forward is announced; only rank 0 encodes, decodes,
   writes and prints;
 - the other ranks follow (`follow.follow`) with their own session, which loads and parallelizes a transformer the
-  first time rank 0 runs it; they return when rank 0's action ends (also on error).
+  first time rank 0 runs it; they return when rank 0's action ends (also on error);
+- `close_mesh()` then ends the process group `mesh_request` started: every rank meets at a barrier and destroys
+  it, so no rank exits with the group's threads still alive (a follower that did aborted at exit:
+  "terminate called without an active exception").
 The mode defaults to strict on a mesh of more than one rank; another mode is refused there. World size 1
 (`h3lab --tp 1`) runs the same code path without a process group.
 """
@@ -63,3 +66,14 @@ def run_on_mesh(args: Any, mesh: Mesh, action: Callable[[], int], session_factor
 
     follow(channel, models)
     return 0
+
+
+def close_mesh() -> None:
+    """End the process group the front end started (`mesh_request`), after every rank has finished: a barrier, then
+    `destroy_process_group`. Nothing without a group (world size 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
