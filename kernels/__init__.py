@@ -7,4 +7,6 @@ ops in `registry.STRICT_OPS` under the op names of `h3lab.runtime.REFERENCE_OPS`
 torch and triton.
 """
 
-from . import registry  # noqa: F401
+from . import _interpreter_dot, registry  # noqa: F401
+
+_interpreter_dot.install()  # CPU interpreter only: a dot whose bytes do not depend on a row's tile position
