@@ -9,7 +9,9 @@
 
 Reference flags (`--ref-image`, `--ref-video`, `--ref-silent-video`, `--ref-video-audio VIDEO AUDIO`,
 `--ref-audio`) may repeat; their command-line order is the reference order. Settings flags map one to one onto
-`h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands.
+`h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands; they are generated
+from the settings schema (`h3lab.schema.argv`: `--width` ... `--mode`, the presets' flags, and every setting declared
+later, with the actions that take it), and so are the `Session(...)` options declared there.
 
 `--tp T --cp C [--sp] [--row-parallel auto|k_chunks|n_split]` (under torchrun, world size T*C) run the one-shot
 generation, the REPL or a replay on a device mesh (`h3lab.distributed.frontend`): rank 0 runs the front end, the
@@ -42,7 +44,6 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import H3Error, user_message
-from .runtime import MODES
 
 
 class CliError(H3Error):
@@ -74,23 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", help="prompt; generates once and exits")
     p.add_argument("-o", "--output", metavar="OUT.mp4", default=None,
                    help="MP4 path (default h3lab.mp4); -o '' disables the MP4")
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--height", type=int, default=None)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--frames", type=int, default=None, help="frame count, snapped up to 17n+5")
-    g.add_argument("--seconds", type=float, default=None, help="duration at 24 fps, rounded up to a legal count")
-    p.add_argument("--steps", type=int, default=None, help="denoising passes (default 20)")
-    p.add_argument("--seed", type=int, default=None, help="seed (default 42)")
-    p.add_argument("--mode", choices=MODES, default=None, help="transformer arithmetic (default auto)")
-    p.add_argument("--reuse", type=int, default=None, help="whole-velocity reuse interval (default 1)")
-    # Speed presets (h3lab.presets; the seed's h3-metal presets), each sealed in the run.
-    p.add_argument("--layers", type=int, default=None, help="run N transformer blocks ranked by AdaLN gates")
-    p.add_argument("--core-reuse", type=int, default=None,
-                   help="run the block stack every K passes (1-6), heads every pass; exclusive with --reuse")
-    p.add_argument("--token-reduction", action="store_true", default=None,
-                   help="pair horizontal video tokens inside the middle blocks (refused at 256x256)")
-    p.add_argument("--use-reference-rope", dest="reference_rope", action="store_true", default=None,
-                   help="at 256x256 keep the released RoPE coordinates (default: spatial coordinates halved)")
+    from .schema.argv import add_flags
+
+    add_flags(p, "generation")  # every declared generation setting (h3lab.schema): --width ... --mode, the presets
     p.add_argument("--first-frame", metavar="IMAGE", default=None, help="first-frame anchor (fl2va)")
     p.add_argument("--last-frame", metavar="IMAGE", default=None, help="last-frame anchor (fl2va)")
     p.add_argument("--ref-image", action=_RefAction, const="image", metavar="IMAGE", help="image reference")
@@ -102,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="video reference with a replacement soundtrack")
     p.add_argument("--ref-audio", action=_RefAction, const="audio", metavar="AUDIO",
                    help="standalone audio reference (needs an image or video reference)")
-    p.add_argument("--render-width", type=int, default=None, help="internal canvas width (with --render-height)")
-    p.add_argument("--render-height", type=int, default=None, help="internal canvas height (with --render-width)")
     p.add_argument("--frames-dir", metavar="DIR", default=None, help="also write every frame as PNG")
     p.add_argument("--wav", metavar="OUT.wav", default=None, help="also write the soundtrack as float32 WAV")
     p.add_argument("--show", action="store_true", help="preview the middle frame after every denoising pass")
@@ -129,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", action="store_true", help="sequence parallel inside each TP group (needs --tp > 1)")
     p.add_argument("--row-parallel", choices=("auto", "k_chunks", "n_split"), default=None,
                    help="row-parallel layers: the 8-chunk tree split by K (k_chunks) or by output columns (n_split)")
+    add_flags(p, "session")  # declared Session(...) options
     p.set_defaults(references=[])
     return p
 
@@ -165,19 +151,12 @@ def settings_from_args(args: argparse.Namespace, base=None):
     """GenerationSettings from the flags (validated); `base` supplies values for flags not given."""
     from .settings import GenerationSettings, Reference
 
-    changes: dict[str, Any] = {}
-    for flag, name in (("width", "width"), ("height", "height"), ("steps", "steps"), ("seed", "seed"),
-                       ("mode", "mode"), ("reuse", "reuse"), ("render_width", "render_width"),
-                       ("render_height", "render_height"), ("first_frame", "first"), ("last_frame", "last"),
-                       ("layers", "layers"), ("core_reuse", "core_reuse"), ("token_reduction", "token_reduction"),
-                       ("reference_rope", "reference_rope")):
-        value = getattr(args, flag)
-        if value is not None:
-            changes[name] = value
-    if args.frames is not None:
-        changes["frames"] = args.frames
-    if args.seconds is not None:
-        changes["seconds"] = args.seconds
+    from .schema.argv import changes as flag_changes
+
+    changes: dict[str, Any] = flag_changes(args)  # the declared settings (h3lab.schema) given as flags
+    for flag, name in (("first_frame", "first"), ("last_frame", "last")):
+        if getattr(args, flag) is not None:
+            changes[name] = getattr(args, flag)
     if args.prompt is not None:
         changes["prompt"] = args.prompt
     refs = []
@@ -221,7 +200,10 @@ def session_from_args(args: argparse.Namespace):
     mesh = getattr(args, "mesh", None)  # set by h3lab.distributed.frontend under torchrun
     device = mesh.device if mesh is not None else args.device
     residency = args.residency or ("streamed" if args.gpu_memory is not None else "resident")
-    session = Session(args.model, device=device, residency=residency, gpu_memory=args.gpu_memory, mesh=mesh)
+    from .schema.argv import session_options
+
+    session = Session(args.model, device=device, residency=residency, gpu_memory=args.gpu_memory, mesh=mesh,
+                      **session_options(args))
     if getattr(args, "lora", None):
         session.load_lora(args.lora)  # checked against the snapshot's config; no model loads
     return session
@@ -229,26 +211,38 @@ def session_from_args(args: argparse.Namespace):
 
 # ------------------------------------------------------------------------------------------------ fail early
 # Flags by what they are for (argparse dest -> flag as typed). A flag the chosen action would ignore is an error.
-SETTINGS_FLAGS = {
-    "width": "--width", "height": "--height", "frames": "--frames", "seconds": "--seconds", "steps": "--steps",
-    "seed": "--seed", "mode": "--mode", "reuse": "--reuse", "first_frame": "--first-frame",
-    "last_frame": "--last-frame", "references": "--ref-*", "render_width": "--render-width",
-    "render_height": "--render-height", "layers": "--layers", "core_reuse": "--core-reuse",
-    "token_reduction": "--token-reduction", "reference_rope": "--use-reference-rope",
-}
+# The declared settings' flags (h3lab.schema) join them: `settings_flags()`, `allowed()`.
+CONDITIONING_FLAGS = {"first_frame": "--first-frame", "last_frame": "--last-frame", "references": "--ref-*"}
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
                "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
 MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel"}
-ALLOWED = {  # action -> flags it uses (besides -d and --device, which every action uses)
+FIXED_ALLOWED = {  # action -> the fixed flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
     "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory", *MESH_FLAGS},
     "one-shot": {"prompt", "json", "show", "zoom", "profile", "residency", "gpu_memory", "session_dir", "lora",
-                 *SETTINGS_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
-    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *SETTINGS_FLAGS,
+                 *CONDITIONING_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
+    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *CONDITIONING_FLAGS,
              *MESH_FLAGS},
 }
+
+
+def settings_flags() -> dict[str, str]:
+    """dest -> flag of every setting flag: the declared generation settings, the anchors and the references."""
+    from .schema.argv import flags
+
+    return {**flags("generation"), **CONDITIONING_FLAGS}
+
+
+def allowed() -> dict[str, set[str]]:
+    """action -> the dests it takes: the fixed ones and each declared setting's `actions`."""
+    from .schema.argv import flag_actions
+
+    declared = flag_actions()
+    return {action: dests | declared.get(action, set()) for action, dests in FIXED_ALLOWED.items()}
+
+
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
     "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
@@ -272,7 +266,10 @@ def check_flags(args: argparse.Namespace) -> str:
     if args.update and not args.replay:
         raise CliError("--update only goes with --replay FILE")
     action = action_of(args)
-    names = {**SETTINGS_FLAGS, **OUTPUT_FLAGS, **OTHER_FLAGS, **MESH_FLAGS}
+    from .schema.argv import flags
+
+    names = {**settings_flags(), **flags("session"), **OUTPUT_FLAGS, **OTHER_FLAGS, **MESH_FLAGS}
+    takes = allowed()[action]
     if action == "one-shot" and args.session_dir is not None and not args.show:
         raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")
     if action == "one-shot" and args.zoom is not None and not args.show:
@@ -281,7 +278,7 @@ def check_flags(args: argparse.Namespace) -> str:
         from .preview import check_zoom
 
         check_zoom(args.zoom, "--zoom")
-    stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in ALLOWED[action]]
+    stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in takes]
     if stray:
         head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
                 "repl": "the interactive session (no -p)"}[action]

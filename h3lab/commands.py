@@ -17,37 +17,33 @@ in a replay), so a replay is self-contained.
 The registry: `COMMANDS` (name -> `CommandSpec`, in `!help` order) holds each command once -- usage, summary,
 argument parser, handler, completion and aliases -- declared by the `@command(...)` decorator on its handler:
 
-    @command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
-             args=(Arg(("random",)),))
-    def _h_seed(state, value):            # receives the parser's tuple as positional arguments
+    @command("refs", "!refs [clear]", "list the references in order, or remove them all", parse=_p_clear,
+             args=(Arg(("clear",)),))
+    def _h_refs(state, *action):          # receives the parser's tuple as positional arguments
         ...
-        return [f"seed {s.seed}"]          # the output lines
+        return ["references cleared"]      # the output lines
 
 `parse(name, words) -> tuple` turns the words after the name into typed values or raises `CommandError`; the
-handler runs them against the state. `help_lines()`, the REPL's completer (`args`, `aliases`, `drain`) and every
+handler runs them against the state. The settings' commands (`!seed`, `!steps`, `!size`, `!mode`, the presets', and
+any setting declared later) are not written here: `_setting_command` generates each from its declaration in the
+settings schema (`h3lab.schema`, `Setting.command`), the word parsers are `h3lab.schema.words`. `help_lines()`, the REPL's completer (`args`, `aliases`, `drain`) and every
 front end that runs lines (`run_line`, the widgets' `command()`) read this one table.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import secrets
 import shlex
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import H3Error
+from .errors import CommandError, H3Error  # noqa: F401 - CommandError: re-exported (h3lab.schema.words raises it)
 from .io_utils import check_output_dir, check_output_file
-from .runtime import MODES
+from .schema import SETTINGS, Setting
+from .schema.words import choice, int_word, no_args, one, p_choice, p_float, p_int, p_on_off, p_word
 from .session import GenerationCancelled  # noqa: F401 - re-exported for front ends
 from .settings import GenerationSettings, Reference, check_path
-
-
-class CommandError(H3Error):
-    """An unknown command or a bad argument (names the command, the value and the expected form)."""
 
 
 @dataclass(frozen=True)
@@ -243,67 +239,7 @@ def _set(state: SessionState, **changes: Any) -> GenerationSettings:
 
 
 # ------------------------------------------------------------------------------------------------ argument parsers
-def no_args(name: str, args: list[str]) -> tuple:
-    """The parser of a command that takes no arguments."""
-    if args:
-        raise CommandError(f"!{name} takes no arguments, got {' '.join(args)!r}")
-    return ()
-
-
-def _one(name: str, args: list[str], form: str) -> str:
-    if len(args) != 1:
-        raise CommandError(f"!{name} expects {form}, got {' '.join(args)!r}" if args else f"!{name} expects {form}")
-    return args[0]
-
-
-def _int_arg(name: str, text: str, form: str) -> int:
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise CommandError(f"!{name} {text}: expected {form}")
-    return int(text)
-
-
-def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
-    if text not in choices:
-        raise CommandError(f"!{name} {text}: expected one of {'|'.join(choices)}")
-    return text
-
-
-def _p_seed(name, args):
-    text = _one(name, args, "N|random")
-    return ("random",) if text == "random" else (_int_arg(name, text, "an integer seed or 'random'"),)
-
-
-def _p_int(name, args):
-    return (_int_arg(name, _one(name, args, "N"), "N"),)
-
-
-def _p_seconds(name, args):
-    text = _one(name, args, "X (seconds)")
-    try:
-        value = float(text)
-    except ValueError:
-        raise CommandError(f"!{name} {text}: expected a number of seconds") from None
-    return (value,)
-
-
-def _size(name: str, text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)[xX](\d+)", text)
-    if not m:
-        raise CommandError(f"!{name} {text}: expected WIDTHxHEIGHT, e.g. 512x512")
-    return int(m.group(1)), int(m.group(2))
-
-
-def _p_size(name, args):
-    return _size(name, _one(name, args, "WxH"))
-
-
-def _p_render(name, args):
-    text = _one(name, args, "WxH|off")
-    return ("off",) if text == "off" else _size(name, text)
-
-
-def _p_mode(name, args):
-    return (_choice(name, _one(name, args, "|".join(MODES)), MODES),)
+_one, _int_arg, _choice, _p_int, _p_on_off = one, int_word, choice, p_int, p_on_off
 
 
 def _p_path_or_clear(name, args):
@@ -325,10 +261,6 @@ def _p_clear(name, args):
     if not args:
         return ()
     return (_choice(name, _one(name, args, "[clear]"), ("clear",)),)
-
-
-def _p_on_off(name, args):
-    return (_choice(name, _one(name, args, "on|off"), ("on", "off")),)
 
 
 def _p_show(name, args):
@@ -427,92 +359,45 @@ def _h_mesh(state):
             f"({mesh.backend or 'no process group'}); generations record placement {t.name}"]
 
 
-@command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
-         args=(Arg(("random",)),))
-def _h_seed(state, value):
-    if value == "random":
-        value = secrets.randbelow(2**31)
-    s = _set(state, seed=value)
-    return [f"seed {s.seed}"]
+# The settings' commands, generated from their declarations (h3lab.schema): !seed, !seconds, !frames, !size,
+# !render, !steps, !reuse, the presets' (!layers, !core-reuse, !token-reduction, !reference-rope), !mode, ...
+def _setting_command(setting: Setting) -> None:
+    """Register the `@command` of a declared generation setting (`Setting.command`; defaults by its type)."""
+    repl = setting.command
+    if repl is None or setting.target != "generation":
+        return
+    name = repl.name or setting.name.replace("_", "-")
+    choices = setting.allowed()
+    if setting.type is bool:
+        form, parser, complete = "on|off", p_on_off, (("on", "off"),)
+    elif choices is not None:
+        form, parser, complete = "|".join(choices), p_choice(tuple(choices)), (tuple(choices),)
+    else:
+        form = {int: "N", float: "X"}.get(setting.type, "VALUE")
+        parser, complete = {int: p_int, float: p_float}.get(setting.type, p_word), ()
+
+    def handler(state, *args):
+        if repl.changes is not None:
+            changes = repl.changes(state, *args)
+        else:
+            changes = {setting.name: args[0] == "on" if setting.type is bool else args[0]}
+        new = state.settings.replace(**changes)  # validates; raises before anything is assigned
+        if repl.check is not None:
+            repl.check(state, new)
+        state.settings = new
+        if repl.reply is not None:
+            return repl.reply(new, state)
+        return [f"{name} {setting.word(getattr(new, setting.name))}"]
+
+    handler.__name__ = f"_h_{name.replace('-', '_')}"
+    complete = repl.complete if repl.complete is not None else complete
+    command(name, repl.usage or f"!{name} {form}", repl.summary or setting.help, parse=repl.parse or parser,
+            args=tuple(Arg(words) for words in complete), drain=repl.drain)(handler)
 
 
-@command("seconds", "!seconds X", "duration at 24 fps, rounded up to a legal frame count", parse=_p_seconds)
-def _h_seconds(state, value):
-    s = _set(state, seconds=value, frames=None)
-    return [f"{s.num_frames} frames ({s.duration:.3f} s)"] + list(s.notices)
-
-
-@command("frames", "!frames N", "frame count, snapped up to 17n+5", parse=_p_int)
-def _h_frames(state, value):
-    s = _set(state, frames=value, seconds=None)
-    return [f"{s.num_frames} frames ({s.duration:.3f} s)"] + list(s.notices)
-
-
-@command("size", "!size WxH", "output size (multiples of 32, area <= 768x1344, aspect 1:4-4:1)", parse=_p_size)
-def _h_size(state, width, height):
-    s = _set(state, width=width, height=height)
-    return [f"size {s.width}x{s.height}"]
-
-
-@command("render", "!render WxH|off", "internal canvas, same aspect, upscaled to the output size", parse=_p_render,
-         args=(Arg(("off",)),))
-def _h_render(state, *value):
-    if value == ("off",):
-        _set(state, render_width=None, render_height=None)
-        return ["render size off (model runs at the output size)"]
-    s = _set(state, render_width=value[0], render_height=value[1])
-    return [f"render {s.render_width}x{s.render_height}, upscaled to {s.width}x{s.height}"]
-
-
-@command("steps", "!steps N", "denoising passes (default 20)", parse=_p_int)
-def _h_steps(state, value):
-    s = _set(state, steps=value)
-    return [f"{s.steps} denoising passes ({s.num_points} sigma grid points)"]
-
-
-@command("reuse", "!reuse N", "whole-velocity reuse interval (1 = every pass runs the model)", parse=_p_int)
-def _h_reuse(state, value):
-    s = _set(state, reuse=value)
-    return [f"reuse {s.reuse}"]
-
-
-# ---- speed presets (h3lab.presets; rules: h3lab/presets/rules.py)
-def _p_layers(name, args):
-    text = _one(name, args, "N|off")
-    return (None,) if text == "off" else (_int_arg(name, text, "N (transformer blocks to run) or 'off'"),)
-
-
-def _preset_set(state: SessionState, line: str, **changes: Any) -> list[str]:
-    from .presets import check_settings
-
-    new = state.settings.replace(**changes)
-    if "layers" in changes and changes["layers"] is not None:
-        state.get_session().check_preset(new)  # the range needs the DiT's depth: read from its config, no weights
-    state.settings = new
-    return [line] + check_settings(new)
-
-
-@command("layers", "!layers N|off", "run N transformer blocks, ranked by their AdaLN gates (off: all)",
-         parse=_p_layers, args=(Arg(("off",)),))
-def _h_layers(state, n):
-    return _preset_set(state, "layers off (every block runs)" if n is None else f"layers {n}", layers=n)
-
-
-@command("core-reuse", "!core-reuse K", "run the block stack every K passes (1-6), heads every pass", parse=_p_int)
-def _h_core_reuse(state, k):
-    return _preset_set(state, f"core reuse {k}", core_reuse=k)
-
-
-@command("token-reduction", "!token-reduction on|off", "pair horizontal video tokens in the middle blocks",
-         parse=_p_on_off, args=(ON_OFF,))
-def _h_token_reduction(state, switch):
-    return _preset_set(state, f"token reduction {switch}", token_reduction=switch == "on")
-
-
-@command("reference-rope", "!reference-rope on|off", "at 256x256: the released RoPE coordinates, not halved ones",
-         parse=_p_on_off, args=(ON_OFF,))
-def _h_reference_rope(state, switch):
-    return _preset_set(state, f"reference rope {switch}", reference_rope=switch == "on")
+for _declared in SETTINGS:
+    _setting_command(_declared)
+SETTINGS.on_declare(_setting_command)  # a setting declared later gets its command at once
 
 
 @command("zoom", "!zoom N", "display factor of --show previews (1-8; 2 for Retina screens)", parse=_p_int)
@@ -522,22 +407,6 @@ def _h_zoom(state, n):
     state.zoom = check_zoom(n, "!zoom")
     return [f"zoom {n}"]
 
-
-@command("mode", "!mode strict|audit|auto|off", "arithmetic of the transformer", parse=_p_mode, args=(Arg(MODES),))
-def _h_mode(state, mode):
-    _set(state, mode=mode)
-    lines = [f"mode {mode}"]
-    device = getattr(state.session, "device", None)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    on_cpu = getattr(device, "type", "") == "cpu"
-    if mode == "strict" and on_cpu and not interpreted:
-        lines.append("note: on the CPU strict kernels run only under TRITON_INTERPRET=1; without it strict fails "
-                     "closed")
-    elif mode == "strict" and on_cpu:
-        lines.append("note: strict on the CPU runs Triton's interpreter: exact but slow (keep sizes small)")
-    elif mode == "auto" and on_cpu:
-        lines.append("note: auto on the CPU runs the torch ops (the interpreter only when strict is asked for)")
-    return lines
 
 
 def _anchor(state, which, value):

@@ -21,6 +21,10 @@ class ValidationError(H3Error):
     """A generation setting breaks a rule (geometry, duration, references, anchors)."""
 
 
+class CommandError(H3Error):
+    """An unknown command or a bad argument (names the command, the value and the expected form)."""
+
+
 class OutputError(ValidationError):
     """An output path (file or folder, given by a flag, a command or the environment) cannot be written; names the
     user's path, never a temporary file."""

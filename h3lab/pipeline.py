@@ -233,15 +233,20 @@ def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=
     from .hashing import model_fingerprint
     from .presets import preset_for
     from .run import RunSpec
+    from .schema import SETTINGS
 
     placement = {}
     if mesh is not None:  # the topology the run is parallelized on (h3lab.distributed; verify replays on it)
         t = mesh.topology
         placement = {"tp": t.tp, "cp": t.cp, "sp": t.sp, "row_parallel": t.row_parallel}
-    return RunSpec(inputs, schedule, mode=s.mode, variant=variant_for(s.task),
-                   fingerprint=model_fingerprint(model), layout=layout, factors=tuple(s.ablations),
-                   reuse=s.reuse, preset=preset_for(s, model, layout), adapters=list(adapters), residency=residency,
-                   placement=placement)
+    fields = dict(mode=s.mode, variant=variant_for(s.task), fingerprint=model_fingerprint(model), layout=layout,
+                  factors=tuple(s.ablations), reuse=s.reuse, preset=preset_for(s, model, layout),
+                  adapters=list(adapters), residency=residency, placement=placement)
+    declared = SETTINGS.spec_fields(s)  # what settings declared in h3lab.schema add to the run (`Setting.spec`)
+    taken = sorted(set(declared) & set(fields))
+    if taken:
+        raise ValueError(f"a declared setting sets RunSpec {taken[0]!r}, which build_spec sets itself")
+    return RunSpec(inputs, schedule, **fields, **declared)
 
 
 def variant_for(task: str) -> str:

@@ -284,6 +284,30 @@ def check_references(references: Iterable[Reference]) -> tuple[Reference, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ settings
+def _is_extra(name: str) -> bool:
+    from .schema import SETTINGS
+
+    declared = SETTINGS.get(name)
+    return declared is not None and declared.target == "generation"
+
+
+def _check_extras(settings: "GenerationSettings", notices: list[str]) -> tuple[tuple[str, Any], ...]:
+    """The schema-declared settings' values, each checked by its declaration (`Setting.check_extra`); a value equal
+    to its default is dropped, so settings that differ only by a default compare (and hash) equal."""
+    from .schema import SETTINGS
+
+    out = []
+    for name, value in dict(settings.extras).items():
+        declared = SETTINGS.get(name)
+        if declared is None or declared.target != "generation":
+            raise ValidationError(f"unknown setting(s) {name}")
+        value, more = declared.check_extra(value, settings)
+        notices += more
+        if value != declared.default:
+            out.append((name, value))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     """One generation request. Construction validates every rule; derived geometry is exposed as properties."""
@@ -309,6 +333,9 @@ class GenerationSettings:
     core_reuse: int = 1
     token_reduction: bool = False
     reference_rope: bool = False
+    # Settings declared only in the schema (h3lab.schema): sorted (name, value) pairs of the ones set to a value other
+    # than their default; read them as attributes (`settings.noise_level`), set them with `replace(noise_level=...)`.
+    extras: tuple[tuple[str, Any], ...] = ()
     # Resolved in __post_init__.
     num_frames: int = field(init=False, default=0)
     notices: tuple[str, ...] = field(init=False, default=(), compare=False)
@@ -351,13 +378,33 @@ class GenerationSettings:
         for name in ("first", "last"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, str(getattr(self, name)))
+        if self.extras:  # last: a declared rule sees the normalised settings
+            more: list[str] = []
+            object.__setattr__(self, "extras", _check_extras(self, more))
+            object.__setattr__(self, "notices", self.notices + tuple(more))
+
+    def __getattr__(self, name: str) -> Any:
+        """A setting declared only in the schema: its value here, or its declared default."""
+        if name.startswith("_") or name == "extras":
+            raise AttributeError(name)
+        from .schema import SETTINGS
+
+        declared = SETTINGS.get(name)
+        if declared is None or declared.target != "generation":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return dict(self.extras).get(name, declared.default)
 
     # ------------------------------------------------------------------------------------------ changes
     def replace(self, **changes: Any) -> "GenerationSettings":
-        """A validated copy with `changes`; setting frames clears seconds and vice versa."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self) if f.init})
+        """A validated copy with `changes`; setting frames clears seconds and vice versa. A setting declared only in
+        the schema is one of the changes too (it goes into `extras`)."""
+        own = {f.name for f in dataclasses.fields(self) if f.init}
+        extra = {name: changes.pop(name) for name in list(changes) if name not in own and _is_extra(name)}
+        unknown = sorted(set(changes) - own)
         if unknown:
             raise ValidationError(f"unknown setting(s) {', '.join(unknown)}")
+        if extra:
+            changes["extras"] = tuple(sorted({**dict(changes.get("extras", self.extras)), **extra}.items()))
         if "frames" in changes and changes["frames"] is not None and "seconds" not in changes:
             changes["seconds"] = None
         if "seconds" in changes and changes["seconds"] is not None and "frames" not in changes:
@@ -419,6 +466,11 @@ class GenerationSettings:
         return self.steps + 1
 
     @property
+    def preset_notices(self) -> list[str]:
+        """The speed presets' notices for these settings (the seed's warnings: `presets.rules.check_settings`)."""
+        return check_preset_settings(self)
+
+    @property
     def duration(self) -> float:
         return self.num_frames / FPS
 
@@ -426,19 +478,17 @@ class GenerationSettings:
         size = f"{self.width}x{self.height}"
         if self.render_width is not None:
             size += f" (render {self.render_width}x{self.render_height})"
+        from .schema import SETTINGS
+
+        parts = [s.summary(getattr(self, s.name)) for s in SETTINGS.of("generation") if s.summary is not None]
         return (
             f"{self.task} seed {self.seed}, {size}, {self.num_frames} frames ({self.duration:.3f} s), "
-            f"{self.steps} steps, mode {self.mode}"
-            + (f", reuse {self.reuse}" if self.reuse > 1 else "")
-            + (f", ablations {','.join(self.ablations)}" if self.ablations else "")
-            + (f", layers {self.layers}" if self.layers is not None else "")
-            + (f", core reuse {self.core_reuse}" if self.core_reuse > 1 else "")
-            + (", token reduction" if self.token_reduction else "")
-            + (", reference rope" if self.reference_rope else "")
+            f"{self.steps} steps, mode {self.mode}" + "".join(f", {part}" for part in parts if part)
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "notices"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("notices", "extras")}
+        out.update(self.extras)
         out["references"] = [dataclasses.asdict(r) for r in self.references]
         out["ablations"] = list(self.ablations)
         out["task"] = self.task

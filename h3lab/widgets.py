@@ -28,8 +28,11 @@ Contract
   the earlier run's MP4 is still written (and a drift still being computed finishes first: the session runs one
   model job at a time). `wb.timings` and the timing line (class `h3lab-timing`) give every phase:
   the session's call, the preview share, the panel's own work, then the strip, the MP4 and the drift.
-- Speed presets (`h3lab.presets`): layers, core reuse, token reduction and reference RoPE controls, validated by
-  `GenerationSettings` and, for the DiT's depth, by `Session.check_preset` on Generate.
+- The settings' controls (seed, width, height, steps, mode, the speed presets' layers / core reuse / token reduction /
+  reference RoPE, and any setting declared later) are generated from the settings schema (`h3lab.schema`,
+  `Setting.control`): `wb.controls` (name -> widget, also `wb.<name>`), placed by their `row` ("canvas", "run",
+  "presets", then one row per other name); validated by `GenerationSettings` and, for the DiT's depth, by
+  `Session.check_preset` on Generate.
 - Any error -- validation, decoding, the model, cancellation -- ends up as one line in the panel (`wb.error`, class
   `h3lab-error`) and leaves the session and the panel usable; a failed run leaves no stale result on screen.
   `wb.wait(timeout)` joins the worker and the media thread (tests, scripts).
@@ -55,7 +58,7 @@ import ipywidgets as W
 
 from . import commands, plots, whatran
 from .errors import H3Error, ValidationError
-from .runtime import MODES
+from .schema import NO_VALUE, SETTINGS, Setting
 from .session import GenerationCancelled, StepInfo, ablation_factors
 from .settings import FPS, GenerationSettings, seconds_to_frames
 
@@ -70,6 +73,49 @@ def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     msg = text[0] if text else ""
     return msg if isinstance(err, H3Error) else f"{type(err).__name__}: {msg}"
+
+
+FIXED_ROWS = ("canvas", "run", "presets")  # where the layout puts them; other rows follow the presets
+_KINDS = {"int": W.IntText, "float": W.FloatText, "checkbox": W.Checkbox, "dropdown": W.Dropdown, "text": W.Text}
+
+
+def shown_value(setting: Setting, value: Any) -> Any:
+    """A setting's value as its control shows it (None -> the control's `off` value)."""
+    return setting.control.off if value is None and setting.control.off is not NO_VALUE else value
+
+
+def control_value(setting: Setting, value: Any) -> Any:
+    """A control's value as the setting's value: typed as declared, the `off` value -> None."""
+    if setting.control.off is not NO_VALUE and value == setting.control.off:
+        return None
+    return setting.type(value) if setting.type in (int, float, bool) and setting.allowed() is None else value
+
+
+def setting_controls(settings: GenerationSettings, style: dict) -> dict[str, W.Widget]:
+    """name -> the control of every declared generation setting that has one (`h3lab.schema`, `Setting.control`).
+    Numeric fields are unbounded on purpose: the settings validate every range with their one-line message, where a
+    bounded widget would clamp silently (steps 0 -> 1)."""
+    controls = {}
+    for setting in SETTINGS.of("generation"):
+        c = setting.control
+        if c is None:
+            continue
+        kind = c.kind or ("checkbox" if setting.type is bool else "dropdown" if setting.allowed() is not None else
+                          {int: "int", float: "float"}.get(setting.type, "text"))
+        kw: dict[str, Any] = {"value": shown_value(setting, getattr(settings, setting.name)),
+                              "description": c.description}
+        if c.tooltip is not None:
+            kw["tooltip"] = c.tooltip
+        if kind == "checkbox":
+            kw["indent"] = False
+        else:
+            kw.update(style=style, layout=W.Layout(width=c.width))
+        if kind == "dropdown":
+            kw["options"] = list(setting.allowed())
+        if c.step is not None:
+            kw["step"] = c.step
+        controls[setting.name] = _KINDS[kind](**kw)
+    return controls
 
 
 def _factors() -> tuple[dict[str, str], str]:
@@ -123,29 +169,17 @@ class Workbench:
         style = {"description_width": "70px"}
         self.prompt = W.Textarea(value=s.prompt, description="prompt", placeholder="Describe the clip",
                                  layout=W.Layout(width="98%", height="60px"), style=style)
-        # Unbounded numeric fields on purpose: the settings validate every range with their one-line message, where
-        # a bounded widget would clamp silently (steps 0 -> 1).
-        self.seed = W.IntText(value=s.seed, description="seed", style=style, layout=W.Layout(width="220px"))
+        # The declared settings' controls (h3lab.schema; `self.seed`, `self.steps`, `self.layers`, ...), by panel row.
+        self.controls = setting_controls(s, style)
+        for name, control in self.controls.items():
+            setattr(self, name, control)
         self.random_seed = W.Button(description="random", tooltip="draw a random seed", layout=W.Layout(width="80px"))
-        self.width = W.IntText(value=s.width, step=32, description="width", style=style, layout=W.Layout(width="160px"))
-        self.height = W.IntText(value=s.height, step=32, description="height", style=style,
-                                layout=W.Layout(width="160px"))
         by_seconds = s.seconds is not None
         self.length_unit = W.ToggleButtons(options=["frames", "seconds"], value="seconds" if by_seconds else "frames",
                                            style={"button_width": "80px"})
         self.length = W.FloatText(value=s.seconds if by_seconds else s.num_frames, description="length", style=style,
                                   layout=W.Layout(width="160px"))
         self.length_note = W.Label(value="")
-        self.steps = W.IntText(value=s.steps, description="steps", style=style, layout=W.Layout(width="160px"))
-        self.mode = W.Dropdown(options=list(MODES), value=s.mode, description="mode", style=style,
-                               layout=W.Layout(width="200px"))
-        # Speed presets: validated by GenerationSettings (and the DiT's depth by the session) on Generate.
-        self.layers = W.IntText(value=s.layers or 0, description="layers", tooltip="blocks to run; 0: all",
-                                style=style, layout=W.Layout(width="160px"))
-        self.core_reuse = W.IntText(value=s.core_reuse, description="core reuse", style=style,
-                                    layout=W.Layout(width="160px"))
-        self.token_reduction = W.Checkbox(value=s.token_reduction, description="token reduction", indent=False)
-        self.reference_rope = W.Checkbox(value=s.reference_rope, description="reference RoPE (256x256)", indent=False)
         self.strict_line = W.HTML(value="")
         self.strict_line.add_class("h3lab-strict-setup")
         self.strict_button = W.Button(description="set up strict (TRITON_INTERPRET=1)", icon="wrench",
@@ -209,7 +243,8 @@ class Workbench:
         self.generate_button.on_click(lambda _b: self.generate())
         self.cancel_button.on_click(lambda _b: self.cancel())
         self.strict_button.on_click(lambda _b: self.set_up_strict())
-        self.mode.observe(lambda _ch: self._refresh_strict(), names="value")
+        if "mode" in self.controls:
+            self.mode.observe(lambda _ch: self._refresh_strict(), names="value")
         self.first_upload.observe(lambda ch: self._anchor_uploaded("first", ch), names="value")
         self.last_upload.observe(lambda ch: self._anchor_uploaded("last", ch), names="value")
         self.first_clear.on_click(lambda _b: self.command("!first clear"))
@@ -221,11 +256,12 @@ class Workbench:
         self.panel = W.VBox([
             W.HTML("<b>h3lab workbench</b> &mdash; " + html.escape(str(getattr(self.session, "model_name", "")))),
             self.prompt,
-            W.HBox([self.seed, self.random_seed, self.width, self.height]),
+            self._row("canvas", {"seed": [self.random_seed]}),
             W.HBox([self.length_unit, self.length, self.length_note]),
-            W.HBox([self.steps, self.mode, self.strict_button]),
+            self._row("run", {"mode": [self.strict_button]}),
             self.strict_line,
-            W.HBox([self.layers, self.core_reuse, self.token_reduction, self.reference_rope]),
+            self._row("presets"),  # speed presets: validated by the settings (the DiT's depth by the session)
+            *[self._row(row) for row in dict.fromkeys(self._rows()) if row not in FIXED_ROWS],
             ablation_row,
             self.ablation_note,
             W.HBox([self.first_upload, self.first_label, self.first_clear]),
@@ -241,9 +277,27 @@ class Workbench:
             self.results_box,
         ])
         self.panel.add_class("h3lab-workbench")
+        clash = [name for name, control in self.controls.items() if getattr(self, name) is not control]
+        if clash:
+            raise ValueError(f"setting {clash[0]!r}: its panel control's name is taken by the Workbench itself")
         self._length_changed()
         self._refresh_conditioning()
         self._refresh_strict()
+
+    def _rows(self) -> dict[str, list[str]]:
+        """panel row -> the names of the declared controls in it, in the schema's order."""
+        rows: dict[str, list[str]] = {}
+        for name in self.controls:
+            rows.setdefault(SETTINGS.get(name).control.row, []).append(name)
+        return rows
+
+    def _row(self, row: str, after: dict[str, list] | None = None) -> W.HBox:
+        """One panel row of declared controls; `after` puts fixed widgets right after a control (seed: random)."""
+        after = after or {}
+        children = []
+        for name in self._rows().get(row, []):
+            children += [self.controls[name], *after.get(name, [])]
+        return W.HBox(children)
 
     def _repr_mimebundle_(self, **kwargs: Any):
         return self.panel._repr_mimebundle_(**kwargs)
@@ -305,15 +359,7 @@ class Workbench:
         """The validated settings the controls describe (raises `H3Error` with one line; changes nothing)."""
         changes: dict[str, Any] = {
             "prompt": self.prompt.value,
-            "seed": int(self.seed.value),
-            "width": int(self.width.value),
-            "height": int(self.height.value),
-            "steps": int(self.steps.value),
-            "mode": self.mode.value,
-            "layers": int(self.layers.value) or None,
-            "core_reuse": int(self.core_reuse.value),
-            "token_reduction": bool(self.token_reduction.value),
-            "reference_rope": bool(self.reference_rope.value),
+            **{name: control_value(SETTINGS.get(name), c.value) for name, c in self.controls.items()},
             **self._length_settings(),
         }
         if self.ablation_toggles:
@@ -355,10 +401,8 @@ class Workbench:
         s = self.state.settings
         self._syncing = True
         try:
-            self.seed.value, self.width.value, self.height.value = s.seed, s.width, s.height
-            self.steps.value, self.mode.value = s.steps, s.mode
-            self.layers.value, self.core_reuse.value = s.layers or 0, s.core_reuse
-            self.token_reduction.value, self.reference_rope.value = s.token_reduction, s.reference_rope
+            for name, control in self.controls.items():
+                control.value = shown_value(SETTINGS.get(name), getattr(s, name))
             if s.seconds is not None:
                 self.length_unit.value, self.length.value = "seconds", s.seconds
             else:

@@ -4,11 +4,14 @@
   core_reuse.py       --core-reuse K: the block stack every K passes, patch projections and heads every pass
   token_reduction.py  --token-reduction: paired horizontal target-video tokens in the middle blocks, with a bypass
   rope_adaptation.py  the 256x256 RoPE halving (--use-reference-rope restores the released coordinates)
-  field.py            the `RunSpec.preset` provider: validate + apply the whole preset JSON; `preset_for(settings)`
+  registry.py         `Preset` (key, validate, apply, from_settings, describe, order) and `register_preset`
+  field.py            the `RunSpec.preset` provider: loops over the registered presets; `preset_for(settings)`
   rules.py            request-level rules and the seed's warnings (what `GenerationSettings` checks)
   _blocks.py          skipping blocks from outside the model (shared by layer thinning and core reuse)
   errors.py           PresetError
 
+Each preset file ends by registering its `Preset` and declaring its user setting (`h3lab.schema`: flag, REPL
+command, panel control, summary part), so a new preset is one file (plus its import here) and its test.
 Each preset is an `apply_X(run, ...)` context manager that changes the run's inputs, wraps its forward or attaches
 torch hooks / forward overrides to the model's blocks for the run's duration, and undoes it on exit; the model has
 no special case for any of them. Importing this package registers the `preset` field provider

@@ -85,3 +85,38 @@ def apply_core_reuse(run: Any, k: int) -> Iterator[Any]:
         finally:
             for h in handles:
                 h.remove()
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def _validate(value: dict) -> dict:
+    k = check_core_reuse(value.get("core_reuse", 1))
+    return {"core_reuse": k} if k > 1 else {}
+
+
+def _describe(p: dict) -> list[str]:
+    k = p["core_reuse"]
+    return [f"core reuse {k}: the block stack every {k} passes and on the last; patch projections and heads every pass"]
+
+
+def _reply(new: Any, _state: Any) -> list[str]:
+    return [f"core reuse {new.core_reuse}"] + new.preset_notices
+
+
+def _register() -> None:
+    from ..schema import Control, Repl, Setting, declare
+    from .registry import Preset, register_preset
+
+    register_preset(Preset(
+        "core_reuse", _validate, lambda value, run: apply_core_reuse(run, value["core_reuse"]),
+        lambda s, _model, _layout: {"core_reuse": s.core_reuse} if s.core_reuse > 1 else {}, _describe,
+        order=20, apply_order=40, check=lambda value, run: check_exclusive(value.get("core_reuse", 1), run.reuse)))
+    declare(Setting(
+        "core_reuse", int, 1, "run the block stack every K passes (1-6), heads every pass; exclusive with --reuse",
+        order=90,
+        command=Repl(usage="!core-reuse K", summary="run the block stack every K passes (1-6), heads every pass",
+                     reply=_reply),
+        control=Control("core reuse", row="presets"),
+        summary=lambda k: f"core reuse {k}" if k > 1 else None, maps="RunSpec.preset core_reuse"))
+
+
+_register()

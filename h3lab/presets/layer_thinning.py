@@ -202,3 +202,73 @@ def apply_layer_thinning(run: Any, blocks: Sequence[int]) -> Iterator[Any]:
     kept = frozenset(blocks)
     with skip_blocks(model, lambda i: i not in kept):
         yield run
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def _validate(value: dict) -> dict:
+    if "blocks" in value and "layers" not in value:
+        raise PresetError("preset blocks without layers: the sealed block list goes with layers=N")
+    if "layers" not in value:
+        return {}
+    n = value["layers"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PresetError(f"layers={n!r}: must be a positive integer number of transformer blocks")
+    out: dict[str, Any] = {"layers": n}
+    if "blocks" in value:
+        out["blocks"] = list(check_blocks(value["blocks"], n))
+    return out
+
+
+def _apply(value: dict, run: Any):
+    check_layers(value["layers"], len(run.model.transformer_blocks))
+    return apply_layer_thinning(run, value.get("blocks") or choose_blocks(run.model, value["layers"]))
+
+
+def _from_settings(settings: Any, model: Any, layout: Any) -> dict:
+    num_layers = len(model.transformer_blocks)
+    if settings.layers is None or settings.layers == num_layers:
+        return {}
+    n = check_layers(settings.layers, num_layers)
+    return {"layers": n, "blocks": list(choose_blocks(model, n))}
+
+
+def _describe(p: dict) -> list[str]:
+    blocks = p.get("blocks")
+    if blocks:
+        gone = dropped(blocks[-1] + 1, blocks)  # the final block is protected: its index + 1 is the depth
+        return [f"layers {p['layers']} of {blocks[-1] + 1}: dropped blocks {', '.join(map(str, gone))} "
+                "(lowest mean |AdaLN gate|; first and final protected)"]
+    return [f"layers {p['layers']} (blocks ranked by the model's AdaLN gates at run time)"]
+
+
+def _p_layers(name, args):
+    from ..schema.words import int_word, one
+
+    text = one(name, args, "N|off")
+    return (None,) if text == "off" else (int_word(name, text, "N (transformer blocks to run) or 'off'"),)
+
+
+def _check_depth(state: Any, new: Any) -> None:
+    if new.layers is not None:
+        state.get_session().check_preset(new)  # the range needs the DiT's depth: read from its config, no weights
+
+
+def _reply(new: Any, _state: Any) -> list[str]:
+    return ["layers off (every block runs)" if new.layers is None else f"layers {new.layers}"] + new.preset_notices
+
+
+def _register() -> None:
+    from ..schema import Control, Repl, Setting, declare
+    from .registry import Preset, register_preset
+
+    register_preset(Preset("layers", _validate, _apply, _from_settings, _describe, order=10, apply_order=30,
+                           keys=("layers", "blocks")))
+    declare(Setting(
+        "layers", int, None, "run N transformer blocks ranked by AdaLN gates", order=80,
+        command=Repl(usage="!layers N|off", summary="run N transformer blocks, ranked by their AdaLN gates (off: all)",
+                     parse=_p_layers, complete=(("off",),), check=_check_depth, reply=_reply),
+        control=Control("layers", row="presets", tooltip="blocks to run; 0: all", off=0),
+        summary=lambda v: None if v is None else f"layers {v}", maps="RunSpec.preset layers + blocks"))
+
+
+_register()

@@ -51,3 +51,48 @@ def apply_rope_halving(run: Any) -> Iterator[Any]:
     """The run with its spatial rotary coordinates halved (module docstring)."""
     check_native_256(run, "rope='halved'")
     yield run.replace(inputs=run.inputs.replace(position_ids=halve_spatial(run.inputs.position_ids)))
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def _validate(value: dict) -> dict:
+    if "rope" not in value:
+        return {}
+    if value["rope"] not in ROPE_CHOICES:
+        raise PresetError(f"rope={value['rope']!r}: must be one of {', '.join(ROPE_CHOICES)}")
+    return {"rope": value["rope"]}
+
+
+def _apply(value: dict, run: Any):
+    if value["rope"] == "halved":
+        return apply_rope_halving(run)
+    check_native_256(run, "rope='reference'")
+    return contextlib.nullcontext(run)
+
+
+_DESCRIBE = {"halved": "rope: spatial coordinates halved at 256x256 (--use-reference-rope restores the released ones)",
+             "reference": "rope: released coordinates at 256x256 (--use-reference-rope)"}
+
+
+def _reply(new: Any, _state: Any) -> list[str]:
+    return [f"reference rope {'on' if new.reference_rope else 'off'}"] + new.preset_notices
+
+
+def _register() -> None:
+    from ..schema import Control, Repl, Setting, declare
+    from .registry import Preset, register_preset
+
+    register_preset(Preset(
+        "rope", _validate, _apply,
+        lambda s, _model, layout: {"rope": "reference" if s.reference_rope else "halved"} if is_native_256(layout)
+        else {},
+        lambda p: [_DESCRIBE[p["rope"]]], order=40, apply_order=10))
+    declare(Setting(
+        "reference_rope", bool, False,
+        "at 256x256 keep the released RoPE coordinates (default: spatial coordinates halved)", order=110,
+        flag="--use-reference-rope",
+        command=Repl(summary="at 256x256: the released RoPE coordinates, not halved ones", reply=_reply),
+        control=Control("reference RoPE (256x256)", row="presets"),
+        summary=lambda on: "reference rope" if on else None, maps="RunSpec.preset rope"))
+
+
+_register()

@@ -156,3 +156,49 @@ def apply_token_reduction(run: Any, schedule: dict[str, int], stack_runs: Sequen
     finally:
         for h in handles:
             h.remove()
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def _validate(value: dict) -> dict:
+    if "token_reduction" not in value:
+        return {}
+    schedule = check_schedule(value["token_reduction"])
+    return {} if schedule is None else {"token_reduction": schedule}
+
+
+def _apply(value: dict, run: Any):
+    from ..sampler import reuse_plan
+    from .core_reuse import core_plan
+
+    n = run.schedule.num_passes
+    stack_runs = [a and b for a, b in zip(reuse_plan(n, run.reuse), core_plan(n, value.get("core_reuse", 1)))]
+    return apply_token_reduction(run, value["token_reduction"], stack_runs)
+
+
+def _describe(p: dict) -> list[str]:
+    s = p["token_reduction"]
+    return [f"token reduction: blocks {s['start']}..{s['early_end'] - 1} for the first {s['early_evaluations']} "
+            f"evaluations, {s['start']}..{s['end'] - 1} after"]
+
+
+def _reply(new: Any, _state: Any) -> list[str]:
+    return [f"token reduction {'on' if new.token_reduction else 'off'}"] + new.preset_notices
+
+
+def _register() -> None:
+    from ..schema import Control, Repl, Setting, declare
+    from .registry import Preset, register_preset
+
+    register_preset(Preset(
+        "token_reduction", _validate, _apply,
+        lambda s, _model, _layout: {"token_reduction": dict(DEFAULT_SCHEDULE)} if s.token_reduction else {},
+        _describe, order=30, apply_order=20))
+    declare(Setting(
+        "token_reduction", bool, False, "pair horizontal video tokens inside the middle blocks (refused at 256x256)",
+        order=100,
+        command=Repl(summary="pair horizontal video tokens in the middle blocks", reply=_reply),
+        control=Control("token reduction", row="presets"),
+        summary=lambda on: "token reduction" if on else None, maps="RunSpec.preset token_reduction (the schedule)"))
+
+
+_register()
