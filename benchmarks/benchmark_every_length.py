@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
             out.append({"m": m, "k": k, "n": n,
                         "quant_bytes_equal": bool(torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
                                                   and torch.equal(s, sr)),
+                        "scales_equal": bool(torch.equal(s, sr)),
+                        "quant_bytes_differing": int((q.view(torch.uint8) != qr.view(torch.uint8)).sum()),
+                        "quant_max_abs_diff": float((q.float() * s - qr.float() * sr).abs().max()),
                         "fp8_rel_l2_vs_float64": rel_l2(y, truth),
                         "fp8_rel_l2_vs_emulation": rel_l2(y, fast.linear_reference(x, w)),
                         "bf16_rel_l2_vs_float64": rel_l2(torch.nn.functional.linear(x, w), truth)})

@@ -37,7 +37,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK: tl.constexpr
         ok = k0 + cols < K
         v = tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
-        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv), mask=ok)
+        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
