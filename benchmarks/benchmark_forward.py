@@ -31,6 +31,10 @@ SHAPES = {
     # name: (latent frames, latent h, latent w, audio latents per channel, text rows) -> rows
     "512x512x22f": (7, 32, 32, 37, 200),  # 1792 video + 74 audio + 200 text = 2066
     "864x480x56f": (17, 30, 54, 93, 201),  # 6885 + 186 + 201 = 7272
+    # 1344x768 (t2va, 143 text rows, as the issue measured): 12 / 37 / 107 latent frames of 24x42 patches
+    "1344x768x39f": (12, 48, 84, 65, 143),  # 12096 + 130 + 143 = 12369
+    "1344x768x124f": (37, 48, 84, 207, 143),  # 37296 + 414 + 143 = 37853
+    "1344x768x362f": (107, 48, 84, 603, 143),  # 107856 + 1206 + 143 = 109205 (15 s, the longest released clip)
     "tiny-64x64x22f": (7, 4, 4, 37, 12),
 }
 

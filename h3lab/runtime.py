@@ -20,6 +20,9 @@ Modes (`use_mode(...)`, a context manager over a context variable, so threads an
 - ``auto``    strict where the kernel accepts the call, else the torch op, recording each fallback and its reason.
               On the CPU the kernels are Triton's interpreter (exact, far slower): auto runs the torch op there
               (`AUTO_ON_CPU`), so exporting TRITON_INTERPRET=1 never changes what auto runs; strict still runs it.
+- ``fast``    NOT strict: the released graph with FP8 e4m3 projections and cuDNN attention (`h3lab.fast`), CUDA
+              inference only; it refuses the CPU and autograd with one line (`FastModeError`). Its trace says
+              "strict": false. Code that needs the strict contract calls `require_not_fast(what)`.
 
 A kernel's `check` says "cannot serve" by raising `h3kernels.registry.StrictUnsupported` (auto then falls back,
 strict raises `StrictError`); any other exception from a check is a bug in the check and propagates unchanged.
@@ -53,7 +56,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-MODES = ("strict", "audit", "auto", "off")
+MODES = ("strict", "audit", "auto", "off", "fast")
 # auto on CPU tensors: "torch" (the production op; the interpreter only when strict is asked for) or "interpreter"
 # (auto's per-op dispatch as on CUDA, for tests of that dispatch on a CPU machine).
 AUTO_ON_CPU = "torch"
@@ -62,6 +65,11 @@ AUTO_CPU_REASON = "auto does not run Triton's interpreter (TRITON_INTERPRET=1) o
 
 class StrictError(RuntimeError):
     """Strict mode cannot serve an op call; the message names the op, the point, shapes, dtypes and device."""
+
+
+class FastModeError(StrictError):
+    """Fast mode refuses a call (CPU tensors, no FP8 on the GPU, autograd), or strict-contract code was asked to run
+    in fast mode (`require_not_fast`). One line naming the value and the rule."""
 
 
 # ------------------------------------------------------------------------------------------ reference ops (off)
@@ -215,6 +223,15 @@ def current_mode() -> str:
     return _mode.get()
 
 
+def require_not_fast(what: str, mode: str | None = None) -> None:
+    """Refuse (FastModeError, one line) when `mode` (default: the current mode) is "fast": `what` (e.g. "an RL
+    rollout") needs the strict contract, and fast mode's FP8 projections are neither strict nor batch-invariant."""
+    mode = current_mode() if mode is None else mode
+    if mode == "fast":
+        raise FastModeError(f"{what} needs the strict contract: mode 'fast' (FP8 projections, cuDNN attention) is not "
+                            "strict; use mode strict")
+
+
 @contextlib.contextmanager
 def use_mode(mode: str) -> Iterator[str]:
     """Run the enclosed forwards in `mode` ("strict" | "audit" | "auto" | "off")."""
@@ -330,6 +347,8 @@ class Trace:
             "summary": self.summary(),
             "records": [asdict(r) for r in self.records],
         }
+        if self.mode == "fast":
+            out["strict"] = False  # only fast traces carry the key: every other trace's dict is unchanged
         if self.placement is not None:
             out["placement"] = self.placement
         if self.collectives is not None:
@@ -429,6 +448,12 @@ class Ops:
             note = "audit: production torch op" if self.mode == "audit" else ""
             self._log(name, point, "torch", _TORCH_INFO, args, kwargs, note)
             return REFERENCE_OPS[name](*args, **kwargs)
+        if self.mode == "fast":
+            from . import fast
+
+            info, fn = fast.serve(name, point, args, kwargs)
+            self._log(name, point, "fast", info, args, kwargs, "fast: not strict")
+            return fn(*args, **kwargs)
         if self.mode == "auto" and AUTO_ON_CPU == "torch" and _device_of(args) == "cpu":
             self._log(name, point, "torch", _TORCH_INFO, args, kwargs, f"auto fallback: {AUTO_CPU_REASON}")
             return REFERENCE_OPS[name](*args, **kwargs)

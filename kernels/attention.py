@@ -58,6 +58,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import registry
+from ._offsets import tile_offsets
 from .gemm import cast_rne, mma
 
 MAX_HEAD_DIM = 128
@@ -165,7 +166,7 @@ def _attn_fwd_kernel(
 
     out = tl.math.div_rn(acc, l_i[:, None])
     row_ok = offs_m < S
-    o_ptrs = o_ptr + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :] * sod
+    o_ptrs = o_ptr + b * sob + h * soh + tile_offsets(offs_m, sos, offs_d, sod)
     tl.store(o_ptrs, cast_rne(out, o_ptr.dtype.element_ty, INTERPRETED), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + _log2(l_i, INTERPRETED), mask=row_ok)
 
@@ -231,7 +232,7 @@ def _attn_bwd_dkdv_kernel(
         dk = mma(cast_rne(dsT, qT.dtype, INTERPRETED), tl.trans(qT), dk, "ieee", INTERPRETED)
 
     dk = dk * sm_scale
-    out = b * sgb + h * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :] * sgd
+    out = b * sgb + h * sgh + tile_offsets(offs_n, sgs, offs_d, sgd)
     mask = (offs_n[:, None] < S) & d_ok[None, :]
     tl.store(dk_ptr + out, cast_rne(dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     tl.store(dv_ptr + out, cast_rne(dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask)
@@ -275,7 +276,7 @@ def _attn_bwd_dq_kernel(
         dq = mma(cast_rne(ds, kT.dtype, INTERPRETED), tl.trans(kT), dq, "ieee", INTERPRETED)
 
     dq = dq * sm_scale
-    out = dq_ptr + b * sgb + h * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :] * sgd
+    out = dq_ptr + b * sgb + h * sgh + tile_offsets(offs_m, sgs, offs_d, sgd)
     tl.store(out, cast_rne(dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=(offs_m[:, None] < S) & d_ok[None, :])
 
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._offsets import flat_offsets, tile_offsets
 from h3kernels._strict_math import exp_f32, libdevice_enabled, round_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,7 +62,7 @@ def _silu_grad(x, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = flat_offsets(tl.program_id(0), BLOCK)
     ok = offs < n
     a = tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -71,7 +72,7 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _silu_kernel(x_ptr, dy_ptr, out_ptr, n, BACKWARD: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = flat_offsets(tl.program_id(0), BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -89,10 +90,10 @@ def _swiglu_tile(h_ptr, n_rows, F: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < n_rows)[:, None] & (cols < F)[None, :]
-    h_offs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    h_offs = tile_offsets(rows, 2 * F, cols, 1)
     value = tl.load(h_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(h_ptr + h_offs + F, mask=mask, other=0.0).to(tl.float32)
-    return value, gate, h_offs, rows.to(tl.int64)[:, None] * F + cols[None, :], mask
+    return value, gate, h_offs, tile_offsets(rows, F, cols, 1), mask
 
 
 @triton.jit

@@ -54,8 +54,12 @@ Interpreter (CPU, TRITON_INTERPRET=1): numpy cannot multiply bfloat16, so bf16 t
           (the interpreter's cast truncates). Tile loop, chunking, tree and cast points are the GPU's; the order
           inside one tile's dot is numpy's, so CPU bytes are not promised equal to GPU bytes.
 Refused   dtypes other than bf16/fp32, mixed dtypes or devices, empty tensors, weight not 2-D, x.shape[-1] != K,
-          bias not (N,), any tensor of 2**31 or more elements, K % 8 != 0 for `linear_tree`, CPU tensors without
-          the interpreter. Any strides are accepted (x is flattened with reshape, which copies only when it must).
+          bias not (N,), K % 8 != 0 for `linear_tree`, CPU tensors without the interpreter. Any strides are
+          accepted (x is flattened with reshape, which copies only when it must).
+Addressing 64-bit: every element offset (row * stride, chunk * stride) is formed in int64 and TMA descriptors take
+          64-bit strides, so tensors of 2**31 elements or more are served (the FFN up-projection of 1344x768x362f,
+          109,205 rows x 28,672, is 3.1e9 elements). Offsets change no arithmetic: the bytes are those of the int32
+          kernels wherever both ran. Tile coordinates are int32 per axis (rows and columns < 2**31 each).
 """
 
 from __future__ import annotations
@@ -69,10 +73,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import registry
+from ._offsets import tile_offsets
 from ._strict_math import round_to
 
 TREE_CHUNKS = 8
-_MAX_NUMEL = 2**31 - 1
 _DTYPES = (torch.bfloat16, torch.float32)
 PRECISIONS = ("ieee", "tf32x3")  # float32 operands: FMA, or the tensor core's three-TF32 split
 
@@ -168,8 +172,8 @@ def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
             acc = mma(a, b, acc, PRECISION, INTERPRETED)
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_src + k_lo * stride_xk
-        w_ptrs = w_src + k_lo * stride_wk
+        x_ptrs = x_src + tl.cast(k_lo, tl.int64) * stride_xk  # tl.cast: k_lo may be a constexpr
+        w_ptrs = w_src + tl.cast(k_lo, tl.int64) * stride_wk
         for k in range(0, CHUNK_K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs)
@@ -240,8 +244,8 @@ def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stri
         rows = offs_m % M
         cols = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
-        x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
-        w_src = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
+        x_src = x_ptr + tile_offsets(rows, stride_xm, offs_k, stride_xk)  # (BLOCK_M, BLOCK_K)
+        w_src = w_ptr + tile_offsets(offs_k, stride_wk, cols, stride_wn)  # (BLOCK_K, BLOCK_N)
     return x_src, w_src
 
 
@@ -295,7 +299,7 @@ def _gemm_kernel(
 
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]  # bias (BLOCK_N,) in float32, once
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        y_ptrs = y_ptr + tile_offsets(offs_m, stride_ym, offs_n, stride_yn)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
@@ -322,8 +326,7 @@ def _gemm_partials_kernel(
                                 stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K, USE_TMA)
         acc = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
-        p_ptrs = (p_ptr + c.to(tl.int64) * stride_pc + offs_m.to(tl.int64)[:, None] * stride_pm
-                  + offs_n[None, :] * stride_pn)
+        p_ptrs = p_ptr + tl.cast(c, tl.int64) * stride_pc + tile_offsets(offs_m, stride_pm, offs_n, stride_pn)
         tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -336,20 +339,21 @@ def _tree_combine_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_pc, stride_pm, stride
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :] * stride_pn
+    ptrs = p_ptr + tile_offsets(offs_m, stride_pm, offs_n, stride_pn)
+    pc = tl.cast(stride_pc, tl.int64)  # c * stride_pc passes 2**31 before stride_pc does (tl.cast: may be constexpr)
     p0 = tl.load(ptrs, mask=mask, other=0.0)
-    p1 = tl.load(ptrs + stride_pc, mask=mask, other=0.0)
-    p2 = tl.load(ptrs + 2 * stride_pc, mask=mask, other=0.0)
-    p3 = tl.load(ptrs + 3 * stride_pc, mask=mask, other=0.0)
+    p1 = tl.load(ptrs + pc, mask=mask, other=0.0)
+    p2 = tl.load(ptrs + 2 * pc, mask=mask, other=0.0)
+    p3 = tl.load(ptrs + 3 * pc, mask=mask, other=0.0)
     left = (p0 + p1) + (p2 + p3)
-    p4 = tl.load(ptrs + 4 * stride_pc, mask=mask, other=0.0)
-    p5 = tl.load(ptrs + 5 * stride_pc, mask=mask, other=0.0)
-    p6 = tl.load(ptrs + 6 * stride_pc, mask=mask, other=0.0)
-    p7 = tl.load(ptrs + 7 * stride_pc, mask=mask, other=0.0)
+    p4 = tl.load(ptrs + 4 * pc, mask=mask, other=0.0)
+    p5 = tl.load(ptrs + 5 * pc, mask=mask, other=0.0)
+    p6 = tl.load(ptrs + 6 * pc, mask=mask, other=0.0)
+    p7 = tl.load(ptrs + 7 * pc, mask=mask, other=0.0)
     acc = left + ((p4 + p5) + (p6 + p7))
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_ptrs = y_ptr + tile_offsets(offs_m, stride_ym, offs_n, stride_yn)
     tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
@@ -363,7 +367,7 @@ def _row_sum_kernel(dy_ptr, out_ptr, M, N, stride_m, stride_n,
     for m0 in range(0, M, BLOCK_M):
         rows = m0 + offs_m
         mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-        ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_m + offs_n[None, :] * stride_n
+        ptrs = dy_ptr + tile_offsets(rows, stride_m, offs_n, stride_n)
         tile = tl.load(ptrs, mask=mask, other=0.0)
         acc += tile.to(tl.float32)
     tl.store(out_ptr + offs_n, cast_rne(tl.sum(acc, axis=0), out_ptr.dtype.element_ty, INTERPRETED), mask=offs_n < N)
@@ -532,11 +536,6 @@ def _validate(op: str, x, weight, bias, n_chunks: int) -> None:
     if x.numel() == 0 or weight.numel() == 0:
         raise registry.StrictUnsupported(
             f"{op}: empty input (x {tuple(x.shape)}, weight {tuple(weight.shape)}); strict refuses empty tensors"
-        )
-    M = x.numel() // K
-    if max(x.numel(), weight.numel(), M * N) > _MAX_NUMEL:
-        raise registry.StrictUnsupported(
-            f"{op}: {max(x.numel(), weight.numel(), M * N)} elements exceeds the int32 offset limit {_MAX_NUMEL}"
         )
     if K % n_chunks != 0:
         raise registry.StrictUnsupported(

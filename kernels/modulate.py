@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._offsets import tile_offsets
 from h3kernels._index_cache import IndexCache, lazy
 from h3kernels._strict_math import round_to
 
@@ -59,7 +60,7 @@ def _gather_tile(index_ptr, rows, row_ok, S, R, cols, D: tl.constexpr):
     t = tl.load(index_ptr + rows % S, mask=row_ok, other=0)
     t = tl.minimum(tl.maximum(t, 0), R - 1)
     mask = row_ok[:, None] & (cols < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    offs = tile_offsets(rows, D, cols, 1)
     return offs, t.to(tl.int64)[:, None], mask
 
 
@@ -139,7 +140,7 @@ def _table_partial_kernel(
     live = k < total
     b = k // n_div
     s = tl.load(order_ptr + start + (k - b * n_div), mask=live, other=0)
-    offs = (b * S + s)[:, None] * D + cols[None, :]
+    offs = tile_offsets(tl.cast(b, tl.int64) * S + s, D, cols, 1)
     mask = live[:, None] & (cols < D)[None, :]
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = (r.to(tl.int64) * max_chunks + c) * D + cols

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._offsets import tile_offsets
 from h3kernels._index_cache import IndexCache, lazy
 from h3kernels._strict_math import round_to
 
@@ -67,7 +68,7 @@ def _pack_kernel(
     DT = out_ptr.dtype.element_ty
     sel = part[:, None]
     x = tl.where(sel == 0, xt.to(tl.float32), tl.where(sel == 1, xv.to(tl.float32), xa.to(tl.float32)))
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + c, round_to(x, DT).to(DT), mask=row_ok[:, None] & col_ok)
+    tl.store(out_ptr + tile_offsets(rows, D, cols, 1), round_to(x, DT).to(DT), mask=row_ok[:, None] & col_ok)
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def _gather_rows_kernel(
     src = src_ptr + (b * src_sb + tl.where(live, i, 0) * src_sn)[:, None] + cols[None, :]
     x = tl.load(src, mask=live[:, None] & col_ok, other=0.0)
     DT = dst_ptr.dtype.element_ty
-    dst = dst_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
+    dst = dst_ptr + tile_offsets(rows, D, cols, 1)
     tl.store(dst, round_to(x.to(tl.float32), DT).to(DT), mask=row_ok[:, None] & col_ok)
 
 

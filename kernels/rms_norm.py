@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._offsets import tile_offsets
 from h3kernels._strict_math import round_to
 
 KERNEL_ID = "h3kernels.rms_norm.rms_norm.v1"
@@ -75,7 +76,7 @@ def _rms_norm_fwd_kernel(
     row_ok = rows < n_rows
     col_ok = cols < D
     mask = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    offs = tile_offsets(rows, D, cols, 1)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
     y, rstd = _normalize_rows(x, w_ptr, cols, eps, D, HAS_WEIGHT)
     out_ty = y_ptr.dtype.element_ty
@@ -98,7 +99,7 @@ def _rms_norm_bwd_kernel(
         rows = (chunk * TILES + t) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        offs = tile_offsets(rows, D, cols, 1)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
@@ -128,7 +129,7 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_chunks, D: tl.constexpr, BLOCK: tl
     while c0 < n_chunks:
         chunks = c0 + tl.arange(0, GROUP)
         mask = (chunks < n_chunks)[:, None] & col_ok[None, :]
-        part = tl.load(part_ptr + chunks.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        part = tl.load(part_ptr + tile_offsets(chunks, D, cols, 1), mask=mask, other=0.0)
         acc += tl.sum(part, axis=0)
         c0 += GROUP
     out_ty = out_ptr.dtype.element_ty

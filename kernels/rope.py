@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._offsets import tile_offsets
 from h3kernels._strict_math import cos_f32, libdevice_enabled, round_to, sin_f32
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,10 +85,10 @@ def _rope_kernel(
     mask = row_ok[:, None] & (cols < D)[None, :]
     rmask = row_ok[:, None] & rot[None, :]
     DT = out_ptr.dtype.element_ty
-    base = rows.to(tl.int64)[:, None] * D
-    x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + base + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
-    tab = pos.to(tl.int64)[:, None] * R
+    offs = tile_offsets(rows, D, cols, 1)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + tile_offsets(rows, D, partner, 1), mask=rmask, other=0.0).to(tl.float32)
+    tab = tl.cast(pos, tl.int64)[:, None] * R
     c = round_to(tl.load(cos_ptr + tab + cols[None, :], mask=rmask, other=0.0).to(tl.float32), DT)
     if BACKWARD:
         # the partner's sin: dx_i = dy_i c_i +/- dy_p s_p
@@ -99,7 +100,7 @@ def _rope_kernel(
         sign = tl.where(first, -1.0, 1.0)[None, :]  # rotate_half: [-x2, x1]
         y = round_to(round_to(x * c, DT) + round_to((sign * xp) * s, DT), DT)
     y = tl.where(rot[None, :], y, x)
-    tl.store(out_ptr + base + cols[None, :], round_to(y, DT).to(DT), mask=mask)
+    tl.store(out_ptr + offs, round_to(y, DT).to(DT), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------- launchers

@@ -52,6 +52,9 @@ def _mode(new: Any, state: Any) -> list[str]:
         lines.append("note: strict on the CPU runs Triton's interpreter: exact but slow (keep sizes small)")
     elif mode == "auto" and on_cpu:
         lines.append("note: auto on the CPU runs the torch ops (the interpreter only when strict is asked for)")
+    elif mode == "fast":
+        lines.append("note: fast is not strict (FP8 projections, cuDNN attention); CUDA inference only, refused on "
+                     "the CPU")
     return lines
 
 

@@ -8,8 +8,8 @@ from h3lab import runtime
 
 
 def test_unknown_mode_and_override_are_refused():
-    with pytest.raises(ValueError, match="mode 'fast': must be one of strict, audit, auto, off"):
-        with runtime.use_mode("fast"):
+    with pytest.raises(ValueError, match="mode 'turbo': must be one of strict, audit, auto, off, fast"):
+        with runtime.use_mode("turbo"):
             pass
     with pytest.raises(ValueError, match=r"override for unknown op\(s\) \['gelu'\]"):
         with runtime.use_overrides({"gelu": lambda x: x}):

@@ -114,7 +114,7 @@ def test_unknown_row_raises(bench):
     with pytest.raises(A.AblationError, match="H18"):
         A.run_ablation("H18", bench)
     with pytest.raises(ValueError, match="mode"):
-        A.run_ablation("H5", bench, mode="fast")
+        A.run_ablation("H5", bench, mode="turbo")
 
 
 def test_a7_is_still_a_factor_of_one_process(bench):

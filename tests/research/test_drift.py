@@ -168,5 +168,5 @@ def test_bad_comparisons_raise(bench):
     with pytest.raises(D.DriftError, match="add_hook"):
         D.Execution(bench.spec("off").with_custom(hooks=(lambda p, t: None,)), diffusers_twin(bench.model))
     with pytest.raises(RunSpecError, match="mode"):
-        a.with_spec(mode="fast")
+        a.with_spec(mode="turbo")
     assert runtime.current_mode() == "off"

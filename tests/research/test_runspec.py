@@ -115,8 +115,8 @@ def test_extension_values_must_be_json_of_the_right_kind():
         small_spec(stepper="rk4")
     with pytest.raises(RunSpecError, match="reuse=0"):
         small_spec(reuse=0)
-    with pytest.raises(RunSpecError, match="mode 'fast'"):
-        small_spec(mode="fast")
+    with pytest.raises(RunSpecError, match="mode 'turbo'"):
+        small_spec(mode="turbo")
 
 
 def test_a_registered_provider_is_validated_applied_sealed_and_replayed(bench, tmp_path):

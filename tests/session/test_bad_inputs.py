@@ -144,7 +144,7 @@ CASES = [
     ("bogus-flag", ["--bogus"], "--bogus", "unrecognized arguments"),
     ("width-not-int", ["-p", "x", "--width", "abc"], "'abc'", "invalid int value"),
     ("frames-and-seconds", ["-p", "x", "--frames", "3", "--seconds", "2"], "--seconds", "not allowed with"),
-    ("mode-choice", ["-p", "x", "--mode", "fast"], "'fast'", "invalid choice"),
+    ("mode-choice", ["-p", "x", "--mode", "turbo"], "'turbo'", "invalid choice"),
     ("residency-choice", ["-p", "x", "--residency", "cloud"], "'cloud'", "invalid choice"),
     ("prompt-missing-value", ["-p"], "-p", "expected one argument"),
     ("ref-video-audio-one-path", ["-p", "x", "--ref-video-audio", "M/clip.mp4"], "--ref-video-audio",

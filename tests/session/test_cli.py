@@ -88,7 +88,7 @@ def test_flags_map_onto_settings():
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["-p", "x", "--render-width", "64"], "set both or neither"),
         (["-p", "x", "--frames", "400"], "362-frame"),
-        (["-p", "x", "--mode", "fast"], "invalid choice: 'fast'"),
+        (["-p", "x", "--mode", "turbo"], "invalid choice: 'turbo'"),
         (["-p", "x", "--first-frame", "missing.png"], "no such file"),
         (["-p", "x", "--first-frame", "FIRST", "--ref-image", "FIRST"], "cannot be mixed"),
         (["--update"], "--update only goes with --replay"),

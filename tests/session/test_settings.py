@@ -169,7 +169,7 @@ def test_seed_and_mode():
     rejects("seed=-1", seed=-1)
     rejects("seed=", seed=2**63)
     rejects("must be an integer", seed=True)
-    rejects("mode='fast'", mode="fast")
+    rejects("mode='turbo'", mode="turbo")
     for mode in ("strict", "audit", "auto", "off"):
         assert settings(mode=mode).mode == mode
 

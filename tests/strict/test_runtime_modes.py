@@ -336,8 +336,8 @@ def test_overrides_are_recorded_as_override(model, kwargs, strict_run, spy):
 
 def test_use_mode_validates_nests_and_restores():
     assert runtime.current_mode() == "off"
-    with pytest.raises(ValueError, match="mode 'fast': must be one of strict, audit, auto, off"):
-        with runtime.use_mode("fast"):
+    with pytest.raises(ValueError, match="mode 'turbo': must be one of strict, audit, auto, off, fast"):
+        with runtime.use_mode("turbo"):
             pass
     with runtime.use_mode("strict"):
         with runtime.use_mode("audit"):
