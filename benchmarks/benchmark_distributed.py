@@ -380,7 +380,11 @@ def shared_device_main(args, argv, device: str) -> dict:
                   f"{measured['peak_mem_gib']:.1f} GiB, digest equal {entry.get('digest_equal_one_gpu')}", flush=True)
         del placed
         free(dev)
+        _shared_doc(args, argv, device, config, world, results, rank)  # after every topology: a cut run keeps
+    return _shared_doc(args, argv, device, config, world, results, rank)  # what it finished
 
+
+def _shared_doc(args, argv, device, config, world, results, rank) -> dict:
     doc = header("distributed_shared_device" if not args.tiny else "distributed_shared_device_tiny_smoke", __file__,
                  argv, device, config={"num_layers": config.num_layers, "hidden_size": config.hidden_size,
                                        "heads": config.num_attention_heads},
