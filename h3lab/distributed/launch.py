@@ -78,7 +78,7 @@ class RankFailed(DistributedError):
 def _joined(ctx) -> bool:
     try:
         return ctx.join(timeout=0.5)
-    except torch_mp.ProcessException as exc:
+    except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as exc:
         dead = _died(ctx)
         if dead:  # a rank that died (a signal, os._exit) is the cause; peers that raised only lost it
             raise RankFailed(f"rank {dead[0][0]} died mid-run ({dead[0][1]}); every other rank was stopped") from exc
