@@ -4,13 +4,14 @@ velocities on every rank, byte-equal (strict) to one process for the same logica
 
 What `parallelize` does (in place, once per model):
 - TP (tp > 1): `plan.shard_parameters_` with the mesh's row-parallel strategy (a model that holds only its shard
-  already, `shard_load.load_sharded_transformer` / `random_sharded_transformer`, is checked and kept as it is). q/k/v and `ff.net.0.proj` are
-  column-parallel (whole heads; matching `[value_r; gate_r]`), their outputs stay sharded through the per-head Q/K
-  norm, RoPE, attention and SwiGLU (the model counts heads from the width). `attn.to_out.0` / `ff.net.2` are served
-  by the runtime's placement layer as `collectives.row_parallel_tree` (each rank's tree chunks -> float32 partials ->
-  all_gather -> the declared tree, or the n_split form: never an all-reduce). `adaln_proj.linear` (6 x 3 table
-  blocks) and `norm_out.linear` ([shift | scale]) are sharded by output channel and gathered back by a forward hook
-  (`gather_columns(groups=18 | 2)`), so the table the blocks index is the one-process table.
+  already, `shard_load.load_sharded_transformer` / `random_sharded_transformer`, is checked and kept as it is). q/k/v
+  and `ff.net.0.proj` are column-parallel (whole heads; matching `[value_r; gate_r]`), their outputs stay sharded
+  through the per-head Q/K norm, RoPE, attention and SwiGLU (the model counts heads from the width). `attn.to_out.0`
+  / `ff.net.2` are served by the runtime's placement layer as `collectives.row_parallel_tree` (each rank's tree
+  chunks -> float32 partials -> all_gather -> the declared tree, or the n_split form: never an all-reduce).
+  `adaln_proj.linear` (6 x 3 table blocks) and `norm_out.linear` ([shift | scale]) are sharded by output channel and
+  gathered back by a forward hook (`gather_columns(groups=18 | 2)`), so the table the blocks index is the one-process
+  table.
 - CP (cp > 1, `plan.CP_PLAN`): the packed rows are cut into `RowShards` at the input of `transformer_blocks.0`
   (after `pack`; the input projections, the refiner, the timestep MLP and the RoPE table build run replicated), the
   per-row metadata with them, by the same shards: each block's `adaln_indices` (block pre-hook), the RoPE tables

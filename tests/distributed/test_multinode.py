@@ -1,6 +1,6 @@
 """Multi-node the standard way, on one machine: two `torchrun --nnodes 2 --nproc-per-node 1` agents (two "nodes" of
 one gloo rank each, loopback only) meet through the c10d rendezvous and run `h3lab --tp 2 --device cpu --replay`
-(rank 0 leads, rank 1 on the other "node" follows); and a rank that dies mid-run (a signal, not an exception) ends
+(rank 0 leads, rank 1 on the other "node" follows; `--share-device` passes through to the mesh); and a rank that dies mid-run (a signal, not an exception) ends
 every rank of a local launch with one line naming it, with nothing written."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, tiny_snapshot):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "h3lab-test", "--local-addr", "127.0.0.1", "-m", "h3lab", "--tp", "2", "--device",
-               "cpu", "-d", str(tiny_snapshot), "--replay", str(replay)]
+               "cpu", "--share-device", "-d", str(tiny_snapshot), "--replay", str(replay)]
         agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        cwd=tmp_path))
     outs = [agent.communicate(timeout=240) for agent in agents]
@@ -48,6 +48,7 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, tiny_snapshot):
     lead, follower = outs[0][0], outs[1][0]
     assert "mesh tp2xcp1: 2 rank(s), row-parallel k_chunks" in lead + follower
     assert "rank 0 on cpu (gloo)" in lead + follower
+    assert "shared device: timings are bytes only" in lead + follower  # --share-device reached the mesh
     assert (lead + follower).count("mesh tp2xcp1") == 1  # only rank 0 prints
 
 
