@@ -296,7 +296,9 @@ def _decide(reports: list[dict], topology: Topology | None, world: int, backend:
     """The one verdict every rank reaches from the same gathered reports ("" = accepted)."""
     asked = [r["asked"] for r in reports]
     if any(a != asked[0] for a in asked):
-        names = ", ".join(f"rank {i} asks " + " ".join(f"{k}={v}" for k, v in a.items()) for i, a in enumerate(asked))
+        shared = any(a.get("share_device") for a in asked)  # named only where a rank asks for it
+        names = ", ".join(f"rank {i} asks " + " ".join(f"{k}={v}" for k, v in a.items()
+                                                         if k != "share_device" or shared) for i, a in enumerate(asked))
         return f"ranks disagree on the topology: {names}"
     if reports[0]["problem"]:
         return reports[0]["problem"]
