@@ -425,7 +425,7 @@ def _h_mesh(state):
     return [f"mesh {t.name}: {t.world_size} rank(s), row-parallel {t.strategy}, sequence parallel "
             f"{'on' if t.sp else 'off'}; this front end is rank {mesh.rank} on {mesh.device} "
             f"({mesh.transport if mesh.backend else 'no process group'}); generations record placement {t.name}"
-            + ("; shared device: timings are bytes only" if mesh.share_device else "")]
+            + ("; shared device: timings are bytes only" if mesh.timing_label.startswith("bytes only") else "")]
 
 
 @command("seed", "!seed N|random", "seed of the next generation (default 42)", parse=_p_seed,
