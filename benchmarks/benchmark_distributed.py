@@ -22,6 +22,15 @@ own one-GPU output (it does not promise bytes).
 
 `--row-parallel k_chunks|n_split|auto` picks the row-parallel strategy (the GPU comparison that decides the default).
 One JSON (DESIGN.md schema) from rank 0 to --out. Set NCCL_NVLS_ENABLE=0 on the lent H200 machines.
+
+`--share-device` (bytes only, one GPU): every rank on cuda:0 over gloo with host-staged collectives
+(`init_mesh(share_device=True)`). The weights are the counter-random init of `h3lab.distributed.shard_load`, so
+each rank builds only its TP shard (`random_sharded_transformer`) and 8 ranks of the 33B model fit one GPU; rank 0
+alone builds the full model first for the one-process reference (batch 1 and 2, and with `--trajectory-passes N` the
+sealed digest of an N-pass strict t2va trajectory), frees it, and broadcasts the reference bytes. Per topology:
+`bytes_equal_tp1` on every rank, the trajectory's `digest_equal_one_gpu`, `peak_mem_gib_ranks` (each rank's own
+allocations on the shared GPU), the transport, and `timing_label` "bytes only ...": its times are recorded for
+completeness and are never scaling (no `ratio_vs_plain`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import gc
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 
@@ -141,9 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--row-parallel", default="auto", choices=("auto", "k_chunks", "n_split"))
     ap.add_argument("--diffusers-cp", action="store_true", help="also time Diffusers' Ulysses CP (contrast)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny() (gloo, interpreter)")
+    ap.add_argument("--share-device", action="store_true",
+                    help="every rank on one GPU over gloo, host-staged collectives: bytes only (module docstring)")
+    ap.add_argument("--trajectory-passes", type=int, default=0,
+                    help="with --share-device: also an N-pass strict trajectory per topology (sealed digest)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
+    if args.share_device:
+        return shared_device_main(args, argv, device)
     import torch.distributed as dist
     from benchmark_forward import make_inputs, output_sha256
 
@@ -253,6 +269,138 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         write(args.out, doc)
     return doc
+
+
+def shared_device_main(args, argv, device: str) -> dict:
+    """--share-device: the bytes-only verification run (module docstring)."""
+    import torch.distributed as dist
+    from benchmark_forward import make_inputs, output_sha256, t2va_spec
+
+    from h3lab.config import H3Config
+    from h3lab.distributed import init_mesh, parallelize
+    from h3lab.distributed.shard_load import random_sharded_transformer
+    from h3lab.trajectory import record
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = H3Config.tiny() if args.tiny else H3Config.full()
+    if args.layers is not None:
+        config = H3Config(**{**config.to_diffusers(), "num_layers": args.layers})
+    shapes = ["tiny-64x64x22f"] if args.tiny else args.shapes.split(",")
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    names = (args.topologies or f"tp{world}").split(",")
+    dev = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
+    first = parse_topology(names[0])
+    if not dist.is_initialized():  # start the gloo process group through a first mesh
+        init_mesh(tp=first["tp"], cp=first["cp"], sp=first["sp"], device=dev, share_device=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    seed = 1234
+    # the other ranks wait for rank 0's reference here: a group whose timeout outlasts building the full model
+    waiting = dist.new_group(backend="gloo", timeout=timedelta(hours=2)) if dist.is_initialized() else None
+
+    reference: dict = {}
+    results: list[dict] = []
+    if rank == 0:  # the one-process reference: the full counter-random model, built, measured, freed
+        t0 = time.time()
+        model = random_sharded_transformer(config, None, seed, device=dev)
+        print(f"rank 0: full model built in {time.time() - t0:.1f} s", flush=True)
+        for shape in shapes:
+            layout, one = make_inputs(config, shape, 1, dev, seed=7)
+            _, two = make_inputs(config, shape, 2, dev, seed=7)
+            measured = timed_forwards(model, one, args.runs, device)
+            v1, a1 = measured.pop("out")
+            v2, a2 = forward(model, two)
+            digest = ""
+            if args.trajectory_passes:
+                digest = record(t2va_spec(config, shape, args.trajectory_passes, "strict", dev), model).digest
+            reference[shape] = {"rows": layout.sequence_length, "one": (v1.cpu(), a1.cpu()),
+                                "two": (v2.cpu(), a2.cpu()), "digest": digest}
+            results.append({"shape": shape, "rows": layout.sequence_length, "impl": "h3lab-strict",
+                            "topology": "plain (one process, full model)", "median_s": statistics.median(
+                                measured["times_s"]), "runs": args.runs, "times_s": measured["times_s"],
+                            "peak_mem_gib": measured["peak_mem_gib"], "output_sha256": output_sha256(v1, a1),
+                            "trajectory_passes": args.trajectory_passes, "trajectory_digest": digest})
+            print(f"rank 0 {shape} plain strict: {results[-1]['median_s'] * 1e3:.2f} ms, digest {digest[:16]}",
+                  flush=True)
+        del model
+        free(dev)
+    box = [reference]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0, group=waiting)
+    reference = box[0]
+
+    for name in names:
+        topo = parse_topology(name)
+        if topo["tp"] * topo["cp"] != world:
+            results.append({"shape": "-", "rows": 0, "impl": f"h3lab-strict-{name}", "topology": name,
+                            "skipped": f"world size {topo['tp'] * topo['cp']} != launch world size {world}"})
+            continue
+        mesh = init_mesh(tp=topo["tp"], cp=topo["cp"], sp=topo["sp"], device=dev, config=config,
+                         row_parallel=args.row_parallel, share_device=True)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        placed = random_sharded_transformer(config, mesh, seed, device=dev)
+        parallelize(placed, mesh)
+        build_s = time.time() - t0
+        load_peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        for shape in shapes:
+            ref = reference[shape]
+            _, one = make_inputs(config, shape, 1, dev, seed=7)
+            _, two = make_inputs(config, shape, 2, dev, seed=7)
+            measured = timed_forwards(placed, one, args.runs, device)
+            v1, a1 = measured.pop("out")
+            v2, a2 = forward(placed, two)
+            equal = bool(all(torch.equal(x.cpu(), y) for x, y in zip((v1, a1, v2, a2), (*ref["one"], *ref["two"]))))
+            digest = ""
+            if args.trajectory_passes:
+                spec = t2va_spec(config, shape, args.trajectory_passes, "strict", dev).replace(
+                    placement={"tp": topo["tp"], "cp": topo["cp"], "sp": topo["sp"],
+                               "row_parallel": args.row_parallel})
+                digest = record(spec, placed).digest
+            per_rank = gather({"equal": equal, "peak": measured["peak_mem_gib"], "digest": digest,
+                               "load_peak": load_peak})
+            trace = runtime_trace()
+            med = statistics.median(measured["times_s"])
+            entry = {"shape": shape, "rows": ref["rows"], "impl": f"h3lab-strict-{name}", "topology": name,
+                     "world_size": world, "row_parallel": mesh.topology.strategy, "share_device": True,
+                     "transport": mesh.transport, "timing_label": mesh.timing_label,
+                     "median_s": med, "runs": args.runs, "times_s": measured["times_s"],
+                     "comm_median_s": statistics.median(measured["comm_s"]),
+                     "peak_mem_gib": measured["peak_mem_gib"],
+                     "peak_mem_gib_ranks": [r["peak"] for r in per_rank],
+                     "build_peak_mem_gib_ranks": [r["load_peak"] for r in per_rank], "build_s": build_s,
+                     "bytes_equal_tp1": all(r["equal"] for r in per_rank),
+                     "output_sha256": output_sha256(v1, a1),
+                     "collectives": trace.collectives.summary() if trace and trace.collectives else None}
+            if args.trajectory_passes:
+                entry.update(trajectory_passes=args.trajectory_passes, trajectory_digest=digest,
+                             digest_equal_one_gpu=all(r["digest"] == ref["digest"] for r in per_rank))
+            results.append(entry)
+            print(f"rank {rank} {shape} {name} (bytes only): bytes equal TP1 {entry['bytes_equal_tp1']}, peak "
+                  f"{measured['peak_mem_gib']:.1f} GiB, digest equal {entry.get('digest_equal_one_gpu')}", flush=True)
+        del placed
+        free(dev)
+        _shared_doc(args, argv, device, config, world, results, rank)  # after every topology: a cut run keeps
+    return _shared_doc(args, argv, device, config, world, results, rank)  # what it finished
+
+
+def _shared_doc(args, argv, device, config, world, results, rank) -> dict:
+    doc = header("distributed_shared_device" if not args.tiny else "distributed_shared_device_tiny_smoke", __file__,
+                 argv, device, config={"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+                                       "heads": config.num_attention_heads},
+                 world_size=world, weights="counter-random (h3lab.distributed.shard_load, seed 1234): each rank "
+                 "builds only its shard", label="bytes only: every rank shares one GPU, collectives are staged "
+                 "through host memory over gloo; times are not scaling", checks=[])
+    doc["results"] = results
+    if rank == 0:
+        write(args.out, doc)
+    return doc
+
+
+def runtime_trace():
+    from h3lab import runtime
+
+    return runtime.last_trace()
 
 
 def diffusers_contrast(config, dev, shapes, world, runs, device) -> list[dict]:

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", action="store_true", help="sequence parallel inside each TP group (needs --tp > 1)")
     p.add_argument("--row-parallel", choices=("auto", "k_chunks", "n_split"), default=None,
                    help="row-parallel layers: the 8-chunk tree split by K (k_chunks) or by output columns (n_split)")
+    p.add_argument("--share-device", action="store_true",
+                   help="every rank on one GPU over gloo, collectives staged through host memory: proves a "
+                        "topology's bytes on one GPU (timings are bytes-only, never scaling)")
     add_flags(p, "session")  # declared Session(...) options
     p.set_defaults(references=[])
     return p
@@ -217,7 +220,8 @@ OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
                "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
-MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel"}
+MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel",
+              "share_device": "--share-device"}
 FIXED_ALLOWED = {  # action -> the fixed flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
     "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory", *MESH_FLAGS},

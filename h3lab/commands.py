@@ -356,7 +356,8 @@ def _h_mesh(state):
     t = mesh.topology
     return [f"mesh {t.name}: {t.world_size} rank(s), row-parallel {t.strategy}, sequence parallel "
             f"{'on' if t.sp else 'off'}; this front end is rank {mesh.rank} on {mesh.device} "
-            f"({mesh.backend or 'no process group'}); generations record placement {t.name}"]
+            f"({mesh.transport if mesh.backend else 'no process group'}); generations record placement {t.name}"
+            + ("; shared device: timings are bytes only" if mesh.timing_label.startswith("bytes only") else "")]
 
 
 # The settings' commands, generated from their declarations (h3lab.schema): !seed, !seconds, !frames, !size,

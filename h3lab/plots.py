@@ -888,7 +888,10 @@ def impl_colors(docs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 
 def baseline_impl(doc: Mapping[str, Any]) -> str | None:
     """The implementation a file's times are divided by: the first of `BASELINE_IMPLS` it has that timed a case
-    another implementation timed too, else None (then its figure shows seconds)."""
+    another implementation timed too, else None (then its figure shows seconds). None for a document labelled
+    "bytes only" (shared-device ranks: its times are host-staged, never scaling)."""
+    if str(doc.get("label", "")).startswith("bytes only"):  # shared-device runs: times are never a ratio
+        return None
     results = doc["results"]
     cases: dict[str, set[str]] = {}
     for label, e in zip(case_labels(results), results):
@@ -993,8 +996,11 @@ def benchmark_figure(doc: Mapping[str, Any], *, colors: Mapping[str, str] | None
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=FONT_PT, loc="lower right")
     part = f" (page {page + 1} of {pages})" if pages > 1 else ""
-    fig.suptitle(_wrap(f"{doc['name']} ({doc.get('file', '')}){part} - {doc['gpu']} - torch {doc['torch']} "
-                       f"triton {doc['triton']} - rev {str(doc['git_rev'])[:10]} - {doc['date']}", 120), fontsize=9)
+    bytes_only = " - BYTES ONLY (shared device), not scaling" if str(doc.get("label", "")).startswith(
+        "bytes only") else ""
+    fig.suptitle(_wrap(f"{doc['name']} ({doc.get('file', '')}){part}{bytes_only} - {doc['gpu']} - "
+                       f"torch {doc['torch']} triton {doc['triton']} - rev {str(doc['git_rev'])[:10]} - "
+                       f"{doc['date']}", 120), fontsize=9)
     return finish(fig)
 
 

@@ -138,32 +138,11 @@ def load_transformer(
     with torch.device("meta"):
         model = _construct(cls, config, dtype_policy)
     expected = model.state_dict()  # persistent entries only: rope.inv_freq is not among them
-    # Shapes first (a wrong config shows up as a shape), then unknown keys, then missing keys, then dtypes.
-    for key, ref in expected.items():
-        if key in sd and tuple(sd[key].shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{sd.sources[key]}: key {key!r} has shape {list(sd[key].shape)}, the config needs {list(ref.shape)}"
-            )
-    for key in sd:
-        if key not in expected:
-            raise CheckpointError(f"{sd.sources[key]}: unknown key {key!r} ({cls.__name__} has no such parameter)")
-    for key in expected:
-        if key not in sd:
-            raise CheckpointError(f"{target}: missing key {key!r} (no weight file stores it)")
-    for key in expected:
-        value = sd[key]
-        want = released_dtype(key) if dtype_policy == "released" else torch.float32
-        if dtype_policy == "released" and value.dtype != want:
-            raise CheckpointError(
-                f"{sd.sources[key]}: key {key!r} is stored as {_name(value.dtype)}, the released dtype policy needs "
-                f"{_name(want)} (float32 modules: {', '.join(FP32_MODULES)}); load with dtype_policy='float32' to cast"
-            )
-        if not value.dtype.is_floating_point:
-            raise CheckpointError(
-                f"{sd.sources[key]}: key {key!r} is stored as {_name(value.dtype)}: weights must be floating point"
-            )
-        if value.dtype != want:
-            sd[key] = value.to(want)  # float32 policy: one tensor at a time
+    wanted = check_entries({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, sd.sources, expected, target,
+                           cls.__name__, dtype_policy)
+    for key, want in wanted.items():
+        if sd[key].dtype != want:
+            sd[key] = sd[key].to(want)  # float32 policy: one tensor at a time
 
     try:
         model.load_state_dict(sd, strict=True, assign=True)
@@ -182,6 +161,39 @@ def load_transformer(
     if device is not None and torch.device(device) != torch.device("cpu"):
         model.to(device)
     return model
+
+
+def check_entries(entries: dict, sources: dict, expected: dict, target, cls_name: str,
+                  dtype_policy: str) -> dict[str, torch.dtype]:
+    """Check stored (full) shapes and dtypes, `entries[key] = (shape, dtype)`, against a meta model's `expected`
+    state dict: shapes first (a wrong config shows up as a shape), then unknown keys, then missing keys, then dtypes.
+    Returns key -> the dtype the policy loads it as. One-line `CheckpointError`s naming the file and key."""
+    for key, ref in expected.items():
+        if key in entries and tuple(entries[key][0]) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{sources[key]}: key {key!r} has shape {list(entries[key][0])}, the config needs {list(ref.shape)}"
+            )
+    for key in entries:
+        if key not in expected:
+            raise CheckpointError(f"{sources[key]}: unknown key {key!r} ({cls_name} has no such parameter)")
+    for key in expected:
+        if key not in entries:
+            raise CheckpointError(f"{target}: missing key {key!r} (no weight file stores it)")
+    wanted = {}
+    for key in expected:
+        dtype = entries[key][1]
+        want = released_dtype(key) if dtype_policy == "released" else torch.float32
+        if dtype_policy == "released" and dtype != want:
+            raise CheckpointError(
+                f"{sources[key]}: key {key!r} is stored as {_name(dtype)}, the released dtype policy needs "
+                f"{_name(want)} (float32 modules: {', '.join(FP32_MODULES)}); load with dtype_policy='float32' to cast"
+            )
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{sources[key]}: key {key!r} is stored as {_name(dtype)}: weights must be floating point"
+            )
+        wanted[key] = want
+    return wanted
 
 
 def _read_config(target: Path) -> H3Config:

@@ -49,6 +49,10 @@ Timing (`use_timing()`, the benchmarks): a log begun inside it times every trans
 current stream around the NCCL call, so waiting for the slowest rank counts; perf_counter on gloo) and
 `log.transport_seconds()` sums them after the forward, separating communication from compute.
 
+Shared-device ranks (`init_mesh(share_device=True)`, gloo serving CUDA tensors): every transport call copies its
+send buffer to the host, runs the gloo call on host tensors and copies the result back (`Mesh.staged`); bytes are
+moved, never changed, and the record's `transport` says "gloo (host-staged cuda)". Timed on the host clock.
+
 Forward only: the collectives refuse inputs that require grad while grad is enabled (the backward of TP/CP needs its
 own declared reduction trees — weight gradients over row shards, input gradients over output shards — that are not
 defined yet). Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
@@ -90,7 +94,7 @@ class CollectiveRecord:
     algorithm: str
     dim: str  # mesh dimension: "tp" | "cp"
     group_ranks: list[int]
-    transport: str  # "nccl" | "gloo" | "none" (a group of one moves nothing)
+    transport: str  # "nccl" | "gloo" | "gloo (host-staged cuda)" | "none" (a group of one moves nothing)
     point: str
     shapes: list
     out_shapes: list
@@ -182,7 +186,7 @@ def _record(mesh: Mesh, name: str, algorithm: str, dim: str, point: str, inputs,
     inputs = [t for t in inputs if t is not None]
     log.records.append(CollectiveRecord(
         name=name, algorithm=algorithm, dim=dim, group_ranks=mesh.group_ranks(dim),
-        transport=mesh.backend if mesh.size(dim) > 1 else "none", point=point,
+        transport=mesh.transport if mesh.size(dim) > 1 else "none", point=point,
         shapes=[list(t.shape) for t in inputs], out_shapes=[list(t.shape) for t in outputs],
         dtypes=[str(t.dtype).replace("torch.", "") for t in inputs], detail=detail,
     ))
@@ -200,10 +204,12 @@ def _all_gather(t: torch.Tensor, mesh: Mesh, dim: str) -> list[torch.Tensor]:
     """Every rank's `t` (equal shapes) along mesh dimension `dim`, in group-rank order."""
     if mesh.size(dim) == 1:
         return [t]
-    t = t.contiguous()
-    out = [torch.empty_like(t) for _ in range(mesh.size(dim))]
-    with _timed(t.device):
+    device = t.device
+    with _timed(_clock(mesh, device)):
+        t = _to_transport(t.contiguous(), mesh)
+        out = [torch.empty_like(t) for _ in range(mesh.size(dim))]
         dist.all_gather(out, t, group=mesh.group(dim))
+        out = [_from_transport(o, mesh, device) for o in out]
     return out
 
 
@@ -212,12 +218,29 @@ def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
     the block from rank j at position j (recv_sizes[j] rows)."""
     if mesh.size(dim) == 1:
         return send
-    send = send.contiguous()
-    recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
-    with _timed(send.device):
+    device = send.device
+    with _timed(_clock(mesh, device)):
+        send = _to_transport(send.contiguous(), mesh)
+        recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
                                group=mesh.group(dim))
+        recv = _from_transport(recv, mesh, device)
     return recv
+
+
+def _to_transport(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The tensor the process group moves: a host copy on shared-device (host-staged) ranks, else `t` itself."""
+    return t.cpu() if mesh.staged else t
+
+
+def _from_transport(t: torch.Tensor, mesh: Mesh, device: torch.device) -> torch.Tensor:
+    """Back on the rank's device after a host-staged call (a byte copy), else `t` itself."""
+    return t.to(device) if mesh.staged else t
+
+
+def _clock(mesh: Mesh, device: torch.device) -> torch.device:
+    """Host-staged calls are timed on the host clock (the copies block), NCCL calls with CUDA events."""
+    return torch.device("cpu") if mesh.staged else device
 
 
 def _my_rows(rows: RowShards, mesh: Mesh, t: torch.Tensor, row_dim: int, name: str) -> int:

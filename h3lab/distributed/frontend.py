@@ -1,4 +1,5 @@
-"""The torchrun front end: `torchrun --nproc-per-node N -m h3lab --tp T --cp C [--sp] [--row-parallel S] ...`.
+"""The torchrun front end: `torchrun --nproc-per-node N -m h3lab --tp T --cp C [--sp] [--row-parallel S]
+[--share-device] ...` (`--share-device`: every rank on one GPU over gloo, host-staged; bytes only, see `mesh.py`).
 
 `h3lab.cli` calls `mesh_request(args)` (None unless a mesh flag is given or WORLD_SIZE > 1) and, with a mesh,
 `run_on_mesh(args, mesh, action, session_factory)`:
@@ -26,7 +27,7 @@ from .errors import TopologyError
 from .follow import Channel, follow, lead
 from .mesh import Mesh, init_mesh
 
-MESH_ARGS = ("tp", "cp", "sp", "row_parallel")
+MESH_ARGS = ("tp", "cp", "sp", "row_parallel", "share_device")
 
 
 def mesh_request(args: Any) -> Mesh | None:
@@ -46,7 +47,8 @@ def mesh_request(args: Any) -> Mesh | None:
         elif args.mode != "strict":
             raise TopologyError(f"--mode {args.mode} with --tp {tp} --cp {cp}: a forward on several ranks runs in mode "
                                 "strict only")
-    mesh = init_mesh(tp=tp, cp=cp, sp=bool(args.sp), device=args.device, row_parallel=args.row_parallel or "auto")
+    mesh = init_mesh(tp=tp, cp=cp, sp=bool(args.sp), device=args.device, row_parallel=args.row_parallel or "auto",
+                     share_device=bool(getattr(args, "share_device", False)))
     args.mesh = mesh
     return mesh
 

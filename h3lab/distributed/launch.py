@@ -11,7 +11,11 @@ distributed rows and the tests use (a GPU run is launched with torchrun instead)
 - `fn` returns a dict of tensors and strings (or None). Tensors come back through one safetensors file per rank,
   strings through its metadata.
 - A rank that raises fails the run (the other ranks are terminated) with `RankFailed`: one line naming the rank and
-  its error's last line, chained to torch's exception that holds the rank's whole traceback. A run past `timeout`
+  its error's last line, chained to torch's exception that holds the rank's whole traceback. A rank that dies
+  without raising (killed by a signal, `os._exit`) is named as the cause even when a peer's collective failed first
+  for losing it: "rank 1 died mid-run (killed by SIGKILL); every other rank was stopped". Results are written per
+  rank as a temporary file renamed into place, in a temporary directory removed with the run: nothing half-written
+  is ever read or left. A run past `timeout`
   seconds terminates the processes it started and raises `TimeoutError`.
 - Each rank runs with one torch thread.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 from datetime import timedelta
@@ -73,9 +78,25 @@ class RankFailed(DistributedError):
 def _joined(ctx) -> bool:
     try:
         return ctx.join(timeout=0.5)
-    except torch_mp.ProcessRaisedException as exc:
+    except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as exc:
+        dead = _died(ctx)
+        if dead:  # a rank that died (a signal, os._exit) is the cause; peers that raised only lost it
+            raise RankFailed(f"rank {dead[0][0]} died mid-run ({dead[0][1]}); every other rank was stopped") from exc
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
         raise RankFailed(f"rank {exc.error_index} failed: {lines[-1].strip() if lines else exc}") from exc
+
+
+def _died(ctx) -> list[tuple[int, str]]:
+    """(rank, how) of ranks that ended without raising (no error file) and were not stopped by the SIGTERM that
+    torch sends the survivors of a failure, in rank order."""
+    out = []
+    for rank, process in enumerate(ctx.processes):
+        code = process.exitcode
+        if code in (None, 0, -signal.SIGTERM) or os.access(ctx.error_files[rank], os.R_OK):
+            continue
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        out.append((rank, how))
+    return out
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list[dict]:

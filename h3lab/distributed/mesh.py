@@ -18,9 +18,16 @@ Topology rules (strict fails closed; every message is one line naming the value 
   (whole heads per rank: 56 -> 1, 2, 4, 7, 8, 14, 28, 56), hidden_size (AdaLN tables are sharded by hidden channel,
   and `n_split` row-parallel layers by output column) and ffn_dim; cp divides the heads of one TP rank (Ulysses gives
   each CP rank whole heads: tp 4 x cp 2 on 56 heads is 14 -> 7 per rank, tp 8 x cp 2 is refused);
-- one device type on every rank (no cpu/cuda mix), the device exists, no two ranks on one CUDA device, and the
-  process group's backend serves that device type;
-- every rank asks for the same topology.
+- one device type on every rank (no cpu/cuda mix), the device exists, no two ranks on one CUDA device (unless
+  `share_device`), and the process group's backend serves that device type;
+- every rank asks for the same topology (and the same `share_device`).
+
+Shared-device ranks (`share_device=True`, a verification mode for bytes, not speed): every rank may sit on one CUDA
+device (device None -> cuda:0 on every rank), the process group is gloo, and the collectives stage CUDA tensors
+through host memory (`Mesh.staged`: a copy to the host, the gloo call, a copy back -- bytes are moved, never
+changed). So one GPU proves a topology's bytes before eight are rented. Timings from such a mesh are labelled
+`Mesh.timing_label` ("bytes only: ...") and are never scaling; `to_dict()` (the trace's placement) records the
+transport ("gloo (host-staged cuda)"). On CPU ranks (gloo already) the flag changes nothing but the label.
 Rows are checked where they are known: `mesh.row_shards(seq_len)` refuses cp larger than the packed rows, and
 `mesh.sp_shards(rows)` refuses tp larger than a CP shard's rows.
 
@@ -109,13 +116,35 @@ def check_config(topology: Topology, config) -> None:
 class Mesh:
     """One rank's view of the (cp, tp) mesh. Build with `init_mesh`."""
 
-    def __init__(self, topology: Topology, rank: int, device: torch.device, device_mesh=None, backend: str = ""):
+    def __init__(self, topology: Topology, rank: int, device: torch.device, device_mesh=None, backend: str = "",
+                 share_device: bool = False):
         self.topology = topology
         self.rank = rank
         self.device = device
         self.device_mesh = device_mesh
         self.backend = backend
+        self.share_device = share_device
         self.coords = {"cp": rank // topology.tp, "tp": rank % topology.tp}
+
+    @property
+    def staged(self) -> bool:
+        """True when the collectives copy CUDA tensors through host memory (gloo serving a CUDA device)."""
+        return self.device.type == "cuda" and self.backend == "gloo"
+
+    @property
+    def transport(self) -> str:
+        """What moves the bytes: "nccl", "gloo", "gloo (host-staged cuda)", or "none" (world size 1)."""
+        if not self.backend:
+            return "none"
+        return f"{self.backend} (host-staged cuda)" if self.staged else self.backend
+
+    @property
+    def timing_label(self) -> str:
+        """How timings from this mesh may be read: "bytes only" on shared-device ranks, else "timing"."""
+        if self.share_device and self.topology.world_size > 1:
+            return ("bytes only: every rank shares one device and the collectives go through host memory; these "
+                    "timings are not scaling")
+        return "timing"
 
     def size(self, dim: str) -> int:
         self._check_dim(dim)
@@ -155,6 +184,7 @@ class Mesh:
         return {
             "topology": self.topology.to_dict(), "rank": self.rank, "coords": dict(self.coords),
             "device": str(self.device), "backend": self.backend or "none (world size 1, no process group)",
+            "transport": self.transport, "share_device": self.share_device, "timings": self.timing_label,
         }
 
     def __repr__(self) -> str:
@@ -169,32 +199,35 @@ class Mesh:
 
 # --------------------------------------------------------------------------------------------------- building
 def init_mesh(tp: int = 1, cp: int = 1, sp: bool = False, device=None, config=None,
-              row_parallel: str = "auto") -> Mesh:
+              row_parallel: str = "auto", share_device: bool = False) -> Mesh:
     """Build this rank's `Mesh` (see the module docstring for the rules). `device`: None picks cuda:LOCAL_RANK when
-    CUDA is available, else cpu. `config`: an `H3Config` to check the degrees against (`parallelize` checks too).
-    `row_parallel`: the row-parallel strategy ("auto", "k_chunks", "n_split"; see `shards.tree_strategy`)."""
+    CUDA is available (cuda:0 with `share_device`), else cpu. `config`: an `H3Config` to check the degrees against
+    (`parallelize` checks too). `row_parallel`: the row-parallel strategy ("auto", "k_chunks", "n_split"; see
+    `shards.tree_strategy`). `share_device`: shared-device ranks over gloo, host-staged (module docstring)."""
     problem = _topology_problem(tp, cp, sp, row_parallel, config)
+    if not problem and not isinstance(share_device, bool):
+        problem = f"share_device={share_device!r}: must be True or False"
     topology = Topology(tp, cp, sp, row_parallel) if not problem else None
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         if problem:
             raise TopologyError(problem)
-        device, device_problem = _resolve_device(device, 0)
+        device, device_problem = _resolve_device(device, 0, share_device)
         problem = _world_problem(topology, 1) or device_problem
         if problem:
             raise TopologyError(problem)
-        return Mesh(topology, 0, device)
+        return Mesh(topology, 0, device, share_device=share_device)
 
     rank = int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
-    device, device_problem = _resolve_device(device, rank)
+    device, device_problem = _resolve_device(device, rank, share_device is True)
     if not dist.is_initialized():
-        backend = BACKENDS.get(device.type, "gloo") if not device_problem else "gloo"
+        backend = backend_for(device.type, share_device is True) if not device_problem else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method="env://")
     elif device.type == "cuda" and not device_problem:
         torch.cuda.set_device(device)
     world = dist.get_world_size()
-    asked = {"tp": tp, "cp": cp, "sp": sp, "row_parallel": row_parallel}
+    asked = {"tp": tp, "cp": cp, "sp": sp, "row_parallel": row_parallel, "share_device": share_device}
     report = {"asked": asked, "device": str(device), "problem": problem, "device_problem": device_problem}
     reports: list = [None] * world
     dist.all_gather_object(reports, report)
@@ -203,8 +236,9 @@ def init_mesh(tp: int = 1, cp: int = 1, sp: bool = False, device=None, config=No
         raise TopologyError(problem)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh(device.type, (cp, tp), mesh_dim_names=DIMS)
-    mesh = Mesh(topology, rank, device, device_mesh, dist.get_backend())
+    # DeviceMesh's device type names where its groups' collectives run; host-staged ranks move CPU tensors
+    device_mesh = init_device_mesh("cpu" if share_device else device.type, (cp, tp), mesh_dim_names=DIMS)
+    mesh = Mesh(topology, rank, device, device_mesh, dist.get_backend(), share_device=share_device)
     for dim in DIMS:  # the arithmetic layout above is DeviceMesh's row-major one; check it once
         ranks = dist.get_process_group_ranks(mesh.group(dim))
         if ranks != mesh.group_ranks(dim):
@@ -228,10 +262,17 @@ def _world_problem(topology: Topology, world: int) -> str:
     return ""
 
 
-def _resolve_device(device, rank: int) -> tuple[torch.device, str]:
+def backend_for(device_type: str, share_device: bool = False) -> str:
+    """The process group backend a mesh of `device_type` ranks needs: gloo for cpu and for shared-device ranks."""
+    return "gloo" if share_device else BACKENDS.get(device_type, "gloo")
+
+
+def _resolve_device(device, rank: int, share_device: bool = False) -> tuple[torch.device, str]:
     """(device, problem): the device this rank asked for, and why it cannot serve (empty when it can)."""
     if device is None:
         if torch.cuda.is_available():
+            if share_device:
+                return torch.device("cuda", 0), ""
             local = int(os.environ.get("LOCAL_RANK", rank))
             return torch.device("cuda", local % torch.cuda.device_count()), ""
         return torch.device("cpu"), ""
@@ -255,7 +296,9 @@ def _decide(reports: list[dict], topology: Topology | None, world: int, backend:
     """The one verdict every rank reaches from the same gathered reports ("" = accepted)."""
     asked = [r["asked"] for r in reports]
     if any(a != asked[0] for a in asked):
-        names = ", ".join(f"rank {i} asks " + " ".join(f"{k}={v}" for k, v in a.items()) for i, a in enumerate(asked))
+        shared = any(a.get("share_device") for a in asked)  # named only where a rank asks for it
+        names = ", ".join(f"rank {i} asks " + " ".join(f"{k}={v}" for k, v in a.items()
+                                                         if k != "share_device" or shared) for i, a in enumerate(asked))
         return f"ranks disagree on the topology: {names}"
     if reports[0]["problem"]:
         return reports[0]["problem"]
@@ -270,11 +313,14 @@ def _decide(reports: list[dict], topology: Topology | None, world: int, backend:
     for i, r in enumerate(reports):
         if r["device_problem"]:
             return f"rank {i}: {r['device_problem']}"
+    share = bool(asked[0].get("share_device"))
     cuda = [d for d in devices if d.startswith("cuda")]
-    if len(set(cuda)) != len(cuda):
-        return f"two ranks share one CUDA device ({', '.join(devices)}): one device per rank"
+    if len(set(cuda)) != len(cuda) and not share:
+        return (f"two ranks share one CUDA device ({', '.join(devices)}): one device per rank, or share_device=True "
+                "(--share-device) for a bytes-only verification run")
     device_type = types.pop()
-    needed = BACKENDS[device_type]
+    needed = backend_for(device_type, share)
     if needed not in backend:
-        return f"process group backend {backend!r} cannot serve device type {device_type} (cpu needs gloo, cuda needs nccl)"
+        why = "shared-device ranks need gloo" if share else "cpu needs gloo, cuda needs nccl"
+        return f"process group backend {backend!r} cannot serve device type {device_type} ({why})"
     return ""

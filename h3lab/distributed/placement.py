@@ -3,13 +3,15 @@ outside. The model's code stays single-device; its forward keeps its signature a
 velocities on every rank, byte-equal (strict) to one process for the same logical rows.
 
 What `parallelize` does (in place, once per model):
-- TP (tp > 1): `plan.shard_parameters_` with the mesh's row-parallel strategy. q/k/v and `ff.net.0.proj` are
-  column-parallel (whole heads; matching `[value_r; gate_r]`), their outputs stay sharded through the per-head Q/K
-  norm, RoPE, attention and SwiGLU (the model counts heads from the width). `attn.to_out.0` / `ff.net.2` are served
-  by the runtime's placement layer as `collectives.row_parallel_tree` (each rank's tree chunks -> float32 partials ->
-  all_gather -> the declared tree, or the n_split form: never an all-reduce). `adaln_proj.linear` (6 x 3 table
-  blocks) and `norm_out.linear` ([shift | scale]) are sharded by output channel and gathered back by a forward hook
-  (`gather_columns(groups=18 | 2)`), so the table the blocks index is the one-process table.
+- TP (tp > 1): `plan.shard_parameters_` with the mesh's row-parallel strategy (a model that holds only its shard
+  already, `shard_load.load_sharded_transformer` / `random_sharded_transformer`, is checked and kept as it is). q/k/v
+  and `ff.net.0.proj` are column-parallel (whole heads; matching `[value_r; gate_r]`), their outputs stay sharded
+  through the per-head Q/K norm, RoPE, attention and SwiGLU (the model counts heads from the width). `attn.to_out.0`
+  / `ff.net.2` are served by the runtime's placement layer as `collectives.row_parallel_tree` (each rank's tree
+  chunks -> float32 partials -> all_gather -> the declared tree, or the n_split form: never an all-reduce).
+  `adaln_proj.linear` (6 x 3 table blocks) and `norm_out.linear` ([shift | scale]) are sharded by output channel and
+  gathered back by a forward hook (`gather_columns(groups=18 | 2)`), so the table the blocks index is the one-process
+  table.
 - CP (cp > 1, `plan.CP_PLAN`): the packed rows are cut into `RowShards` at the input of `transformer_blocks.0`
   (after `pack`; the input projections, the refiner, the timestep MLP and the RoPE table build run replicated), the
   per-row metadata with them, by the same shards: each block's `adaln_indices` (block pre-hook), the RoPE tables
@@ -72,7 +74,7 @@ from .collectives import (
 )
 from .errors import DistributedError, TopologyError
 from .mesh import Mesh, Topology, check_config
-from .plan import column_groups, shard_parameters_
+from .plan import TP_PLAN, _full_shape, column_groups, shard_parameters_, split_rule
 from .shards import RowShards, split_grouped
 
 
@@ -437,7 +439,7 @@ class Placement:
     def agree(self, point: HookPoint, replaced: bool) -> bool:
         if self.world == 1:
             return replaced
-        flag = torch.tensor([int(replaced)], dtype=torch.int32, device=self.mesh.device)
+        flag = torch.tensor([int(replaced)], dtype=torch.int32, device="cpu" if self.mesh.staged else self.mesh.device)
         flags = [torch.empty_like(flag) for _ in range(self.world)]
         dist.all_gather(flags, flag)
         got = [int(f.item()) for f in flags]
@@ -625,11 +627,24 @@ def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", faul
     faults = faults or Faults()
     if (faults.rotate_rows or faults.local_metadata or faults.ring_merge) and mesh.topology.cp == 1:
         raise DistributedError(f"faults {faults.to_dict()} need cp > 1 (topology {mesh.topology.name})")
+    t = mesh.topology
+    held = getattr(model, "h3lab_shard", None)  # set by shard_load: the model holds only its TP shard already
+    if held is not None:
+        want = (t.tp, mesh.local_rank("tp"), t.strategy)
+        if tuple(held) != want:
+            raise DistributedError(f"parallelize: the model holds the shard (tp, rank, strategy) = {tuple(held)}, "
+                                   f"rank {mesh.rank} of {t.name} needs {want}: load the shard for this mesh")
+        if not getattr(model, "fingerprint", ""):
+            raise DistributedError("parallelize: a model holding only its shard needs the full weights' fingerprint "
+                                   "(set by its loader)")
     if isinstance(getattr(model, "fingerprint", None), str) and not model.fingerprint:
         model.fingerprint = model_fingerprint(model)  # the full weights' identity, before sharding
-    t = mesh.topology
     split = []
-    if t.tp > 1:
+    if held is not None:
+        split = [n for n, p in model.named_parameters()
+                 if split_rule(n, _full_shape(p.shape, n, t.tp, TP_PLAN), model.config, t.tp,
+                               row_parallel=t.row_parallel) is not None]
+    elif t.tp > 1:
         split = shard_parameters_(model, model.config, t.tp, mesh.local_rank("tp"), row_parallel=t.row_parallel)
     placement = Placement(model, mesh, name, faults, split)
     placement._install()

@@ -55,3 +55,27 @@ def test_world_size_one(tmp_path, monkeypatch):
     benchmark_distributed.main([*ARGS, "--out", str(out)])
     placed = _check(json.loads(out.read_text()), "tp1", 1)
     assert placed["comm_median_s"] == 0 and placed["collectives"] == {} and placed["ratio_vs_plain"] > 0
+
+
+def _bench_shared(rank: int, world: int, out: str) -> dict:
+    sys.path.insert(0, str(BENCHMARKS))
+    import benchmark_distributed
+
+    benchmark_distributed.main([*ARGS, "--share-device", "--topologies", "tp2", "--trajectory-passes", "1",
+                                "--out", out])
+    return {}
+
+
+def test_shared_device_two_ranks(tmp_path):
+    """--share-device (the one-GPU bytes-only run) on 2 gloo ranks: rank 0's full-model reference, each rank's own
+    counter-random shard, bytes and a 1-pass trajectory digest equal to one process, labelled bytes only."""
+    out = tmp_path / "shared.json"
+    run_ranks(_bench_shared, 2, str(out), timeout=480)
+    doc = json.loads(out.read_text())
+    assert SCHEMA <= set(doc) and doc["label"].startswith("bytes only")
+    plain, placed = doc["results"]
+    assert plain["topology"].startswith("plain") and plain["trajectory_digest"]
+    assert placed["bytes_equal_tp1"] is True and placed["digest_equal_one_gpu"] is True
+    assert placed["output_sha256"] == plain["output_sha256"] and placed["trajectory_digest"] == plain["trajectory_digest"]
+    assert placed["timing_label"].startswith("bytes only") and "ratio_vs_plain" not in placed
+    assert placed["share_device"] is True and placed["transport"] == "gloo" and len(placed["peak_mem_gib_ranks"]) == 2
