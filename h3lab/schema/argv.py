@@ -35,7 +35,9 @@ def add_flags(parser: argparse.ArgumentParser, target: str = "generation") -> No
             continue
         where = parser
         if s.group is not None:
-            where = groups.setdefault(s.group, parser.add_mutually_exclusive_group())
+            if s.group not in groups:  # never setdefault(..., add_group()): an unused empty group breaks --help
+                groups[s.group] = parser.add_mutually_exclusive_group()
+            where = groups[s.group]
         where.add_argument(s.flag, **_kwargs(s))
 
 

@@ -114,3 +114,18 @@ def test_a_new_preset_is_one_registered_object():
         registry._PRESETS.pop("dither")
     with pytest.raises(Exception, match="preset key 'dither'"):
         validate_preset({"dither": 3})
+
+
+def test_help_lists_every_generated_flag_once():
+    """`h3lab --help` formats (an unused empty mutually exclusive group made argparse raise 'empty group')."""
+    import contextlib
+    import io
+
+    from h3lab.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        build_parser().print_help()
+    text = out.getvalue()
+    assert "[--seconds SECONDS | --frames FRAMES]" in text
+    assert text.count("--share-device") == 2  # usage line and its help line
