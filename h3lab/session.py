@@ -549,10 +549,8 @@ class Session:
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
         spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
                                    residency=self.store.residency_value(), mesh=self.mesh)
-        if "blocks" in spec.preset and variant not in self.store.injected:  # a pinned model stays whole
-            from .presets import release_dropped
-
-            release_dropped(model, spec.preset["blocks"])
+        if "blocks" in spec.preset:  # a pinned model stays whole
+            self.store.release_blocks(variant, model, spec.preset["blocks"])
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
