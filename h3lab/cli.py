@@ -296,6 +296,10 @@ def preflight(args: argparse.Namespace, action: str) -> None:
     from .settings import check_prompt
 
     device = resolve_device(args.device)
+    if action in ("one-shot", "repl"):  # a replay's `!mode` lines are checked with the whole replay
+        from .whatran import check_strict_runs
+
+        check_strict_runs(args.mode, device, "--mode strict" + (" (the mode on a mesh)" if args.tp or args.cp else ""))
     if args.model is not None:
         model = Path(args.model).expanduser()
         if not model.is_dir():
@@ -455,8 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 preflight(args, action)
                 return run_action(args, action, settings)
 
-            rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
-            close_mesh()
+            try:
+                rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+            finally:
+                close_mesh()  # every rank reached run_on_mesh's failure exchange, so every rank meets here
             return rc
         preflight(args, action)
         return run_action(args, action, settings)
@@ -466,13 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the CLI's contract: one line, exit 2
         if os.environ.get("H3LAB_DEBUG"):
             raise
-        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank refuses alike; rank 0 says it once
-            return 2
-        message = user_message(err)
-        if as_json:
-            print(json.dumps({"error": message, "exit": 2}), file=sys.stderr)
-        else:
-            print(f"h3lab: error: {message}", file=sys.stderr)
+        message = user_message(err)  # torchrun: every rank prints the same line (run_on_mesh's MeshFailure)
+        line = json.dumps({"error": message, "exit": 2}) if as_json else f"h3lab: error: {message}"
+        sys.stderr.write(line + "\n")  # one write: torchrun's ranks share the stream
+        sys.stderr.flush()
         return 2
 
 

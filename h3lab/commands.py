@@ -30,7 +30,6 @@ front end that runs lines (`run_line`, the widgets' `command()`) read this one t
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shlex
@@ -525,15 +524,15 @@ def _h_zoom(state, n):
 
 @command("mode", "!mode strict|audit|auto|off", "arithmetic of the transformer", parse=_p_mode, args=(Arg(MODES),))
 def _h_mode(state, mode):
+    from .whatran import check_strict_runs
+
+    device = getattr(state.session, "device", None)  # None: a session not started yet (generate checks it)
+    if device is not None:
+        check_strict_runs(mode, device, "!mode strict")
     _set(state, mode=mode)
     lines = [f"mode {mode}"]
-    device = getattr(state.session, "device", None)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     on_cpu = getattr(device, "type", "") == "cpu"
-    if mode == "strict" and on_cpu and not interpreted:
-        lines.append("note: on the CPU strict kernels run only under TRITON_INTERPRET=1; without it strict fails "
-                     "closed")
-    elif mode == "strict" and on_cpu:
+    if mode == "strict" and on_cpu:
         lines.append("note: strict on the CPU runs Triton's interpreter: exact but slow (keep sizes small)")
     elif mode == "auto" and on_cpu:
         lines.append("note: auto on the CPU runs the torch ops (the interpreter only when strict is asked for)")

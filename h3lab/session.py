@@ -80,6 +80,7 @@ from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_resid
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
 from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt
+from .whatran import check_strict_runs
 
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
 
@@ -407,6 +408,7 @@ class Session:
         encoder's context (`check_prompt_length`), without loading any model or encoding anything. Returns the
         settings with validated paths."""
         settings = settings.checked_paths()
+        check_strict_runs(settings.mode, self.device)
         self.check_preset(settings)
         if settings.prompt.strip():
             self.check_prompt_length(settings.prompt)
@@ -445,6 +447,7 @@ class Session:
         atomic_write_all`), so a failure leaves none of them."""
         s = self.settings(request, **overrides).checked_paths()
         check_prompt(s.prompt)
+        check_strict_runs(s.mode, self.device)
         outputs = check_outputs(output, wav, frames_dir)
         self.check_prompt_length(s.prompt)
         self.check_preset(s)

@@ -346,6 +346,11 @@ SUBPROCESS_CASES = [
      "IMAGEIO_FFMPEG_EXE='/nonexistent/ffmpeg'", "not an executable file"),
     ("console-bogus", {}, ["--bogus"], "--bogus", "unrecognized arguments"),
     ("console-device", {}, ["-d", "SNAP", "-p", "x", "--device", "cuda"], "device='cuda'", "no CUDA"),
+    # issue 23, item 4: strict on a CPU without Triton's interpreter is refused with the flags, not after 10 s
+    ("strict-cpu-no-interpreter", {}, ["-d", "SNAP", "-p", "x", "--mode", "strict", "--device", "cpu"],
+     "--mode strict on the cpu", "export TRITON_INTERPRET=1 before starting h3lab"),
+    ("strict-cpu-repl-no-interpreter", {}, ["-d", "SNAP", "--mode", "strict", "--device", "cpu"],
+     "--mode strict on the cpu", "export TRITON_INTERPRET=1 before starting h3lab"),
 ]
 
 
@@ -362,3 +367,24 @@ def test_bad_environment_in_a_subprocess(name, env, argv, value, rule, files, sn
 def test_json_error_from_the_console_script(tmp_path, startup_s):
     rc, out, err, seconds = _console("-p", "x", "--json", "--width", "50", cwd=tmp_path)
     assert_one_line(rc, out, err, seconds, "width=50", "multiple of 32", as_json=True, limit=LIMIT_S + startup_s)
+
+
+def test_strict_on_a_cpu_without_the_interpreter_is_refused_before_any_work(snapshot, monkeypatch, no_work):
+    """Issue 23, item 4, in-process: `!mode strict` refuses (settings unchanged) on a started CPU session, and a
+    session given strict refuses `generate` and `check_request` before any component loads."""
+    from h3lab import commands
+    from h3lab.errors import ValidationError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    session = Session(snapshot, device="cpu")
+    state = commands.SessionState(session=session)
+    before = state.settings
+    with pytest.raises(ValidationError, match="!mode strict on the cpu: .*export TRITON_INTERPRET=1") as err:
+        commands.run_line(state, "!mode strict")
+    assert state.settings is before and "\n" not in str(err.value)
+    assert commands.run_line(state, "!mode off")[0] == "mode off"
+    for call in (lambda: session.generate("a fox", mode="strict", width=64, height=64, steps=1),
+                 lambda: session.check_request(session.settings("a fox", mode="strict"))):
+        with pytest.raises(ValidationError, match="mode strict on the cpu"):
+            call()
+    assert no_work == []
