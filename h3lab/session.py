@@ -79,7 +79,7 @@ from .components import streaming
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
-from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt
+from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt, is_blank
 from .whatran import check_strict_runs
 
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
@@ -410,7 +410,7 @@ class Session:
         settings = settings.checked_paths()
         check_strict_runs(settings.mode, self.device)
         self.check_preset(settings)
-        if settings.prompt.strip():
+        if not is_blank(settings.prompt):
             self.check_prompt_length(settings.prompt)
         self._load_media(settings)
         return settings

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -91,12 +92,27 @@ def check_path(path: Any, what: str = "path") -> str:
     return str(p)
 
 
+def is_blank(text: str) -> bool:
+    """No visible character: only whitespace (NBSP included) and invisible format characters (Unicode category Cf:
+    zero-width space, zero-width (non-)joiner, word joiner, BOM) -- one rule for both kinds of invisible text."""
+    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
+
+
 def check_prompt(prompt: Any) -> str:
-    """A prompt to generate from: a string with something other than whitespace in it."""
+    """A prompt to generate from: UTF-8 text with a visible character in it (`is_blank`)."""
     if not isinstance(prompt, str):
         raise ValidationError(f"prompt={prompt!r}: must be a string")
-    if not prompt.strip():
-        raise ValidationError(f"prompt={prompt!r}: empty prompt (blank or only whitespace), describe the clip to generate")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(prompt[err.start])
+        what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF  # an undecodable byte (surrogateescape)
+                else f"lone surrogate U+{code:04X}")
+        raise ValidationError(f"prompt: {what} at character {err.start + 1} is not UTF-8 text; give the prompt as "
+                              "UTF-8") from None
+    if is_blank(prompt):
+        raise ValidationError(f"prompt={prompt!r}: empty prompt (blank, only whitespace or invisible characters), "
+                              "describe the clip to generate")
     return prompt
 
 
