@@ -309,8 +309,9 @@ def _trace_from(data: dict[str, Any]) -> TraceSummary:
 
 def _resume(model: nn.Module, config: TrainConfig, state: RunState, params) -> StrictAdamW:
     """The optimiser of a resumed run; refuses a state that does not fit the model or the config."""
-    if not 0 < len(state.records) < config.steps:
-        raise TrainingError(f"resume after {len(state.records)} of {config.steps} steps: nothing left to resume")
+    if not 0 < len(state.records) <= config.steps:  # all of them: the run is only sealed (a final checkpoint)
+        raise TrainingError(f"resume after {len(state.records)} of {config.steps} steps: must be after 1 to "
+                            f"{config.steps} steps")
     if [r["step"] for r in state.records] != list(range(len(state.records))):
         raise TrainingError("resume: the recorded steps are not 0, 1, 2, ... in order")
     scheme = _scheme(model)
