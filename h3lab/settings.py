@@ -15,7 +15,8 @@ and the difference is written here):
 - frames: snapped *up* to the next 17n+5 with n >= 1 (22, 39, 56, ... ; the video VAE encodes 17-frame clips into 5
   latents and drops 3 once) and the snap is reported. seconds: converted at 24 fps, rounded up to a whole frame,
   then snapped the same way. frames and seconds are mutually exclusive. At most 362 frames (15.08 s), the seed's
-  limit; the released pipeline rejects 362 and requires >= 5 s. Below 5 s h3lab adds a notice, not an error.
+  limit; the released pipeline rejects 362 and requires >= 5 s. A length you choose below 5 s gets a notice, not
+  an error; the default length (22 frames) gets none.
 - steps: N denoising passes (1..1000), i.e. N + 1 sigma grid points including the terminal 0 (Diffusers'
   `num_inference_steps` counts grid points, so its 50 is 49 passes).
 - reuse: whole-velocity reuse interval (1 = every pass evaluates the model), at most `steps`.
@@ -205,7 +206,8 @@ def resolve_frames(frames: Any, seconds: Any) -> tuple[int, list[str]]:
             )
         if snapped != requested:
             notices.append(f"frames={requested} snapped up to {snapped} (frame counts are 17n+5, n >= 1)")
-    if snapped / FPS < RELEASED_MIN_SECONDS:
+    if (frames is not None or seconds is not None) and snapped / FPS < RELEASED_MIN_SECONDS:
+        # only for a length the user chose: the default (22 frames, a quick look) is documented, not news each time
         notices.append(
             f"notice: {snapped} frames = {snapped / FPS:.3f} s is below the released {RELEASED_MIN_SECONDS:g} s "
             "minimum; generating anyway"
