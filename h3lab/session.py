@@ -684,8 +684,10 @@ def _drift_lines(report) -> list[str]:
         lines.append(f"first drift inside a block: {report.first_in_block}")
     if report.a_repeatable is False:
         lines.append("warning: the reference run did not repeat its own hashes (non-deterministic arithmetic)")
+    from .drift import metadata_line
+
     for note in report.metadata[:3]:
-        lines.append(f"layout differs: {note}")
+        lines.append(f"layout differs: {metadata_line(note)}")
     return lines
 
 
