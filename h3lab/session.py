@@ -647,7 +647,8 @@ class Session:
             variant = variants.pop()
             model = self.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
             models = self.store.models_for(variant, model)
-            arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
+            arms = [drift.Execution(spec, model, label=f"{spec.tag}{'+lora' if spec.adapters else ''}:"
+                                                      f"{r.trajectory_hash[:12]}", models=models)
                     for spec, r in zip(specs, (a, b))]
             return drift.compare(*arms)
 
