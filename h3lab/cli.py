@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output for --info and generations")
     p.add_argument("--replay", metavar="FILE", default=None, help="run a .h3 replay and check its expect lines")
     p.add_argument("--update", action="store_true", help="with --replay: rewrite the expect lines")
+    p.add_argument("--allow-unchecked", action="store_true",
+                   help="with --replay: exit 0 even when no expect line holds for this machine's arithmetic class")
     p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     p.add_argument("--residency", choices=("resident", "phased", "streamed"), default=None,
                    help="keep components resident (default), load/release them per phase, or stream the DiT's blocks "
@@ -218,13 +220,15 @@ def session_from_args(args: argparse.Namespace):
 CONDITIONING_FLAGS = {"first_frame": "--first-frame", "last_frame": "--last-frame", "references": "--ref-*"}
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
-               "update": "--update", "session_dir": "--session-dir", "residency": "--residency",
+               "update": "--update", "allow_unchecked": "--allow-unchecked", "session_dir": "--session-dir",
+               "residency": "--residency",
                "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
 MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel",
               "share_device": "--share-device"}
 FIXED_ALLOWED = {  # action -> the fixed flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
-    "replay": {"replay", "update", "session_dir", "profile", "residency", "gpu_memory", *MESH_FLAGS},
+    "replay": {"replay", "update", "allow_unchecked", "session_dir", "profile", "residency", "gpu_memory",
+               *MESH_FLAGS},
     "one-shot": {"prompt", "json", "show", "zoom", "profile", "residency", "gpu_memory", "session_dir", "lora",
                  *CONDITIONING_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
     "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *CONDITIONING_FLAGS,
@@ -250,7 +254,7 @@ def allowed() -> dict[str, set[str]]:
 WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
     "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
-              "--gpu-memory, --session-dir, --profile, --update)",
+              "--gpu-memory, --session-dir, --profile, --update, --allow-unchecked)",
     "one-shot": "-p generates once and writes -o/--wav/--frames-dir; --session-dir only goes with --show",
     "repl": "the interactive session (no -p) numbers its videos in --session-dir; -o/--wav/--frames-dir/--json go "
             "with -p",
@@ -267,8 +271,8 @@ def action_of(args: argparse.Namespace) -> str:
 
 def check_flags(args: argparse.Namespace) -> str:
     """The action the flags ask for; a one-line `CliError` naming a flag that action would silently ignore."""
-    if args.update and not args.replay:
-        raise CliError("--update only goes with --replay FILE")
+    if (args.update or args.allow_unchecked) and not args.replay:
+        raise CliError(f"{'--update' if args.update else '--allow-unchecked'} only goes with --replay FILE")
     action = action_of(args)
     from .schema.argv import flags
 
@@ -297,6 +301,14 @@ def preflight(args: argparse.Namespace, action: str) -> None:
     from .settings import check_prompt
 
     device = resolve_device(args.device)
+    if device.type == "cpu" and (args.residency == "streamed" or args.gpu_memory is not None):
+        flag = "--residency streamed" if args.residency == "streamed" else f"--gpu-memory {args.gpu_memory:g}"
+        raise CliError(f"{flag} on the cpu: streaming moves DiT blocks from host memory to a GPU; on the cpu every "
+                       "block already is in host memory (the flag would change nothing)")
+    if action in ("one-shot", "repl"):  # a replay's `!mode` lines are checked with the whole replay
+        from .whatran import check_strict_runs
+
+        check_strict_runs(args.mode, device, "--mode strict" + (" (the mode on a mesh)" if args.tp or args.cp else ""))
     if args.model is not None:
         model = Path(args.model).expanduser()
         if not model.is_dir():
@@ -430,7 +442,13 @@ def _replay(args) -> int:
     if report.unchecked and not args.update:
         print(f"note: generations on lines {report.unchecked} have no '# expect[{report.tag}]' line for this machine's "
               f"arithmetic class (run with --update to record them)")
-    return 0 if report.ok or args.update else 1
+    if args.update:
+        return 0
+    if report.ok and report.checked == 0 and not args.allow_unchecked:
+        print(f"h3lab: replay {path} checked nothing on arithmetic class {report.tag}: no expect line holds here "
+              "(--update records them, --allow-unchecked accepts an unchecked run)", file=sys.stderr)
+        return 1
+    return 0 if report.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -456,8 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 preflight(args, action)
                 return run_action(args, action, settings)
 
-            rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
-            close_mesh()
+            try:
+                rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+            finally:
+                close_mesh()  # every rank reached run_on_mesh's failure exchange, so every rank meets here
             return rc
         preflight(args, action)
         return run_action(args, action, settings)
@@ -467,13 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the CLI's contract: one line, exit 2
         if os.environ.get("H3LAB_DEBUG"):
             raise
-        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank refuses alike; rank 0 says it once
-            return 2
-        message = user_message(err)
-        if as_json:
-            print(json.dumps({"error": message, "exit": 2}), file=sys.stderr)
-        else:
-            print(f"h3lab: error: {message}", file=sys.stderr)
+        message = user_message(err)  # torchrun: every rank prints the same line (run_on_mesh's MeshFailure)
+        line = json.dumps({"error": message, "exit": 2}) if as_json else f"h3lab: error: {message}"
+        sys.stderr.write(line + "\n")  # one write: torchrun's ranks share the stream
+        sys.stderr.flush()
         return 2
 
 

@@ -339,6 +339,10 @@ def _h_status(state):
         f"loaded: {', '.join(st['loaded']) or 'nothing'}; conditioning cache {st['cache_entries']} entries",
         f"next: {s.summary()}",
     ]
+    from .training.adapters import describe
+
+    if getattr(session, "adapters", ()):
+        lines.append(f"adapter: {describe(session.adapters)}")
     lines += [f"  {name}: {path}" for name, path in s.anchors]
     lines += [f"  ref {i}: {r.describe()}" for i, r in enumerate(s.references, 1)]
     if state.out_dir is not None:
@@ -680,7 +684,11 @@ def what_ran(result) -> str:
 
     trace = (getattr(result.trajectory, "manifest", None) or {}).get("trace") or {}
     reasons = [r.fallback for r in getattr(result.trace, "fallbacks", ()) or () if r.fallback]
-    return "ran " + line(trace, result.settings.mode, reasons, result.settings.ablations)
+    from .training.adapters import describe
+
+    adapter = describe(getattr(getattr(result, "arm", None), "adapters", ()))
+    return "ran " + line(trace, result.settings.mode, reasons, result.settings.ablations) + (
+        f"; with {adapter}" if adapter else "")
 
 
 def generation_lines(result, profile: bool = False) -> list[str]:

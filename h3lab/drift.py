@@ -668,6 +668,21 @@ def _metadata(a: Capture, b: Capture) -> list[dict]:
     return out
 
 
+def metadata_line(note: dict) -> str:
+    """One readable line for a `DriftReport.metadata` entry (what a front end prints; never the raw dict)."""
+    name = note.get("name", "?")
+    where = f"{name} (pass {note['step']})" if note.get("step") is not None else name
+    if "shape_a" in note:
+        return f"{where}: shape {tuple(note['shape_a'])} vs {tuple(note['shape_b'])}"
+    if "rows" in note:
+        rows = note["rows"]
+        listed = ", ".join(str(r) for r in rows) + (" ..." if len(rows) >= 16 else "")
+        return f"{where}: differs at canonical row{'s' if len(rows) != 1 else ''} {listed}"
+    if "a" in note:
+        return f"{where}: {note['a']} vs {note['b']}"
+    return where
+
+
 def compare(
     a: Execution, b: Execution, matrix_point: str = "residual2", reference: Capture | None = None
 ) -> DriftReport:

@@ -6,11 +6,22 @@ Contract
   a replay is self-contained when `base_dir` is the file's folder). The file is read and every line parsed before
   the session is built, so bytes that are not UTF-8 or a malformed command fail at once (`ReplayError` naming
   file:line); a line rejected while running stops the replay the same way.
+- Before the first line runs, the whole replay is validated (`validate_replay`): every line parses, every `# expect`
+  line is `# expect[TAG] <64 hex digits>` after a generation line, there is at least one generation, and every
+  setting command runs on a scratch copy of the settings (values, input paths, `!mode strict` where strict cannot
+  run); each generation's settings are checked (paths, strict, and on a mesh of several ranks the mode: strict only,
+  since a forward there runs strict). So `!size 100x100` or `!first /nope.png` on line 6 fails before line 5's
+  generation runs. Commands that need results (`!drift`, `!save`, `!trajectory`, ...) are checked when they run.
 - `# expect <sha256>` after a generation line checks that generation's trajectory digest
   (`trajectory.Trajectory.digest`) on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class
-  TAG (`arithmetic_class`). A generation without a line for this class is reported as unchecked.
-- `update=True` rewrites this class's expect lines (or inserts them under their generation line) and replaces the
-  file atomically; lines of other classes are kept.
+  TAG (`arithmetic_class`). A strict generation's line may carry the class without `_amx` (`strict_class`): strict
+  digests do not depend on AMX (the DiT runs in Triton's interpreter; measured equal on an AVX-512 and an
+  AVX-512+AMX machine), but they do depend on torch's CPU capability -- the noise (torch's vectorised normal sampler)
+  and the text encoder run torch's ISA-specific CPU kernels (measured here: AVX2 and `ATEN_CPU_CAPABILITY=default`
+  give different noise, text embeddings and digests). A generation without a line for this class is reported as
+  unchecked; the CLI exits 1 when a replay checked nothing unless `--allow-unchecked`.
+- `update=True` rewrites this class's expect lines (or inserts them under their generation line; strict generations
+  get the `strict_class` tag) and replaces the file atomically; lines of other classes are kept.
 - A replay starts from an empty conditioning cache and runs with one torch thread on the CPU, deterministic
   non-benchmarked cuDNN on CUDA (restored afterwards), so its hashes do not depend on the core count or autotuning.
 
@@ -40,7 +51,13 @@ class ReplayError(H3Error):
 # text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
 # an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
 # `--update` writes lines tagged with this machine's class.
-EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>\S+)\s*$")
+EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>[0-9a-f]{64})\s*$")
+EXPECT_START = re.compile(r"^\s*#\s*expect\b")  # a line meant as an expect line: it must then match EXPECT_RE
+SETTING_COMMANDS = frozenset({  # run on a scratch state by `validate_replay`: they change settings only
+    "seed", "seconds", "frames", "size", "render", "steps", "reuse", "layers", "core-reuse", "token-reduction",
+    "reference-rope", "mode", "first", "last", "ref-image", "ref-video", "ref-silent-video", "ref-video-audio",
+    "ref-audio", "refs", "ref-remove", "ablate",
+})
 
 
 def arithmetic_class(device: str) -> str:
@@ -53,6 +70,15 @@ def arithmetic_class(device: str) -> str:
     except OSError:
         flags = ""
     return tag + ("_amx" if re.search(r"\bamx_bf16\b", flags) else "")
+
+
+def strict_class(tag: str) -> str:
+    """The class a strict generation's digest is bound to: `tag` without `_amx` (module docstring)."""
+    return tag[: -len("_amx")] if tag.endswith("_amx") else tag
+
+
+def _tag_matches(line_tag: str | None, tag: str, strict: bool) -> bool:
+    return line_tag is None or line_tag == tag or (strict and line_tag == strict_class(tag))
 
 
 @dataclass
@@ -82,6 +108,7 @@ class _Pending:
     digest: str
     index: int  # position of the generation line in the output lines
     last_index: int  # position of the last expect line for it (or the generation line)
+    strict: bool = False  # the generation ran in mode strict (its lines may carry `strict_class`)
     matched: bool = False  # an expect line for this device (or untagged) was seen
 
 
@@ -116,11 +143,7 @@ def run_replay(
     path = Path(path)
     text = read_replay(path)
     lines = text.splitlines()
-    for number, line in enumerate(lines, 1):  # every line parses before the first one runs (no model loaded yet)
-        try:
-            parse(line)
-        except H3Error as err:
-            raise ReplayError(f"{path}:{number}: {err}") from None
+    validate_replay(state, path, lines)  # the whole replay, before the first line runs (no model loaded yet)
     session = state.get_session()
     session.clear_cache()  # a replay starts from nothing the session computed before (same bytes as a fresh run)
     device = session.device.type
@@ -142,18 +165,61 @@ def run_replay(
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
 
 
+def validate_replay(state: SessionState, path: Path, lines: list[str]) -> None:
+    """Check the whole replay before it runs (module docstring); a one-line `ReplayError` naming file:line. Builds
+    the session object (no model loads) to know its device and mesh; `state` itself is not changed."""
+    from .whatran import check_strict_runs
+
+    commands_, generated = [], False
+    for number, line in enumerate(lines, 1):
+        if EXPECT_START.match(line):
+            if not EXPECT_RE.match(line):
+                raise ReplayError(f"{path}:{number}: {line.strip()!r}: an expect line is '# expect[TAG] <sha256>' "
+                                  "with 64 lowercase hex digits")
+            if not generated:
+                raise ReplayError(f"{path}:{number}: '# expect' without a generation line before it")
+        try:
+            commands_.append((number, parse(line)))
+        except H3Error as err:
+            raise ReplayError(f"{path}:{number}: {err}") from None
+        generated = generated or commands_[-1][1].name == "generate"
+    session = state.get_session()
+    mesh = getattr(session, "mesh", None)
+    scratch = SessionState(session=session, settings=state.settings, base_dir=state.base_dir)
+    for number, cmd in commands_:
+        try:
+            if cmd.name in SETTING_COMMANDS:
+                execute(scratch, cmd)
+            elif cmd.name == "generate":
+                settings = scratch.settings.replace(prompt=cmd.line).checked_paths()
+                check_strict_runs(settings.mode, session.device)
+                if mesh is not None and mesh.topology.world_size > 1 and settings.mode != "strict":
+                    raise ReplayError(f"a generation in mode {settings.mode} on mesh {mesh.topology.name}: a forward "
+                                      "on several ranks runs in mode strict only; run this replay in one process "
+                                      "(or give its generations !mode strict)")
+            elif cmd.name == "quit":
+                break
+        except H3Error as err:
+            raise ReplayError(f"{path}:{number}: {err}") from None
+    if not generated:
+        raise ReplayError(f"{path}: no generation line: a replay checks the digests of its generations")
+
+
 def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
     """`run_replay`'s loop; `tag` is the machine's arithmetic class, the tag its expect lines carry."""
     report = ReplayReport(tag=tag)
     out: list[str] = []
     pending: _Pending | None = None
 
+    def line_for(p: _Pending) -> str:
+        return f"# expect[{strict_class(tag) if p.strict else tag}] {p.digest}"
+
     def close_pending() -> None:
         nonlocal pending
         if pending is not None and not pending.matched:
             report.unchecked.append(pending.number)
             if update:
-                out.insert(pending.last_index + 1, f"# expect[{tag}] {pending.digest}")
+                out.insert(pending.last_index + 1, line_for(pending))
         pending = None
 
     consumed = 0
@@ -164,14 +230,16 @@ def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
             if pending is None:
                 raise ReplayError(f"{path}:{number}: '# expect' without a generation line before it")
             line_tag, expected = m.group("tag"), m.group("hash")
-            if line_tag is not None and line_tag != tag:
+            if not _tag_matches(line_tag, tag, pending.strict):
                 report.skipped += 1
                 out.append(line)
                 pending.last_index = len(out) - 1
                 continue
             report.checked += 1
+            if update and pending.matched:
+                continue  # --update keeps one line per generation for this class
             pending.matched = True
-            out.append(f"# expect[{tag}] {pending.digest}" if update else line)
+            out.append(line_for(pending) if update else line)
             pending.last_index = len(out) - 1
             if expected != pending.digest:
                 report.mismatches.append(f"{path}:{number}: expected {expected}, got {pending.digest}")
@@ -195,7 +263,7 @@ def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
             digest = state.last.trajectory_hash
             report.generations += 1
             report.hashes.append(digest)
-            pending = _Pending(number, digest, len(out) - 1, len(out) - 1)
+            pending = _Pending(number, digest, len(out) - 1, len(out) - 1, strict=state.last.arm.mode == "strict")
         if not state.running:
             break
     close_pending()

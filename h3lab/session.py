@@ -79,7 +79,8 @@ from .components import streaming
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
-from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt
+from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt, is_blank
+from .whatran import check_strict_runs
 
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
 
@@ -407,8 +408,9 @@ class Session:
         encoder's context (`check_prompt_length`), without loading any model or encoding anything. Returns the
         settings with validated paths."""
         settings = settings.checked_paths()
+        check_strict_runs(settings.mode, self.device)
         self.check_preset(settings)
-        if settings.prompt.strip():
+        if not is_blank(settings.prompt):
             self.check_prompt_length(settings.prompt)
         self._load_media(settings)
         return settings
@@ -445,6 +447,7 @@ class Session:
         atomic_write_all`), so a failure leaves none of them."""
         s = self.settings(request, **overrides).checked_paths()
         check_prompt(s.prompt)
+        check_strict_runs(s.mode, self.device)
         outputs = check_outputs(output, wav, frames_dir)
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
@@ -549,10 +552,8 @@ class Session:
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
         spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
                                    residency=self.store.residency_value(), mesh=self.mesh)
-        if "blocks" in spec.preset and variant not in self.store.injected:  # a pinned model stays whole
-            from .presets import release_dropped
-
-            release_dropped(model, spec.preset["blocks"])
+        if "blocks" in spec.preset:  # a pinned model stays whole
+            self.store.release_blocks(variant, model, spec.preset["blocks"])
         nv = inputs.num_condition_video_rows
         recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
 
@@ -646,7 +647,8 @@ class Session:
             variant = variants.pop()
             model = self.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
             models = self.store.models_for(variant, model)
-            arms = [drift.Execution(spec, model, label=f"{spec.tag}:{r.trajectory_hash[:12]}", models=models)
+            arms = [drift.Execution(spec, model, label=f"{spec.tag}{'+lora' if spec.adapters else ''}:"
+                                                      f"{r.trajectory_hash[:12]}", models=models)
                     for spec, r in zip(specs, (a, b))]
             return drift.compare(*arms)
 
@@ -683,8 +685,10 @@ def _drift_lines(report) -> list[str]:
         lines.append(f"first drift inside a block: {report.first_in_block}")
     if report.a_repeatable is False:
         lines.append("warning: the reference run did not repeat its own hashes (non-deterministic arithmetic)")
+    from .drift import metadata_line
+
     for note in report.metadata[:3]:
-        lines.append(f"layout differs: {note}")
+        lines.append(f"layout differs: {metadata_line(note)}")
     return lines
 
 

@@ -15,7 +15,8 @@ and the difference is written here):
 - frames: snapped *up* to the next 17n+5 with n >= 1 (22, 39, 56, ... ; the video VAE encodes 17-frame clips into 5
   latents and drops 3 once) and the snap is reported. seconds: converted at 24 fps, rounded up to a whole frame,
   then snapped the same way. frames and seconds are mutually exclusive. At most 362 frames (15.08 s), the seed's
-  limit; the released pipeline rejects 362 and requires >= 5 s. Below 5 s h3lab adds a notice, not an error.
+  limit; the released pipeline rejects 362 and requires >= 5 s. A length you choose below 5 s gets a notice, not
+  an error; the default length (22 frames) gets none.
 - steps: N denoising passes (1..1000), i.e. N + 1 sigma grid points including the terminal 0 (Diffusers'
   `num_inference_steps` counts grid points, so its 50 is 49 passes).
 - reuse: whole-velocity reuse interval (1 = every pass evaluates the model), at most `steps`.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -91,12 +93,27 @@ def check_path(path: Any, what: str = "path") -> str:
     return str(p)
 
 
+def is_blank(text: str) -> bool:
+    """No visible character: only whitespace (NBSP included) and invisible format characters (Unicode category Cf:
+    zero-width space, zero-width (non-)joiner, word joiner, BOM) -- one rule for both kinds of invisible text."""
+    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
+
+
 def check_prompt(prompt: Any) -> str:
-    """A prompt to generate from: a string with something other than whitespace in it."""
+    """A prompt to generate from: UTF-8 text with a visible character in it (`is_blank`)."""
     if not isinstance(prompt, str):
         raise ValidationError(f"prompt={prompt!r}: must be a string")
-    if not prompt.strip():
-        raise ValidationError(f"prompt={prompt!r}: empty prompt (blank or only whitespace), describe the clip to generate")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(prompt[err.start])
+        what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF  # an undecodable byte (surrogateescape)
+                else f"lone surrogate U+{code:04X}")
+        raise ValidationError(f"prompt: {what} at character {err.start + 1} is not UTF-8 text; give the prompt as "
+                              "UTF-8") from None
+    if is_blank(prompt):
+        raise ValidationError(f"prompt={prompt!r}: empty prompt (blank, only whitespace or invisible characters), "
+                              "describe the clip to generate")
     return prompt
 
 
@@ -189,7 +206,8 @@ def resolve_frames(frames: Any, seconds: Any) -> tuple[int, list[str]]:
             )
         if snapped != requested:
             notices.append(f"frames={requested} snapped up to {snapped} (frame counts are 17n+5, n >= 1)")
-    if snapped / FPS < RELEASED_MIN_SECONDS:
+    if (frames is not None or seconds is not None) and snapped / FPS < RELEASED_MIN_SECONDS:
+        # only for a length the user chose: the default (22 frames, a quick look) is documented, not news each time
         notices.append(
             f"notice: {snapped} frames = {snapped / FPS:.3f} s is below the released {RELEASED_MIN_SECONDS:g} s "
             "minimum; generating anyway"

@@ -24,6 +24,12 @@ and never after it -- after it strict fails, and so does auto wherever it would 
 active drivers"; a runtime whose auto runs torch on the CPU, `runtime.AUTO_ON_CPU == "torch"`, is unaffected) -- so
 the only remedy then is a fresh kernel/process that sets it first.
 
+`check_strict_runs(mode, device, what)` is the one refusal every front end applies before any work (the CLI with
+its flag checks, `!mode strict`, `Session.generate` / `check_request`, a replay's validation): strict on a device
+where `strict_setup` says it cannot run raises one `ValidationError` line naming the remedy. h3lab never sets
+`TRITON_INTERPRET` behind the user's back from the CLI (it changes what every later kernel does); the notebook
+panel's "set up strict" button does it on request (`enable_interpreter`).
+
 No front-end imports; the REPL, the CLI and the notebook panel share these lines.
 """
 
@@ -184,3 +190,21 @@ def enable_interpreter() -> StrictSetup:
     if strict_setup("cpu").can_enable:
         os.environ[INTERPRET_ENV] = "1"
     return strict_setup("cpu")
+
+
+def check_strict_runs(mode: Any, device: Any, what: str = "mode strict") -> None:
+    """Refuse `mode == "strict"` on a `device` where strict kernels cannot run in this process (module docstring):
+    a one-line `ValidationError` saying what would make it run."""
+    if mode != "strict":
+        return
+    setup = strict_setup(device)
+    if setup.ready:
+        return
+    from .errors import ValidationError
+
+    kind = str(getattr(device, "type", device)).split(":")[0]
+    if kind == "cpu" and os.environ.get(INTERPRET_ENV, "0") != "1":
+        raise ValidationError(f"{what} on the {kind}: strict kernels run there only in Triton's interpreter; export "
+                              f"{INTERPRET_ENV}=1 before starting h3lab (in a notebook: set it in os.environ before "
+                              "the first generation), or use mode off or auto")
+    raise ValidationError(f"{what} on the {kind}: {setup.line.split(': ', 1)[-1]}")

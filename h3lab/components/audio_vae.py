@@ -11,12 +11,19 @@ Contract
   `z * std + mean` and decoded (the decoder clamps to [-1, 1]); Diffusers' after-denoise unpack + audio decode step.
 - `rows_to_latents` / `latents_to_rows` convert between (2A, C) rows and the (2, C, A) batch the VAE takes.
 - Device/dtype: the module lives on `device`; Diffusers keeps every audio-VAE module in float32 whatever `dtype` says.
+- Threads: on the CPU, `encode` and `decode` run with one torch thread (`one_thread`, restored after). torch's CPU
+  convolutions split their reductions by thread count, so the MP4's audio bytes changed with the number of threads
+  (issue 23: torchrun vs one process; measured here: 1 vs 2 threads give other decoded bytes); the video VAE's do
+  not. One thread is what a replay already used, so no sealed digest changes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import contextlib
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,6 +32,20 @@ from ..errors import ValidationError
 from ._vae_common import latent_stats, load_vae
 
 CHANNELS = 2
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """One torch thread for the duration on a CPU device (module docstring); nothing on accelerators."""
+    if device.type != "cpu" or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
@@ -84,7 +105,8 @@ class AudioVAE:
             raise ValidationError(f"waveform of type {type(waveform).__name__}: must be a floating point array")
         if x.ndim != 2 or x.shape[0] != CHANNELS or x.shape[1] < 1:
             raise ValidationError(f"waveform shape {tuple(x.shape)}: must be (2, samples>=1) stereo")
-        posterior = self.vae.encode(x.to(self.device)[:, None], return_dict=False)[0]  # batch = stereo channel
+        with one_thread(self.device):
+            posterior = self.vae.encode(x.to(self.device)[:, None], return_dict=False)[0]  # batch = stereo channel
         z = posterior.mode().float().cpu().transpose(1, 2)  # (2, A, C)
         z = (z - self.latents_mean) / self.latents_std
         return z.reshape(-1, self.latent_channels)  # (2A, C), channel-major
@@ -99,5 +121,6 @@ class AudioVAE:
         device = self.device
         z = rows_to_latents(rows.to(device, torch.float32))  # (2, C, A)
         z = z * self.latents_std.view(1, -1, 1).to(device) + self.latents_mean.view(1, -1, 1).to(device)
-        audio = self.vae.decode(z, return_dict=False)[0]  # (2, 1, S)
+        with one_thread(device):
+            audio = self.vae.decode(z, return_dict=False)[0]  # (2, 1, S)
         return audio.float()[:, 0].cpu()

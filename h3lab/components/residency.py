@@ -8,6 +8,10 @@ Contract
   (slots 2..8, G a finite number of GiB > 0); anything else is a one-line `ResidencyError`.
 - `block_units(model)`: the units, the blocks the forward calls as modules -- `token_refiner.refiner_blocks.*`, then
   `transformer_blocks.*`, in execution order. A unit's tensors are packed at `ALIGN`-byte aligned offsets.
+- Released blocks: in a model that holds real tensors, a block whose tensors are all on the meta device (layer
+  thinning released its weights, `h3lab.presets.release_dropped`) holds no bytes: it is no unit, and its meta tensors
+  count for nothing in `fixed_bytes` (`holds_bytes`). A model made wholly on the meta device (for planning) counts
+  every tensor.
 - `plan_residency(units, fixed_bytes, gpu_memory_gib=None, slots=2) -> Plan` (`plan_for_model(model, ...)` reads the
   sizes from a model): without a budget every unit streams; with one, the fewest streamed units whose plan fits the
   budget -- the DiT's tensors on the device = the tensors outside the units + the resident units + `slots` slots of
@@ -89,15 +93,33 @@ def check_gpu_memory(gib: Any) -> float:
 
 # ------------------------------------------------------------------------------------------------ units, plan
 def block_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every unit the streamer can move, in execution order (`UNIT_LISTS`)."""
+    """(name, module) of every unit the streamer can move, in execution order (`UNIT_LISTS`); released blocks are
+    left out (module docstring)."""
     out = []
+    materialised = _materialised(model)
     for path in UNIT_LISTS:
         owner: Any = model
         for part in path.split("."):
             owner = getattr(owner, part, None)
         if isinstance(owner, nn.ModuleList):
-            out += [(f"{path}.{i}", block) for i, block in enumerate(owner)]
+            out += [(f"{path}.{i}", block) for i, block in enumerate(owner)
+                    if not (materialised and _all_meta(block))]
     return out
+
+
+def _materialised(model: nn.Module) -> bool:
+    """The model holds at least one real (non-meta) tensor."""
+    return any(not t.is_meta for *_, t in registered(model))
+
+
+def _all_meta(module: nn.Module) -> bool:
+    tensors = [t for *_, t in registered(module)]
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def holds_bytes(t: torch.Tensor, materialised: bool) -> bool:
+    """Whether `t` occupies memory where the model is placed: a meta tensor of a materialised model does not."""
+    return not (materialised and t.is_meta)
 
 
 def aligned(n: int) -> int:
@@ -161,7 +183,9 @@ def unit_entries(module: nn.Module, check: bool = True) -> tuple[list[Entry], in
 def fixed_bytes(model: nn.Module, per_unit: list[list[Entry]]) -> int:
     """Bytes of the model's tensors outside the units (`per_unit`: each unit's entries)."""
     inside = {id(e.get()) for group in per_unit for e in group}
-    return sum(t.numel() * t.element_size() for *_, t in registered(model) if id(t) not in inside)
+    materialised = _materialised(model)
+    return sum(t.numel() * t.element_size() for *_, t in registered(model)
+               if id(t) not in inside and holds_bytes(t, materialised))
 
 
 @dataclass(frozen=True)

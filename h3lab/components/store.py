@@ -192,6 +192,20 @@ class ComponentStore:
             model = self.load(variant)
         return model
 
+    def release_blocks(self, variant: str, model, blocks) -> tuple[int, ...]:
+        """Free the weights of the blocks of `model` (the DiT of `variant`) that a thinned run does not run
+        (`h3lab.presets.release_dropped`); a streamed DiT's streamer forgets them and plans the rest again. A pinned
+        (`set_transformer`) model is never released. Returns the blocks released now."""
+        from ..presets import release_dropped
+
+        if variant in self.injected:
+            return ()
+        released = release_dropped(model, blocks)
+        streamer = streaming.streamer_of(model)
+        if released and streamer is not None:
+            streamer.forget_released()
+        return released
+
     def _load_component(self, name: str) -> Any:
         if name in VARIANTS:
             # Two 33B partitions do not share a GPU: loading one variant releases the other.

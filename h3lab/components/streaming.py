@@ -292,10 +292,30 @@ class BlockStreamer:
         moved = []
         with torch.no_grad():
             for path, owner, key, is_param, t in list(registered(self.model)):
-                if id(t) not in packed and not _on(t, self.device):
+                if id(t) not in packed and not t.is_meta and not _on(t, self.device):  # meta: a released block
                     bind(owner, key, is_param, t.to(self.device))
                     moved.append(f"{path + '.' if path else ''}{key}")
         return moved
+
+    def forget_released(self) -> list[str]:
+        """After layer thinning released blocks (moved their tensors to the meta device): their units leave the
+        streamer -- hooks, slots' claims and host buffers -- and the remaining units are planned again with the same
+        budget and slots (a smaller stack may fit a budget whole). Returns the names forgotten. Without this a
+        released block's pre-hook would bind slot views into meta parameters on its next (skipped) call."""
+        live = {name for name, _ in block_units(self.model)}
+        gone = [u for u in self.units if u.name not in live]
+        if not gone:
+            return []
+        self.backend.synchronize()
+        self._remove_hooks()
+        self.units = [u for u in self.units if u.name in live]
+        self.streamed = [u for u in self.streamed if u.name in live]
+        plan = self.plan
+        sizes = [(u.name, u.nbytes) for u in self.units]
+        fixed = fixed_bytes(self.model, [u.entries for u in self.units])
+        self.apply(plan_residency(sizes, fixed, plan.gpu_memory_gib if plan else None,
+                                  plan.slots if plan else DEFAULT_SLOTS))
+        return [u.name for u in gone]
 
     def _make_resident(self, unit: _Unit) -> None:
         if unit.host is not None:

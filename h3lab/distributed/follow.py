@@ -15,8 +15,9 @@ long (an idle REPL waits for its user; the mesh's own groups only carry forwards
   ("stop",)                         the front end is done: `follow` returns
 
 A run whose spec carries custom callables cannot be announced (callables do not travel) and is refused on rank 0.
-A follower that fails a forward keeps following: the forward's agreement step makes rank 0 raise the same one-line
-error, which the front end reports.
+A follower that fails a message (any exception: an agreement refusal, a strict kernel that cannot run) keeps
+following and `follow` returns its first failure (wall time, one line); the front end (`frontend.run_on_mesh`)
+exchanges every rank's first failure after "stop", so every rank reports the earliest one alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..errors import H3Error
+from ..errors import user_message
 from .errors import DistributedError
 from .mesh import Mesh
 from .placement import Placement, add_announcer
@@ -117,13 +119,15 @@ def _observer(point, tensor) -> None:
     return None
 
 
-def follow(channel: Channel, models: Callable[[str], Any]) -> None:
+def follow(channel: Channel, models: Callable[[str], Any]) -> tuple[float, str] | None:
     """A follower's loop (ranks > 0) until rank 0 says "stop". `models(key)`: this rank's parallelized model for
-    a placement name ("transformer", "transformer_ref")."""
+    a placement name ("transformer", "transformer_ref"). Returns this rank's first failure (time.time(), one line),
+    or None."""
     from ..run import RunSpec, resolve
 
     device = channel.mesh.device
     runs: list[contextlib.ExitStack | None] = []
+    failure: tuple[float, str] | None = None
     while True:
         message = channel.recv()
         op = message[0]
@@ -131,7 +135,7 @@ def follow(channel: Channel, models: Callable[[str], Any]) -> None:
             for stack in reversed(runs):
                 if stack is not None:
                     stack.close()
-            return
+            return failure
         try:
             if op == "resolve":
                 _, key, payload = message
@@ -149,7 +153,9 @@ def follow(channel: Channel, models: Callable[[str], Any]) -> None:
                 _forward(models(key), mode, args, hooked, device, in_run=bool(runs))
             else:
                 raise DistributedError(f"follow: unknown message {op!r} from rank 0")
-        except H3Error as exc:  # rank 0 reports the same error (agreement); keep following
+        except Exception as exc:  # noqa: BLE001 - keep following; the front end reports the earliest failure
+            if failure is None:
+                failure = (time.time(), user_message(exc))
             if os.environ.get("H3LAB_DEBUG"):
                 print(f"h3lab rank {channel.mesh.rank}: {exc}", file=sys.stderr)
 

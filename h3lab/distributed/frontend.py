@@ -11,6 +11,10 @@
   writes and prints;
 - the other ranks follow (`follow.follow`) with their own session, which loads and parallelizes a transformer the
   first time rank 0 runs it; they return when rank 0's action ends (also on error);
+- errors: rank 0's action failing, or a follower failing a message, does not end any rank early: after "stop"
+  every rank gives its first failure (wall time, one line) to one `all_gather_object` on the control group, and
+  every rank raises the earliest one alike (`MeshFailure`, "rank R: " in front when R is not 0), so the CLI prints
+  the same line on every rank and exits 2 -- never a peer's teardown ("Connection closed by peer");
 - `close_mesh()` then ends the process group `mesh_request` started: every rank meets at a barrier and destroys
   it, so no rank exits with the group's threads still alive (a follower that did aborted at exit:
   "terminate called without an active exception").
@@ -21,8 +25,12 @@ The mode defaults to strict on a mesh of more than one rank; another mode is ref
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
+import torch.distributed as dist
+
+from ..errors import H3Error, user_message
 from .errors import TopologyError
 from .follow import Channel, follow, lead
 from .mesh import Mesh, init_mesh
@@ -53,12 +61,15 @@ def mesh_request(args: Any) -> Mesh | None:
     return mesh
 
 
+class MeshFailure(H3Error):
+    """The earliest failure of any rank, raised on every rank alike (module docstring)."""
+
+
 def run_on_mesh(args: Any, mesh: Mesh, action: Callable[[], int], session_factory: Callable[[], Any]) -> int:
-    """Rank 0 runs `action()` and leads; the other ranks follow with `session_factory()`'s transformers."""
+    """Rank 0 runs `action()` and leads; the other ranks follow with `session_factory()`'s transformers. Any rank's
+    failure is raised on every rank as the earliest one (`MeshFailure`)."""
     channel = Channel(mesh)
-    if mesh.rank == 0:
-        with lead(channel):
-            return action()
+    rc, mine, error = 0, None, None
     sessions: list = []
 
     def models(key: str):
@@ -66,8 +77,40 @@ def run_on_mesh(args: Any, mesh: Mesh, action: Callable[[], int], session_factor
             sessions.append(session_factory())
         return sessions[0].transformer(key)
 
-    follow(channel, models)
-    return 0
+    try:
+        if mesh.rank == 0:
+            with lead(channel):
+                rc = action()
+        else:
+            mine = follow(channel, models)
+    except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange below
+        error = exc
+        if isinstance(exc, Exception):
+            mine = (time.time(), user_message(exc))
+    first = _first_failure(channel, mesh.rank, mine)
+    if error is not None and (not isinstance(error, Exception) or os.environ.get("H3LAB_DEBUG")):
+        raise error  # Ctrl-C stays Ctrl-C; H3LAB_DEBUG shows this rank's own traceback
+    if first is not None:
+        raise MeshFailure(first) from error
+    return rc
+
+
+def _first_failure(channel: Channel, rank: int, mine: tuple[float, str] | None) -> str | None:
+    """The earliest failure of all ranks (every rank calls this once, after "stop"), as one line."""
+    record = (mine[0], rank, mine[1]) if mine else None
+    records: list = [record]
+    if channel.group is not None:
+        gathered: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(gathered, record, group=channel.group)
+            records = gathered
+        except Exception:  # noqa: BLE001 - a peer is gone: report what this rank knows
+            pass
+    failures = sorted(r for r in records if r is not None)
+    if not failures:
+        return None
+    _, r, message = failures[0]
+    return message if r == 0 else f"rank {r}: {message}"
 
 
 def close_mesh() -> None:

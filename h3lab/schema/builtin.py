@@ -39,6 +39,15 @@ def _render(new: Any, _state: Any) -> list[str]:
     return [f"render {new.render_width}x{new.render_height}, upscaled to {new.width}x{new.height}"]
 
 
+def _check_mode(state: Any, new: Any) -> None:
+    """`!mode strict` on a started CPU session without TRITON_INTERPRET=1 is refused now, not at the generation."""
+    from ..whatran import check_strict_runs
+
+    device = getattr(state.session, "device", None)  # None: a session not started yet (generate checks it)
+    if device is not None:
+        check_strict_runs(new.mode, device, "!mode strict")
+
+
 def _mode(new: Any, state: Any) -> list[str]:
     mode = new.mode
     lines = [f"mode {mode}"]
@@ -98,7 +107,7 @@ for _setting in (
     Setting("ablations", tuple, (), "ablation factors switched on (!ablate, the panel's toggles)", order=75,
             flag=None, maps="RunSpec.factors", summary=lambda v: f"ablations {','.join(v)}" if v else None),
     Setting("mode", str, DEFAULT_MODE, "transformer arithmetic (default auto)", order=120, choices=lambda: MODES,
-            maps="RunSpec.mode", command=Repl(summary="arithmetic of the transformer", reply=_mode),
+            maps="RunSpec.mode", command=Repl(summary="arithmetic of the transformer", check=_check_mode, reply=_mode),
             control=Control("mode", kind="dropdown", row="run", width="200px")),
 ):
     declare(_setting)

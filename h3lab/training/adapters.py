@@ -17,7 +17,8 @@ Contract
   (a factor that swaps the transformer, H16, is refused with it) and, on exit, removes the adapter and restores the
   base modules and flags. The model is unchanged outside the run.
 - Session side (`Session.load_lora` / `unload_lora`, `!lora PATH|off`, `--lora PATH`): the session holds the entry
-  and puts it into every spec it builds; nothing is injected until a run starts.
+  and puts it into every spec it builds; nothing is injected until a run starts. `describe(value)` is the words
+  `!status`, the "ran" line and drift labels show for it.
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ def apply(value: list, run: Any) -> Iterator[Any]:
     changed = run.claim(f"adapter {entry['name']}", "model:adapter", "model")
     with pinned_fingerprint(model), attached(model, adapter, entry["scale"]):
         yield run.replace(changed=changed)
+
+
+def describe(value) -> str:
+    """The adapters of a spec (or a session) in a few words: "" without one, else "LoRA NAME x SCALE (sha256 …)"."""
+    entries = list(value or ())
+    return ", ".join(f"LoRA {e['name']} x{e['scale']:g} (sha256 {e['sha256'][:12]})" for e in entries)
 
 
 register_field("adapters", FieldProvider(validate=validate, apply=apply))

@@ -12,15 +12,24 @@ loads -- raising one-line `TrainingError` / `AdapterError` / `ValidationError`s.
 The output folder `out`:
     job.json                    the job (written first; `--resume` must name the same job, else refused)
     initial/                    the adapter before step 0 (PEFT format)
-    checkpoints/step-NNNNNN/    after every `checkpoint_every` steps, atomically (temp folder renamed): adapter/ (PEFT
-                                format), optimizer.safetensors (StrictAdamW state, step count in its metadata),
-                                state.json (the step records and trace summary so far); older ones are removed
+    checkpoints/step-NNNNNN/    after every `checkpoint_every` steps and after the final step, atomically (temp
+                                folder renamed): adapter/ (PEFT format), optimizer.safetensors (StrictAdamW state, step
+                                count in its metadata), state.json (the step records and trace summary so far); older
+                                ones are removed
     adapter/                    the final adapter (PEFT format), its sha256 the run's adapter.final_sha256
     run/                        the sealed training run (`h3lab.training.load` / `verify`)
 `run_job(job, model, resume=False, progress=None)` trains; with `resume`, the newest checkpoint's adapter and
 optimiser state are put back and the run continues from there (`run.RunState`): the final adapter bytes, the step
 records and the run digest equal an uninterrupted run's. `progress(k, steps, record)` is called after each step
 (after any checkpoint of that step), so an interruption there leaves a checkpoint to resume from.
+
+Faults (issue 23, item 5): a job folder a crash, a kill or a full disk interrupted can always be continued with
+`--resume` and the same arguments -- from its newest checkpoint, or, when none was written yet (only `job.json`,
+perhaps a partial `initial/`), restarted cleanly from step 0 (the LoRA init is seeded: the same initial adapter).
+A resume after the final step's checkpoint only seals the run and writes the adapter. `--resume` on a finished job
+(`run/` sealed and `adapter/` written) is refused, saying it is finished. `--resume` with other arguments names every
+differing key (`config.steps 6 vs 4`). A checkpoint that cannot be read or does not match its own step records is
+refused naming its path (remove that folder to resume from the start). Every error names the path it is about.
 """
 
 from __future__ import annotations
@@ -110,6 +119,9 @@ class TrainJob:
         has_job = (out / JOB).is_file()
         if resume and not has_job:
             raise TrainingError(f"--resume: {str(out)!r} holds no training job ({JOB}); start it without --resume")
+        if resume and (out / "run" / "manifest.json").is_file() and (out / "adapter").is_dir():
+            raise TrainingError(f"--resume: the job in {str(out)!r} is finished (run/ sealed, adapter/ written): "
+                                "verify it, or train again in a new folder")
         if not resume and out.exists() and any(out.iterdir()):
             why = "holds a training job: add --resume to continue it" if has_job else "is a folder of other files"
             raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
@@ -189,16 +201,28 @@ def write_checkpoint(out: Path, k: int, model, optimizer, records: list[dict], t
 
 def read_checkpoint(path: Path, model) -> RunState:
     """Put a checkpoint's adapter into `model` (which carries the job's adapter) and return its `RunState`."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from ..errors import H3Error
     from .lora import load_adapter_weights
 
+    remedy = "remove that checkpoint folder to resume from the start"
+    for name in ("state.json", "optimizer.safetensors"):
+        try:
+            if name == "state.json":
+                state = json.loads((path / name).read_text(encoding="utf-8"))
+                if not isinstance(state, dict) or not {"records", "optimizer_steps", "trace"} <= set(state):
+                    raise ValueError("not a checkpoint state")
+            else:
+                optimizer = load_file(str(path / name))
+        except (OSError, ValueError, SafetensorError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+            raise TrainingError(f"checkpoint {str(path / name)!r}: unreadable ({reason}); {remedy}") from None
     try:
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        optimizer = load_file(str(path / "optimizer.safetensors"))
-    except (OSError, ValueError) as exc:
-        raise TrainingError(f"checkpoint {str(path)!r}: unreadable ({exc})") from None
-    adapter = read_adapter(path / "adapter")
+        adapter = read_adapter(path / "adapter")
+    except H3Error as exc:
+        raise TrainingError(f"checkpoint {str(path / 'adapter')!r}: {exc}; {remedy}") from None
     device = next(model.parameters()).device
     load_adapter_weights(model, {k: v.to(device, torch.float32) for k, v in adapter.tensors.items()})
     initial = read_adapter(path.parent.parent / "initial").tensors
@@ -212,6 +236,16 @@ def read_checkpoint(path: Path, model) -> RunState:
 
 
 # ===================================================================================================== run
+def _differences(recorded: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, this command's value, the recorded value) of every leaf where two job dicts differ."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        out = []
+        for key in sorted(set(recorded) | set(now)):
+            out += _differences(recorded.get(key), now.get(key), f"{prefix}{key}.")
+        return out
+    return [] if recorded == now else [(prefix.rstrip("."), now, recorded)]
+
+
 def load_model(job: TrainJob):
     """The job's base transformer, loaded from its snapshot onto its device."""
     from ..model import H3Transformer
@@ -224,41 +258,58 @@ def load_model(job: TrainJob):
 def run_job(job: TrainJob, model, *, resume: bool = False,
             progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
     """Train `job` (checked) on `model` (its base transformer) and write its folder (module docstring); returns a
-    summary {steps, loss, adapter, adapter_sha256, run, digest}."""
+    summary {steps, loss, adapter, adapter_sha256, run, digest}. A write that fails without naming its file (a full
+    disk inside an atomic write) is reported naming the job folder."""
+    try:
+        return _run_job(job, model, resume, progress)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise TrainingError(f"--out {job.out!r}: writing the job failed ({exc.strerror or exc}); free the space and "
+                            "continue with the same command and --resume") from None
+
+
+def _run_job(job: TrainJob, model, resume: bool, progress) -> dict[str, Any]:
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     if resume:
-        recorded = json.loads((out / JOB).read_text(encoding="utf-8"))
+        try:
+            recorded = json.loads((out / JOB).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise TrainingError(f"--resume: {str(out / JOB)!r} is unreadable ({exc}); start a new folder") from None
         now = json.loads(json.dumps(job.to_dict()))
-        if recorded != now:
-            key = next(k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k))
-            raise TrainingError(f"--resume: this command's {key} differs from the job in {str(out / JOB)!r} "
-                                f"({now.get(key)!r} vs {recorded.get(key)!r}); resume with the same arguments")
+        diffs = _differences(recorded, now)
+        if diffs:
+            listed = "; ".join(f"{key} {mine!r} vs {theirs!r}" for key, mine, theirs in diffs[:4])
+            raise TrainingError(f"--resume: this command differs from the job in {str(out / JOB)!r} ({listed}; this "
+                                "command's value first); resume with the same arguments")
     else:
         atomic_write_json(out / JOB, job.to_dict())
     handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
     try:
         state = None
-        if resume:
-            last = latest_checkpoint(out)
-            if last is None:
-                raise TrainingError(f"--resume: {str(out)!r} has no checkpoint yet; start it again without --resume "
-                                    "in a new folder")
+        last = latest_checkpoint(out) if resume else None
+        if last is not None:
             state = read_checkpoint(last, model)
-        else:
+        else:  # a new job, or one interrupted before its first checkpoint: (re)start from step 0
             save_adapter(model, out / "initial")
         initial_sha = read_adapter(out / "initial").sha256
         records = list(state.records) if state is not None else []
 
         def on_step(k: int, record: dict, optimizer, trace) -> None:
             records.append(record)
-            if (k + 1) % job.checkpoint_every == 0 and k + 1 < job.config.steps:
+            if (k + 1) % job.checkpoint_every == 0 or k + 1 == job.config.steps:  # the final step too
                 write_checkpoint(out, k, model, optimizer, records, trace, initial_sha)
             if progress is not None:
                 progress(k + 1, job.config.steps, record)
 
-        run = train(model, job.data, job.config, on_step=on_step, resume=state,
-                    meta={"job": job.to_dict()})
+        try:
+            run = train(model, job.data, job.config, on_step=on_step, resume=state, meta={"job": job.to_dict()})
+        except TrainingError as exc:
+            if state is not None and str(exc).startswith("resume"):  # the checkpoint is not what it recorded
+                raise TrainingError(f"checkpoint {str(last)!r}: {exc}; remove that checkpoint folder to resume from "
+                                    "the start") from None
+            raise
         adapter_path, sha = save_adapter(model, out / "adapter")
         run_path = run.seal(out / "run")
         return {"steps": len(run.steps), "loss": run.steps[-1]["loss"], "adapter": str(adapter_path),

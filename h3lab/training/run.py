@@ -40,7 +40,11 @@ of different schemes are not comparable). `load(path)` re-hashes every tensor ag
 against the steps. `verify(run, model)` puts the run's initial trainable weights into `model` (or checks that it
 already holds them), re-runs the steps and compares, in order, each request's loss and gradient, the batch loss,
 every parameter's gradient, every weight and the optimiser state; it reports the first difference or OK, and leaves
-the model's weights as it found them.
+the model's weights as it found them. Before re-running, `verify` checks the stored result against the sealed steps
+(`check_stored`): every `final.<param>` tensor must hash (under the run's scheme, on the model's device) to the
+weights digest the last step record holds, and the `optimizer.*` tensors to its optimiser digest. The steps are
+covered by `digest`; `weights_file` is not, so a final tensor changed together with its manifest entry is refused
+here, naming the tensor.
 """
 
 from __future__ import annotations
@@ -305,8 +309,9 @@ def _trace_from(data: dict[str, Any]) -> TraceSummary:
 
 def _resume(model: nn.Module, config: TrainConfig, state: RunState, params) -> StrictAdamW:
     """The optimiser of a resumed run; refuses a state that does not fit the model or the config."""
-    if not 0 < len(state.records) < config.steps:
-        raise TrainingError(f"resume after {len(state.records)} of {config.steps} steps: nothing left to resume")
+    if not 0 < len(state.records) <= config.steps:  # all of them: the run is only sealed (a final checkpoint)
+        raise TrainingError(f"resume after {len(state.records)} of {config.steps} steps: must be after 1 to "
+                            f"{config.steps} steps")
     if [r["step"] for r in state.records] != list(range(len(state.records))):
         raise TrainingError("resume: the recorded steps are not 0, 1, 2, ... in order")
     scheme = _scheme(model)
@@ -494,6 +499,29 @@ def _first_difference(want: dict, got: dict) -> tuple[str, str, str] | None:
     return None
 
 
+def check_stored(run: TrainingRun, config: TrainConfig, params: Sequence[tuple[str, nn.Parameter]],
+                 scheme: str) -> None:
+    """Refuse a run whose stored final weights or optimiser state are not what its last step record sealed (module
+    docstring); `params` are the model's trainable parameters (their devices hash the stored tensors)."""
+    last = run.manifest["steps"][-1] if run.manifest["steps"] else None
+    where = run.path / WEIGHTS_FILE if run.path is not None else "the run's weights"
+    if last is None:
+        raise TrainingError(f"{where}: the run records no step")
+    for name, p in params:
+        stored = run.weights.get(f"final.{name}")
+        if stored is None:
+            raise TrainingError(f"{where}: final.{name} is missing")
+        if tensor_digest(stored.to(p.device), scheme) != last["weights"].get(name):
+            raise TrainingError(f"{where}: stored tensor 'final.{name}' does not match the weights digest sealed with "
+                                f"step {last['step']}")
+    optimizer = config.optimizer(params)
+    stored = {k[len("optimizer."):]: v for k, v in run.weights.items() if k.startswith("optimizer.")}
+    optimizer.load_state_tensors(stored, len(run.manifest["steps"]))
+    if optimizer.state_digest() != last["optimizer"]:
+        raise TrainingError(f"{where}: the stored optimizer.* tensors do not match the optimiser digest sealed with "
+                            f"step {last['step']}")
+
+
 def verify(
     run: str | os.PathLike | TrainingRun,
     model: nn.Module,
@@ -518,6 +546,7 @@ def verify(
     if scheme != manifest["hash_scheme"]:
         raise TrainingError(f"the run was hashed with {manifest['hash_scheme']!r}; this model's device hashes with "
                             f"{scheme!r}: verify on a {manifest['device']} model")
+    check_stored(run, config, params, scheme)
     saved = {name: p.detach().clone() for name, p in params}
     initial = run.initial_weights()
     first: dict[str, Any] = {}

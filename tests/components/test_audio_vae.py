@@ -73,3 +73,23 @@ def test_bad_inputs(audio_vae):
 def test_fp32_kept_under_bfloat16_load(component_snapshot):
     vae = AudioVAE.from_pretrained(component_snapshot, dtype=torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in vae.vae.parameters())
+
+
+def test_audio_bytes_do_not_depend_on_the_thread_count(audio_vae):
+    """Issue 23, item 6: the MP4's audio changed with the CPU thread count (torch's conv reductions split by thread);
+    encode and decode run single-threaded on the CPU, and the caller's thread count is restored."""
+    assert audio_vae.device.type == "cpu"  # the fixture's device: the thread count is a CPU matter
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(2 * 37, audio_vae.latent_channels, generator=g)
+    wave = (torch.rand(2, 800 * 21, generator=g) * 2 - 1) * 0.5
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out[n] = (audio_vae.decode(rows), audio_vae.encode(wave))
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)
+    for n in (2, 3):
+        assert torch.equal(out[n][0], out[1][0]) and torch.equal(out[n][1], out[1][1]), n

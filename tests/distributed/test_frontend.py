@@ -100,3 +100,42 @@ def test_repl_on_rank_zero_with_a_follower(tmp_path, tiny_snapshot):
     assert "mesh tp2xcp1: 2 rank(s)" in out and re.search(r"ran strict: [\d,]+ strict / 0 torch", out) and "sealed in" in out
     sealed = load(tmp_path / "sealed")
     assert dict(sealed.spec.placement)["tp"] == 2 and sealed.manifest["trace"]["non_strict_calls"] == 0
+
+
+def _failing_rank(rank: int, world: int, case: str) -> dict:
+    """run_on_mesh on 2 gloo ranks where rank 0's action fails ("lead"), or where the follower fails a message
+    first and rank 0 fails later ("follower-first")."""
+    import time
+
+    from h3lab.distributed import init_mesh
+    from h3lab.distributed.follow import leading
+    from h3lab.distributed.frontend import MeshFailure, run_on_mesh
+    from h3lab.errors import ValidationError
+
+    mesh = init_mesh(tp=2, device="cpu")
+
+    def factory():
+        raise RuntimeError(f"rank {rank} cannot build its session")
+
+    def action() -> int:
+        if case == "follower-first":
+            leading().send(("forward", "transformer", "strict", {}, []))  # the follower's models() fails
+            time.sleep(0.5)
+        raise ValidationError("width=50: must be a multiple of 32")
+
+    try:
+        return {"rc": str(run_on_mesh(None, mesh, action, factory)), "error": ""}
+    except MeshFailure as exc:
+        return {"rc": "raised", "error": str(exc)}
+
+
+@pytest.mark.parametrize("case, line", [
+    ("lead", "width=50: must be a multiple of 32"),
+    ("follower-first", "rank 1: internal error: rank 1 cannot build its session (set H3LAB_DEBUG=1 for the traceback)"),
+])
+def test_every_rank_raises_the_first_failing_ranks_own_line(case, line):
+    """Issue 23, item 4: the earliest failure of any rank is what every rank reports (the CLI prints it, exit 2),
+    never a peer's teardown; no rank leaves early."""
+    results = run_ranks(_failing_rank, 2, case, timeout=120)
+    assert [r["rc"] for r in results] == ["raised", "raised"]
+    assert [r["error"] for r in results] == [line, line]

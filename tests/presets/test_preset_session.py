@@ -118,3 +118,31 @@ def test_one_shot_cli_prints_the_preset(deep_snapshot, tmp_path, capsys, monkeyp
     assert rc == 0, out
     assert "preset layers 5 of 6: dropped blocks" in out and "preset core reuse 2" in out
     assert GenerationSettings(layers=5, core_reuse=2).summary().endswith("layers 5, core reuse 2")
+
+
+def test_a_streamed_session_runs_every_preset_byte_equal_to_resident(session, deep_snapshot):
+    """Issue 23, item 7: a streamed session with a layer preset crashed (the released block's streaming hooks bound
+    slot views into its meta parameters). Each preset alone and all together: the same bytes as resident, and the
+    streamer forgets the released block (no hook, no host bytes) and plans the rest."""
+    import torch
+
+    from h3lab.components import streaming
+
+    streamed = Session(deep_snapshot, device="cpu", residency="streamed")
+    cases = [dict(layers=5), dict(core_reuse=2), dict(token_reduction=True),
+             dict(layers=5, core_reuse=2, token_reduction=True), dict(width=256, height=256, steps=1),
+             dict(width=256, height=256, steps=1, reference_rope=True)]
+    for case in cases:
+        request = {**SMALL, "frames": 22, **case}
+        a = session.generate("a fox", **request)
+        b = streamed.generate("a fox", **request)
+        assert b.trajectory_hash == a.trajectory_hash, case
+        assert torch.equal(b.latents, a.latents) and torch.equal(b.audio, a.audio), case
+        assert thaw(b.arm.preset) == thaw(a.arm.preset) and b.streaming is not None, case
+        model = streamed.transformer()
+        streamer = streaming.streamer_of(model)
+        gone = presets.released_blocks(model)
+        assert gone == presets.released_blocks(session.transformer()) and bool(gone) == ("layers" in case)
+        names = {u.name for u in streamer.units}
+        assert not names & {f"transformer_blocks.{i}" for i in gone}
+        assert set(streamer.plan.streamed) | set(streamer.plan.resident) == names

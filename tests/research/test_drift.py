@@ -170,3 +170,25 @@ def test_bad_comparisons_raise(bench):
     with pytest.raises(RunSpecError, match="mode"):
         a.with_spec(mode="turbo")
     assert runtime.current_mode() == "off"
+
+
+def test_layout_differences_read_as_lines_not_dicts():
+    """Issue 23, item 6: `!drift`'s "layout differs" lines."""
+    from h3lab.drift import metadata_line
+    from h3lab.session import _drift_lines
+
+    assert metadata_line({"name": "row_timestep", "step": 2, "rows": [0, 5]}) == \
+        "row_timestep (pass 2): differs at canonical rows 0, 5"
+    assert metadata_line({"name": "token_tags", "step": None, "rows": list(range(16))}).endswith("14, 15 ...")
+    assert metadata_line({"name": "position_ids", "step": None, "shape_a": [9, 3], "shape_b": [7, 3]}) == \
+        "position_ids: shape (9, 3) vs (7, 3)"
+    assert metadata_line({"name": "num_passes", "a": 2, "b": 3}) == "num_passes: 2 vs 3"
+
+    class Report:
+        first = first_in_block = a_repeatable = None
+        metadata = [{"name": "video_indices", "step": None, "rows": [4]}]
+
+        def summary(self):
+            return "summary"
+
+    assert _drift_lines(Report()) == ["summary", "layout differs: video_indices: differs at canonical row 4"]

@@ -74,6 +74,16 @@ def files(tmp_path_factory) -> Path:
     (d / "badarg.h3").write_text("!size 64\na fox\n")
     (d / "expect-first.h3").write_text("# expect 00ff\na fox\n")
     (d / "good.h3").write_text("!size 64x64\na fox\n")
+    # issue 23, items 3 and 6: the whole replay is validated before its first generation
+    (d / "late-size.h3").write_text("!size 64x64\n!steps 1\n!mode off\na fox\n# expect[cpu_avx2] " + "0" * 64
+                                    + "\n!size 100x100\na fox\n")
+    (d / "late-first.h3").write_text("!size 64x64\n!steps 1\n!mode off\na fox\n!first /nope.png\na fox\n")
+    (d / "late-strict-size.h3").write_text("!size 64x64\na fox\n!seconds 99\n")
+    (d / "expect-nothex.h3").write_text("!size 64x64\na fox\n# expect[cpu_avx2] nothex\n")
+    (d / "expect-short.h3").write_text("!size 64x64\na fox\n# expect " + "ab" * 16 + "\n")
+    (d / "empty.h3").write_text("")
+    (d / "expect-before.h3").write_text("# expect " + "a" * 64 + "\na fox\n")
+    (d / "no-generation.h3").write_text("# only comments\n!size 64x64\n!steps 2\n")
     return d
 
 
@@ -276,13 +286,31 @@ CASES = [
      "at most 3"),
     ("ref-audio-inputs-count", ["-p", "x", "--ref-image", "M/first.png", *["--ref-audio", "M/tone.wav"] * 4],
      "4 audio inputs", "at most 3"),
+    # issue 23, item 6: invisible and undecodable prompts, streaming flags that change nothing on a CPU
+    ("prompt-invalid-utf8", ["-p", "fox \udced\udca0\udc80 \udcff"], "byte 0xed at character 5", "not UTF-8"),
+    ("prompt-zero-width-only", ["-p", "\u200b\u200b\ufeff"], "prompt=", "empty prompt"),
+    ("prompt-nbsp-only", ["-p", "\u00a0 \u00a0"], "prompt=", "empty prompt"),
+    ("residency-streamed-cpu", ["-p", "x", "--residency", "streamed", "--device", "cpu"], "--residency streamed",
+     "on the cpu"),
+    ("gpu-memory-cpu", ["-p", "x", "--gpu-memory", "8", "--device", "cpu"], "--gpu-memory 8", "on the cpu"),
     # replays
     ("replay-missing", ["--replay", "missing.h3"], "'missing.h3'", "No such file"),
     ("replay-folder", ["--replay", "M/adir"], "adir'", "Is a directory"),
     ("replay-bad-utf8", ["--replay", "M/bad-utf8.h3"], "bad-utf8.h3:3", "byte 0xff at column 7 is not UTF-8"),
     ("replay-typo-parsed-first", ["--replay", "M/typo.h3"], "typo.h3:4", "unknown command !nosuch"),
     ("replay-bad-argument", ["--replay", "M/badarg.h3"], "badarg.h3:1", "WIDTHxHEIGHT"),
-    ("replay-expect-first", ["--replay", "M/expect-first.h3"], "expect-first.h3:1", "without a generation line"),
+    ("replay-expect-first", ["--replay", "M/expect-first.h3"], "expect-first.h3:1", "64 lowercase hex digits"),
+    ("replay-expect-before-generation", ["--replay", "M/expect-before.h3"], "expect-before.h3:1",
+     "without a generation line"),
+    ("replay-late-size", ["--replay", "M/late-size.h3"], "late-size.h3:6", "width=100"),
+    ("replay-late-first", ["--replay", "M/late-first.h3"], "late-first.h3:5", "/nope.png"),
+    ("replay-late-seconds", ["--replay", "M/late-strict-size.h3"], "late-strict-size.h3:3", "seconds=99"),
+    ("replay-expect-nothex", ["--replay", "M/expect-nothex.h3"], "expect-nothex.h3:3", "64 lowercase hex digits"),
+    ("replay-expect-short", ["--replay", "M/expect-short.h3"], "expect-short.h3:3", "64 lowercase hex digits"),
+    ("replay-empty", ["--replay", "M/empty.h3"], "empty.h3", "no generation line"),
+    ("replay-no-generation", ["--replay", "M/no-generation.h3"], "no-generation.h3", "no generation line"),
+    ("allow-unchecked-without-replay", ["-p", "x", "--allow-unchecked"], "--allow-unchecked",
+     "only goes with --replay"),
 ]
 JSON_CASES = ["width-multiple", "mp4-proc", "prompt-blank", "ref-video-truncated", "bogus-flag", "device-cuda"]
 
@@ -346,6 +374,11 @@ SUBPROCESS_CASES = [
      "IMAGEIO_FFMPEG_EXE='/nonexistent/ffmpeg'", "not an executable file"),
     ("console-bogus", {}, ["--bogus"], "--bogus", "unrecognized arguments"),
     ("console-device", {}, ["-d", "SNAP", "-p", "x", "--device", "cuda"], "device='cuda'", "no CUDA"),
+    # issue 23, item 4: strict on a CPU without Triton's interpreter is refused with the flags, not after 10 s
+    ("strict-cpu-no-interpreter", {}, ["-d", "SNAP", "-p", "x", "--mode", "strict", "--device", "cpu"],
+     "--mode strict on the cpu", "export TRITON_INTERPRET=1 before starting h3lab"),
+    ("strict-cpu-repl-no-interpreter", {}, ["-d", "SNAP", "--mode", "strict", "--device", "cpu"],
+     "--mode strict on the cpu", "export TRITON_INTERPRET=1 before starting h3lab"),
 ]
 
 
@@ -362,3 +395,24 @@ def test_bad_environment_in_a_subprocess(name, env, argv, value, rule, files, sn
 def test_json_error_from_the_console_script(tmp_path, startup_s):
     rc, out, err, seconds = _console("-p", "x", "--json", "--width", "50", cwd=tmp_path)
     assert_one_line(rc, out, err, seconds, "width=50", "multiple of 32", as_json=True, limit=LIMIT_S + startup_s)
+
+
+def test_strict_on_a_cpu_without_the_interpreter_is_refused_before_any_work(snapshot, monkeypatch, no_work):
+    """Issue 23, item 4, in-process: `!mode strict` refuses (settings unchanged) on a started CPU session, and a
+    session given strict refuses `generate` and `check_request` before any component loads."""
+    from h3lab import commands
+    from h3lab.errors import ValidationError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    session = Session(snapshot, device="cpu")
+    state = commands.SessionState(session=session)
+    before = state.settings
+    with pytest.raises(ValidationError, match="!mode strict on the cpu: .*export TRITON_INTERPRET=1") as err:
+        commands.run_line(state, "!mode strict")
+    assert state.settings is before and "\n" not in str(err.value)
+    assert commands.run_line(state, "!mode off")[0] == "mode off"
+    for call in (lambda: session.generate("a fox", mode="strict", width=64, height=64, steps=1),
+                 lambda: session.check_request(session.settings("a fox", mode="strict"))):
+        with pytest.raises(ValidationError, match="mode strict on the cpu"):
+            call()
+    assert no_work == []

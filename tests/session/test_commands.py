@@ -220,10 +220,13 @@ def test_rejected_settings_leave_state_unchanged(state):
     assert_rejected(state, "!bogus", "unknown command")
 
 
-def test_strict_on_cpu_without_interpreter_gets_a_note(state, monkeypatch):
+def test_strict_on_cpu_without_interpreter_is_refused(state, monkeypatch):
+    """Issue 23, item 4: refused at the command (it used to be a note, and the generation failed after 10 s)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_rejected(state, "!mode strict", "export TRITON_INTERPRET=1 before starting h3lab")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = commands.run_line(state, "!mode strict")
-    assert out[0] == "mode strict" and "TRITON_INTERPRET=1" in out[1]
+    assert out[0] == "mode strict" and "Triton's interpreter" in out[1]
 
 
 def test_anchor_commands(state, tmp_path):

@@ -118,3 +118,40 @@ def test_malformed_replays_stop_with_file_and_line(tmp_path, replay_state):
     with pytest.raises(replays.ReplayError, match="bad.h3:1: .*no such file"):
         replay(replay_state, bad)
     assert cli.main(["--replay", str(tmp_path / "missing.h3")]) == 2
+
+
+def test_a_replay_that_checked_nothing_exits_1_unless_allowed(tmp_path, snapshot, capsys):
+    """Issue 23, item 2: a verification that cannot fail here is not a pass."""
+    path = tmp_path / "other.h3"
+    path.write_text("!size 64x64\n!frames 22\n!steps 1\n!mode off\na fox\n# expect[cuda] " + "f" * 64 + "\n")
+    assert cli.main(["-d", str(snapshot), "--replay", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"checked nothing on arithmetic class {TAG}" in err and "--allow-unchecked" in err
+    assert cli.main(["-d", str(snapshot), "--replay", str(path), "--allow-unchecked"]) == 0
+
+
+def test_strict_lines_are_bound_to_the_cpu_capability_not_to_amx():
+    """A strict generation's line of `cpu_X` holds on `cpu_X_amx` (the interpreter does not use AMX); an off
+    generation's does not (bf16 torch kernels take AMX paths)."""
+    assert replays.strict_class("cpu_avx512_amx") == "cpu_avx512" and replays.strict_class("cpu_avx2") == "cpu_avx2"
+    assert replays._tag_matches("cpu_avx512", "cpu_avx512_amx", strict=True)
+    assert not replays._tag_matches("cpu_avx512", "cpu_avx512_amx", strict=False)
+    assert not replays._tag_matches("cpu_avx2", "cpu_avx512_amx", strict=True)
+    assert replays._tag_matches(None, "cpu_avx2", strict=False)
+
+
+def test_a_mesh_replay_refuses_a_non_strict_generation_before_any(tmp_path, snapshot):
+    """Issue 23, item 3: on a mesh of several ranks every generation must be strict; the validation names the
+    generation line before the first one runs."""
+    from types import SimpleNamespace
+
+    from h3lab.session import Session
+
+    session = Session(snapshot, device="cpu")
+    session.mesh = SimpleNamespace(topology=SimpleNamespace(world_size=2, name="tp2xcp1"))
+    path = tmp_path / "mesh.h3"
+    path.write_text("!size 64x64\n!steps 1\n!mode strict\na fox\n!mode off\na fox\n")
+    state = commands.SessionState(session=session, base_dir=tmp_path)
+    with pytest.raises(replays.ReplayError, match="mesh.h3:6: a generation in mode off on mesh tp2xcp1") as err:
+        replays.run_replay(state, path)
+    assert "\n" not in str(err.value) and state.results == [] and state.settings.mode == "auto"

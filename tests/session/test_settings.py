@@ -138,6 +138,9 @@ def test_below_released_five_seconds_is_a_notice_not_an_error():
     assert frames == 107 and any("below the released" in n for n in notices)
     frames, notices = resolve_frames(None, 4.9)  # 118 frames -> 124 = 5.167 s: at or above 5 s after snapping
     assert frames == 124 and not any("below the released" in n for n in notices)
+    # issue 23, item 6: the default length (22 frames) is not news on every generation
+    frames, notices = resolve_frames(None, None)
+    assert frames == 22 and notices == [] and settings().notices == ()
 
 
 def test_latent_geometry():
@@ -243,3 +246,22 @@ def test_settings_are_frozen():
     s = settings()
     with pytest.raises(AttributeError):
         s.width = 128  # type: ignore[misc]
+
+
+def test_readme_preset_table_cli_default_column_is_the_cli_default():
+    """Issue 23, item 6: the README's "CLI default" column says what runs without preset flags."""
+    from session_helpers import REPO
+
+    rows = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("Denoising passes", "Whole denoiser reuse", "Active DiT blocks",
+                                            "Core residual reuse", "Token reduction", "Internal canvas"):
+            rows[cells[0]] = cells[1]
+    d = settings()
+    assert rows["Denoising passes"] == f"`--steps {d.steps}`"
+    assert rows["Whole denoiser reuse"] == "off (`--reuse 1`)" and d.reuse == 1
+    assert rows["Active DiT blocks"] == "every block" and d.layers is None
+    assert rows["Core residual reuse"] == "off (`--core-reuse 1`)" and d.core_reuse == 1
+    assert rows["Token reduction"] == "off" and not d.token_reduction
+    assert rows["Internal canvas"] == "output size" and d.render_width is None

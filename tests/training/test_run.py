@@ -129,6 +129,33 @@ def test_tampered_artifacts_are_refused(off_runs, tmp_path):
         run.seal(tmp_path / "file")
 
 
+@pytest.mark.parametrize("key", ["final", "optimizer"])
+def test_verify_refuses_stored_tensors_that_are_not_the_sealed_ones(off_runs, tmp_path, key):
+    """Issue 23, item 7: a final (or optimiser) tensor changed together with its `weights_file` entry loads (the
+    entry is not under the steps digest) but must not verify: the last step record sealed its digest."""
+    from safetensors.torch import load_file, save_file
+
+    from h3lab.hashing import tensor_digest
+
+    run = off_runs[0][0]
+    path = run.seal(tmp_path / "run")
+    tensors = load_file(str(path / "weights.safetensors"))
+    name = next(k for k in tensors if k.startswith(key + "."))
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, str(path / "weights.safetensors"))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["weights_file"][name] = tensor_digest(tensors[name], "sha256")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    tampered = load(path)  # every tensor matches the (edited) manifest
+    model = build_model(SMALL, "released", 31)
+    before = weights_of(model)
+    rule = f"'{name}' does not match" if key == "final" else "optimizer.* tensors do not match"
+    with pytest.raises(TrainingError, match=rule) as err:
+        verify(tampered, model)
+    assert str(path / "weights.safetensors") in str(err.value) and "\n" not in str(err.value)
+    assert all(torch.equal(before[n], p) for n, p in weights_of(model).items())
+
+
 def test_mismatched_models_and_bad_configs_are_refused(off_runs):
     run = off_runs[0][0]
     frozen = build_model(SMALL, "released", 31)

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +21,8 @@ from h3lab import H3Config, cli, train
 from h3lab.session import Session
 from h3lab.training import load, read_adapter, verify
 from h3lab.training.dataset import save_dataset
+from pathlib import Path
+
 from h3lab.training.job import CHECKPOINTS, latest_checkpoint, load_model, run_job
 
 TINY = H3Config.tiny()
@@ -126,7 +132,7 @@ def test_resume_is_byte_equal_to_an_uninterrupted_run(data, tmp_path, capsys):
     assert "trained 4 steps" in out and "sealed run in" in out
     whole = tmp_path / "whole"
     assert sorted(p.name for p in whole.iterdir()) == ["adapter", "checkpoints", "initial", "job.json", "run"]
-    assert [p.name for p in (whole / CHECKPOINTS).iterdir()] == ["step-000002"]  # older ones removed
+    assert [p.name for p in (whole / CHECKPOINTS).iterdir()] == ["step-000004"]  # the final step; older removed
 
     # interrupted after step 3 (the checkpoint of step 2 is on disk), then resumed with the same arguments
     parsed = train.build_parser().parse_args(job_argv(data, tmp_path / "cut"))
@@ -161,7 +167,10 @@ def test_resume_is_byte_equal_to_an_uninterrupted_run(data, tmp_path, capsys):
 
     # resuming with other arguments is refused, naming what differs
     code, err, _ = run(job_argv(data, tmp_path / "cut", "--resume", "--lr", "2e-2"), capsys)
-    assert code == 2 and "config differs" in err[0]
+    assert code == 2 and "finished" in err[0]  # a finished job says so first
+    shutil.rmtree(tmp_path / "cut" / "run")
+    code, err, _ = run(job_argv(data, tmp_path / "cut", "--resume", "--lr", "2e-2", "--steps", "6"), capsys)
+    assert code == 2 and "config.lr 0.02 vs 0.01" in err[0] and "config.steps 6 vs 4" in err[0], err[0]
 
 
 def test_reward_weighted_update_through_the_console(data, tmp_path, capsys):
@@ -175,3 +184,116 @@ def test_reward_weighted_update_through_the_console(data, tmp_path, capsys):
     assert all(r.origin["kind"] == "rollout" for r in run_.dataset)
     assert not any("log_prob" in k or "logprob" in k for k in json.dumps(run_.manifest).split('"'))
     assert os.path.isdir(out / "adapter")
+
+
+
+# ------------------------------------------------------------------------------------------------ faults (issue 23)
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted job's sealed run digest and adapter bytes."""
+    out = tmp_path_factory.mktemp("reference") / "job"
+    assert train.main(job_argv(data, out)) == 0
+    return load(out / "run").digest, (out / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def _finished_like(out, reference):
+    assert load(out / "run").digest == reference[0]
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == reference[1]
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_leaves_a_job_that_resumes(data, tmp_path, capsys, monkeypatch, reference):
+    """A disk full before the first checkpoint (a 16 KiB tmpfs where root may mount one, else a simulated ENOSPC
+    from the adapter writer): the error names the path; the folder holds job.json; a rerun says --resume, and
+    --resume (with room again) restarts it cleanly from step 0 to the uninterrupted run's bytes."""
+    import errno
+
+    import h3lab.training.job as job_module
+
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, "16k")
+    out = disk / "job"
+    try:
+        if not mounted:
+            real = job_module.save_adapter
+
+            def full(model, path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(Path(path) / "adapter_model.safetensors"))
+
+            monkeypatch.setattr(job_module, "save_adapter", full)
+        code, err, _ = run(job_argv(data, out), capsys)
+        assert code == 2 and len(err) == 1 and str(out) in err[0] and "No space left on device" in err[0], err
+        assert (out / "job.json").is_file() and latest_checkpoint(out) is None
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        else:
+            monkeypatch.setattr(job_module, "save_adapter", real)
+        code, err, _ = run(job_argv(data, out), capsys)
+        assert code == 2 and "add --resume" in err[0]
+        code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+        assert code == 0, err
+        _finished_like(out, reference)
+        code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+        assert code == 2 and "is finished" in err[0] and str(out) in err[0]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+KILL_MID_STEP = """
+import os, signal, sys
+import h3lab.training.step as step_module
+import h3lab.training.run as run_module
+from h3lab import train
+calls = [0]
+real = run_module.compute_gradients
+def killing(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 4:  # inside step 4 (of 4): after step 2's checkpoint and step 3
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+run_module.compute_gradients = killing
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_mid_step_then_resume(data, tmp_path, capsys, reference):
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_STEP, *job_argv(data, out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert latest_checkpoint(out).name == "step-000002" and not (out / "run").exists()
+    code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+    assert code == 0, err
+    _finished_like(out, reference)
+
+
+def test_a_corrupted_checkpoint_is_refused_naming_it(data, tmp_path, capsys, reference):
+    out = tmp_path / "corrupt"
+    assert train.main(job_argv(data, out)) == 0
+    shutil.rmtree(out / "run")  # as if killed after the final checkpoint, before sealing
+    ckpt = latest_checkpoint(out)
+    assert ckpt.name == "step-000004"
+    saved = (ckpt / "optimizer.safetensors").read_bytes()
+    (ckpt / "optimizer.safetensors").write_bytes(saved[: len(saved) // 2])
+    code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+    assert code == 2 and len(err) == 1 and str(ckpt / "optimizer.safetensors") in err[0] and "unreadable" in err[0]
+    assert "remove that checkpoint folder" in err[0]
+    (ckpt / "optimizer.safetensors").write_bytes(saved)
+    state = json.loads((ckpt / "state.json").read_text())
+    state["records"][-1]["optimizer"] = "0" * 64  # valid JSON, not what the optimiser state hashes to
+    (ckpt / "state.json").write_text(json.dumps(state))
+    code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+    assert code == 2 and str(ckpt) in err[0] and "does not match" in err[0], err
+    shutil.rmtree(ckpt)  # the remedy: resume from the start
+    code, err, _ = run(job_argv(data, out, "--resume"), capsys)
+    assert code == 0, err
+    _finished_like(out, reference)
