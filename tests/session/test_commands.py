@@ -89,7 +89,7 @@ def test_quoted_paths_and_aliases():
         ("!render big", "WIDTHxHEIGHT"),
         ("!frames 2.5", "expected N"),
         ("!seconds soon", "number of seconds"),
-        ("!mode fast", "strict\\|audit\\|auto\\|off"),
+        ("!mode turbo", "strict\\|audit\\|auto\\|off\\|fast"),
         ("!show maybe", "on\\|off"),
         ("!profile", "expects on\\|off"),
         ("!ref-video-audio v.mp4", "VIDEO AUDIO"),
@@ -216,7 +216,7 @@ def test_rejected_settings_leave_state_unchanged(state):
     assert_rejected(state, "!steps 0", "between 1 and 1000")
     assert_rejected(state, "!reuse 9", "between 1 and steps")
     assert_rejected(state, "!seed -3", "seed=-3")
-    assert_rejected(state, "!mode fast", "strict\\|audit")
+    assert_rejected(state, "!mode turbo", "strict\\|audit")
     assert_rejected(state, "!bogus", "unknown command")
 
 
