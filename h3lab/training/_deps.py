@@ -13,6 +13,7 @@ from ..errors import H3Error
 from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from ..layout import PackedLayout
 from ..sampler import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, draw_noise, noise_mix
+from ..components.media import read_image
 from ..trajectory import (
     DenoiseInputs,
     TraceSummary,
@@ -24,6 +25,6 @@ from ..trajectory import (
 
 __all__ = [
     "__version__", "runtime", "H3Error", "atomic_save_safetensors", "atomic_write_dir", "atomic_write_json",
-    "PackedLayout", "AUDIO_SHIFT", "CONDITION_T", "VIDEO_SHIFT", "draw_noise", "noise_mix", "DenoiseInputs",
+    "PackedLayout", "read_image", "AUDIO_SHIFT", "CONDITION_T", "VIDEO_SHIFT", "draw_noise", "noise_mix", "DenoiseInputs",
     "TraceSummary", "Trajectory", "code_revision", "model_fingerprint", "tensor_digest",
 ]
