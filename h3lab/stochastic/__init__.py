@@ -1,0 +1,20 @@
+"""Stochastic steppers (issue 21): SDE transitions for RL on H3 -- Flow-GRPO's `flow_sde`, DanceGRPO's `dance_sde`,
+coefficient-preserving `cps` -- as pure math (`transitions.py`: the Gaussian of one pass in H3's sign convention, its
+exact float32 log-density, the seeded per-pass noise).
+"""
+
+from .transitions import (
+    MODALITIES,
+    NOISE_SCHEME,
+    SDE_KINDS,
+    TransitionError,
+    gaussian_logprob,
+    noise_seed,
+    pass_noise,
+    transition_logprob,
+    transition_mean_std,
+    tree_sum,
+)
+
+__all__ = ["MODALITIES", "NOISE_SCHEME", "SDE_KINDS", "TransitionError", "gaussian_logprob", "noise_seed",
+           "pass_noise", "transition_logprob", "transition_mean_std", "tree_sum"]
