@@ -14,6 +14,7 @@ from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_j
 from ..layout import PackedLayout
 from ..sampler import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, draw_noise, noise_mix
 from ..components.media import read_image
+from ..stochastic import SDE_KINDS, transition_logprob, transition_mean_std
 from ..trajectory import (
     DenoiseInputs,
     TraceSummary,
@@ -26,5 +27,5 @@ from ..trajectory import (
 __all__ = [
     "__version__", "runtime", "H3Error", "atomic_save_safetensors", "atomic_write_dir", "atomic_write_json",
     "PackedLayout", "read_image", "AUDIO_SHIFT", "CONDITION_T", "VIDEO_SHIFT", "draw_noise", "noise_mix", "DenoiseInputs",
-    "TraceSummary", "Trajectory", "code_revision", "model_fingerprint", "tensor_digest",
+    "TraceSummary", "Trajectory", "SDE_KINDS", "transition_logprob", "transition_mean_std", "code_revision", "model_fingerprint", "tensor_digest",
 ]
