@@ -2,9 +2,10 @@
 512x512x22f with G = 4: seconds per rollout pass and per training pass, peak memory, and the on-policy ratio
 exp(logp_train - logp_rollout) of every (request, pass, modality) at the first inner epoch.
 
-The rollout is one prompt's G requests batched: per pass one no-grad forward over all G (eval mode), then the
-Flow-GRPO transition (`h3lab.stochastic`, a = 0.7) with each request's seeded noise and its float32 log-density,
-with the requests placed in the batch in the order 2, 3, 0, 1 (a request's position is not its identity). Training
+The rollout is one prompt's G requests batched through the one loop on the `flow_sde` stepper (Flow-GRPO, a = 0.7;
+`trajectory.record`, latents kept): per pass one no-grad forward over all G, each request's seeded noise and its
+float32 log-density in the trajectory, the requests placed in the batch in the order 2, 3, 0, 1 (a request's
+position is not its identity). Training
 is `grpo_step.grpo_iteration`: every (request, pass) item alone (batch 1, gradient checkpointing on, LoRA
 trainable), one inner epoch, one StrictAdamW step. Strict is the contract (ratio exactly 1.0 everywhere); `off` reports
 its deviation (min / max / mean of ratio - 1) next to Diffusers' numbers on the same model
@@ -60,44 +61,27 @@ def group_inputs(config, shape, group: int, passes: int, device: str, seed: int)
     return layout, schedule, inputs.to(device)
 
 
-def rollout(model, inputs, schedule, mode: str, kind: str, level: float, seed: int, device: str):
-    """The batched SDE rollout (module docstring): per request its `Transition`s; seconds per pass."""
-    from h3lab import runtime
-    from h3lab.stochastic import gaussian_logprob, pass_noise, transition_mean_std
-    from h3lab.training.grpo_step import transition
+def rollout(model, layout, inputs, schedule, mode: str, level: float, seed: int, device: str):
+    """The batched SDE rollout through the one loop (`RunSpec(stepper="flow_sde")`, `trajectory.record`, latents
+    kept); seconds per pass (callback to callback, the recorder's hashing included)."""
+    from h3lab.hashing import model_fingerprint
+    from h3lab.run import RunSpec
+    from h3lab.trajectory import record
 
-    order = batch_order(inputs.batch_size)
-    nc = {"video": inputs.num_condition_video_rows, "audio": inputs.num_condition_audio_rows}
-    x = {"video": inputs.video[order], "audio": inputs.audio[order]}
-    text = inputs.text[order]
-    records: dict[int, list] = {r: [] for r in order}
-    seconds = []
-    model.eval()
-    with torch.no_grad(), runtime.use_mode(mode):
-        for i in range(inputs.num_passes):
-            sync(device)
-            t0 = time.perf_counter()
-            t, ti = inputs.plan[i]
-            v = dict(zip(("video", "audio"), model(
-                hidden_states=x["video"], audio_hidden_states=x["audio"], encoder_hidden_states=text, timestep=t,
-                timestep_indices=ti, key_order=inputs.key_order, **inputs.layout_kwargs())))
-            nxt, logp = {}, {}
-            for m in ("video", "audio"):
-                s, sn = getattr(schedule, m).sigmas[i], getattr(schedule, m).sigmas[i + 1]
-                gen = x[m][:, nc[m]:]
-                mean, std = transition_mean_std(kind, gen, v[m][:, nc[m]:], s, sn, level)
-                eps = torch.stack([pass_noise(seed, r, i, m, gen.shape[1:]) for r in order]).to(gen.device)
-                new = mean + std * eps
-                logp[m] = gaussian_logprob(new, mean, std)[0]
-                nxt[m] = torch.cat([x[m][:, :nc[m]], new], dim=1)
-            sync(device)
-            seconds.append(time.perf_counter() - t0)
-            for j, r in enumerate(order):
-                records[r].append(transition(inputs, schedule, r, r, i, {m: x[m][j:j + 1] for m in x},
-                                             {m: nxt[m][j:j + 1] for m in x}, {m: logp[m][j] for m in x}))
-            x = nxt
-    model.train()
-    return [records[r] for r in sorted(records)], seconds
+    spec = RunSpec(inputs, schedule, mode=mode, layout=layout, fingerprint=model_fingerprint(model),
+                   stepper="flow_sde", stepper_params={"level": level, "seed": seed,
+                                                       "requests": batch_order(inputs.batch_size)})
+    stamps = []
+
+    def tick(_):
+        sync(device)
+        stamps.append(time.perf_counter())
+
+    sync(device)
+    start = time.perf_counter()
+    trajectory = record(spec, model, keep=("latents",), callback=tick)
+    seconds = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
+    return trajectory, seconds
 
 
 def main(argv=None) -> dict:
@@ -116,7 +100,7 @@ def main(argv=None) -> dict:
     from h3lab.config import H3Config
     from h3lab.training import trainable_parameters
     from h3lab.training.grpo import ratio_stats
-    from h3lab.training.grpo_step import GrpoConfig, RolloutBatch, grpo_iteration
+    from h3lab.training.grpo_step import GrpoConfig, batch_from_trajectories, grpo_iteration
 
     config = dataclasses.replace(H3Config.tiny(), num_layers=1, num_refiner_layers=1) if args.tiny else H3Config.full()
     full_layers = config.num_layers
@@ -145,11 +129,11 @@ def main(argv=None) -> dict:
                 p.copy_(initial[n])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        transitions, rollout_s = rollout(model, inputs, schedule, mode, "flow_sde", args.level, 11, device)
+        trajectory, rollout_s = rollout(model, layout, inputs, schedule, mode, args.level, 11, device)
         rollout_peak = peak_mem_gib(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        batch = RolloutBatch(transitions, [[True] * args.passes] * args.group, rewards)
+        batch = batch_from_trajectories([trajectory], "flow_sde", rewards)
         cfg = GrpoConfig(group=args.group, level=args.level, mode=mode, gradient_checkpointing=True, lr=1e-5)
         optimizer = cfg.optimizer(params)
         sync(device)

@@ -114,23 +114,43 @@ class GrpoRun:
 
 def grpo_train(model: nn.Module, rollout: Callable[[int, nn.Module], RolloutBatch], config: GrpoConfig,
                iterations: int, *, reward: str = "", meta: dict | None = None,
-               on_iteration: Callable[[int, dict], None] | None = None) -> GrpoRun:
-    """Train `model` for `iterations` GRPO iterations (module docstring) and return the in-memory run."""
+               on_iteration: Callable[[int, dict, "GrpoRun"], None] | None = None,
+               resume: "GrpoRun | None" = None) -> GrpoRun:
+    """Train `model` for `iterations` GRPO iterations (module docstring) and return the in-memory run.
+    `on_iteration(k, record, run_so_far)` after every iteration (a front end seals `run_so_far` as its checkpoint);
+    `resume` (such a sealed partial run, same config) puts its final weights and optimiser state into the model and
+    continues with iteration len(resume.iterations)."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise TrainingError(f"iterations={iterations!r}: must be an integer >= 1")
     params = trainable_parameters(model)
     if not params:
         raise TrainingError("no trainable parameters: GRPO trains a LoRA adapter (or any requires_grad weights)")
-    scheme = _scheme(model)
-    initial = _host(dict(params))
-    adapter = None
-    if has_lora(model):
-        adapter = {"config": json.loads(config_json(model.peft_config["default"])),
-                   "initial_sha256": adapter_digest(model)}
     optimizer = config.optimizer(params)
+    if resume is None:
+        initial = _host(dict(params))
+        adapter = {"config": json.loads(config_json(model.peft_config["default"])),
+                   "initial_sha256": adapter_digest(model)} if has_lora(model) else None
+        records, batches, transitions = [], [], []
+    else:
+        if resume.config != config:
+            raise TrainingError("resume: the checkpoint's GRPO config differs from this job's")
+        if not 0 < len(resume.iterations) < iterations:
+            raise TrainingError(f"resume after {len(resume.iterations)} of {iterations} iterations: nothing to resume")
+        initial = {n: resume.weights[f"initial.{n}"] for n, _ in params}
+        adapter = resume.manifest.get("adapter")
+        adapter = dict(adapter, final_sha256=None) if adapter else None
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(resume.weights[f"final.{n}"])
+        optimizer.load_state_tensors({k[len("optimizer."):]: v.to(model_device(model))
+                                      for k, v in resume.weights.items() if k.startswith("optimizer.")},
+                                     int(resume.manifest["optimizer_steps"]))
+        records, batches = list(resume.iterations), list(resume.batches)
+        transitions = list(resume.manifest["transitions"])
+    header = {"reward": str(reward), "meta": dict(meta or {}), "initial": initial, "adapter": adapter}
     trace = TraceSummary()
-    records, batches, transitions = [], [], []
-    for k in range(iterations):
+    run = None
+    for k in range(len(records), iterations):
         batch = rollout(k, model)
         if not isinstance(batch, RolloutBatch):
             raise TrainingError(f"rollout({k}) returned a {type(batch).__name__}: must be a RolloutBatch")
@@ -138,11 +158,18 @@ def grpo_train(model: nn.Module, rollout: Callable[[int, nn.Module], RolloutBatc
         records.append(record)
         batches.append(batch)
         transitions.append(_batch_tensors(k, batch)[0])
+        run = _assemble(model, config, params, optimizer, header, records, batches, transitions, trace)
         if on_iteration is not None:
-            on_iteration(k, record)
+            on_iteration(k, record, run)
+    return run
+
+
+def _assemble(model, config, params, optimizer, header, records, batches, transitions, trace) -> GrpoRun:
+    scheme = _scheme(model)
+    adapter = header["adapter"]
     if adapter is not None:
-        adapter["final_sha256"] = adapter_digest(model)
-    weights = {f"initial.{k}": v for k, v in initial.items()}
+        adapter = dict(adapter, final_sha256=adapter_digest(model))
+    weights = {f"initial.{k}": v for k, v in header["initial"].items()}
     weights.update({f"final.{n}": p for n, p in _host(dict(params)).items()})
     weights.update({f"optimizer.{k}": v for k, v in _host(optimizer.state_tensors()).items()})
     manifest = {
@@ -152,20 +179,21 @@ def grpo_train(model: nn.Module, rollout: Callable[[int, nn.Module], RolloutBatc
         "device": str(model_device(model)),
         "hash_scheme": scheme,
         "config": config.to_dict(),
-        "reward": str(reward),
-        "meta": dict(meta or {}),
+        "reward": header["reward"],
+        "meta": header["meta"],
         "checkpoint": {"fingerprint": base_fingerprint(model), "dtype_policy": getattr(model, "dtype_policy", "")},
         "trainable": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                       for n, p in params],
-        "initial_weights": {k: tensor_digest(v, scheme) for k, v in initial.items()},
+        "initial_weights": {k: tensor_digest(v, scheme) for k, v in header["initial"].items()},
         **({"adapter": adapter} if adapter is not None else {}),
-        "transitions": transitions,
-        "iterations": records,
+        "transitions": list(transitions),
+        "iterations": list(records),
+        "optimizer_steps": optimizer.step_count,
         "trace": trace.to_dict(),
         "weights_file": {k: tensor_digest(v, "sha256") for k, v in weights.items()},
         "digest": records_digest(records),
     }
-    return GrpoRun(manifest, batches, weights)
+    return GrpoRun(manifest, list(batches), weights)
 
 
 def load(path: str | os.PathLike) -> GrpoRun:

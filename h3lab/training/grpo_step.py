@@ -147,43 +147,55 @@ class GrpoConfig:
 # ============================================================================================ transitions
 @dataclass(frozen=True, eq=False)
 class Transition:
-    """One SDE pass of one request (module docstring)."""
+    """One SDE pass of one request (module docstring). `levels` and `logp_rollout` name the modalities whose
+    transition was stochastic on this pass (a modality at level 0, or outside a window, stepped deterministically
+    and has no density: it does not enter the loss)."""
 
     request: int
     pass_index: int
     sample: TrainingSample
     sigmas: dict[str, tuple[float, float]]
+    levels: dict[str, float]
     logp_rollout: dict[str, torch.Tensor]
 
     def __post_init__(self) -> None:
-        for m in MODALITIES:
-            lp = self.logp_rollout.get(m)
+        where = f"transition of request {self.request}, pass {self.pass_index}"
+        if not self.logp_rollout or set(self.logp_rollout) - set(MODALITIES) or set(self.levels) != set(
+                self.logp_rollout):
+            raise TrainingError(f"{where}: logp_rollout {sorted(self.logp_rollout)} and levels {sorted(self.levels)} "
+                                "must name the same stochastic modalities (video and/or audio)")
+        for m, lp in self.logp_rollout.items():
             if not isinstance(lp, torch.Tensor) or lp.dtype != torch.float32 or lp.numel() != 1:
-                raise TrainingError(f"transition {self.request}/{self.pass_index}: logp_rollout[{m!r}] must be one "
-                                    "float32 value")
+                raise TrainingError(f"{where}: logp_rollout[{m!r}] must be one float32 value")
             if m not in self.sigmas:
-                raise TrainingError(f"transition {self.request}/{self.pass_index}: no sigmas for {m}")
+                raise TrainingError(f"{where}: no sigmas for {m}")
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(m for m in MODALITIES if m in self.logp_rollout)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = dict(self.sample.tensors())
-        out.update({f"logp_rollout_{m}": self.logp_rollout[m].reshape(()) for m in MODALITIES})
+        out.update({f"logp_rollout_{m}": self.logp_rollout[m].reshape(()) for m in self.modalities})
         return out
 
     def meta(self) -> dict[str, Any]:
         return {"request": self.request, "pass": self.pass_index, **self.sample.meta(),
-                "sigmas": {m: list(self.sigmas[m]) for m in MODALITIES}}
+                "sigmas": {m: list(v) for m, v in self.sigmas.items()}, "levels": dict(self.levels)}
 
     @classmethod
     def from_sealed(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Transition":
-        logp = {m: tensors.pop(f"logp_rollout_{m}").reshape(1) for m in MODALITIES}
+        logp = {m: tensors.pop(f"logp_rollout_{m}").reshape(1) for m in MODALITIES if f"logp_rollout_{m}" in tensors}
         return cls(int(meta["request"]), int(meta["pass"]), TrainingSample.from_tensors(tensors, meta),
-                   {m: tuple(meta["sigmas"][m]) for m in MODALITIES}, logp)
+                   {m: tuple(v) for m, v in meta["sigmas"].items()}, dict(meta["levels"]), logp)
 
 
 def transition(inputs: Any, schedule: Any, item: int, request: int, pass_index: int, entering: dict[str, torch.Tensor],
-               after: dict[str, torch.Tensor], logp_rollout: dict[str, torch.Tensor]) -> Transition:
+               after: dict[str, torch.Tensor], logp_rollout: dict[str, torch.Tensor],
+               levels: dict[str, float]) -> Transition:
     """A `Transition` from a rollout's `DenoiseInputs` (batch item `item`), its `DualSchedule`, the latents entering
-    pass `pass_index` and after it (per modality, this item, all rows, (1, N, C)) and the rollout's logp_mean."""
+    pass `pass_index` and after it (per modality, this item, all rows, (1, N, C)), the rollout's logp_mean and the
+    level of every stochastic modality."""
     ncond = {"video": inputs.num_condition_video_rows, "audio": inputs.num_condition_audio_rows}
     b = slice(item, item + 1)
     timestep, timestep_indices = inputs.plan[pass_index]
@@ -194,8 +206,44 @@ def transition(inputs: Any, schedule: Any, item: int, request: int, pass_index: 
         num_condition_video_rows=ncond["video"], num_condition_audio_rows=ncond["audio"], key_order=inputs.key_order)
     sigmas = {m: (float(getattr(schedule, m).sigmas[pass_index]), float(getattr(schedule, m).sigmas[pass_index + 1]))
               for m in MODALITIES}
-    logp = {m: logp_rollout[m].detach().reshape(1).to(torch.float32).cpu() for m in MODALITIES}
-    return Transition(int(request), int(pass_index), sample, sigmas, logp)
+    logp = {m: torch.as_tensor(v).detach().reshape(1).to(torch.float32).cpu() for m, v in logp_rollout.items()}
+    return Transition(int(request), int(pass_index), sample, sigmas, {m: float(levels[m]) for m in logp}, logp)
+
+
+def trajectory_transitions(trajectory: Any) -> list[tuple[int, list[Transition], list[bool]]]:
+    """Per batch item of a sealed SDE trajectory (latents kept; rl-core's per-pass `transition` records):
+    (request id, its `Transition`s in pass order, per pass whether it was stochastic)."""
+    inputs, kept, schedule = trajectory.inputs, trajectory.kept, trajectory.schedule
+    n, out = inputs.num_passes, []
+    missing = [f"{m}.{i:04d}" for m in MODALITIES for i in range(n) if f"{m}.{i:04d}" not in kept]
+    if missing:
+        raise TrainingError(f"trajectory lacks kept latents {missing[:3]}: record it with keep=('latents', ...)")
+    device = inputs.video.device
+    for b in range(inputs.batch_size):
+        request, passes, sde = None, [], []
+        for i, step in enumerate(trajectory.steps):
+            record = step.get("transition") or {}
+            stochastic = [m for m in MODALITIES if (record.get(m) or {}).get("sde")]
+            sde.append(bool(stochastic))
+            if not stochastic:
+                continue
+            entries = {m: record[m]["requests"][b] for m in stochastic}
+            ids = {e["request"] for e in entries.values()}
+            if len(ids) != 1 or (request is not None and ids != {request}):
+                raise TrainingError(f"trajectory {trajectory.digest[:12]} pass {i}: item {b}'s request ids {ids} "
+                                    "disagree between modalities or passes")
+            request = ids.pop()
+            entering = {m: (getattr(inputs, m) if i == 0 else kept[f"{m}.{i - 1:04d}"])[b:b + 1].to(device)
+                        for m in MODALITIES}
+            after = {m: kept[f"{m}.{i:04d}"][b:b + 1].to(device) for m in MODALITIES}
+            logp = {m: torch.tensor(entries[m]["logp_mean"], dtype=torch.float32) for m in stochastic}
+            passes.append(transition(inputs, schedule, b, request, i, entering, after, logp,
+                                     {m: record[m]["level"] for m in stochastic}))
+        if request is None:
+            raise TrainingError(f"trajectory {trajectory.digest[:12]} has no stochastic pass: roll out with an SDE "
+                                "stepper (flow_sde, dance_sde, cps)")
+        out.append((request, passes, sde))
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,6 +264,28 @@ class RolloutBatch:
                                 f"{len(self.sde)} pass plans: must be one of each per request")
 
 
+def batch_from_trajectories(trajectories: Sequence[Any], kind: str, rewards: torch.Tensor) -> RolloutBatch:
+    """The `RolloutBatch` of sealed SDE trajectories stepped with `kind` (every request id 0..R-1 exactly once,
+    across them) and the rewards of the requests in request order."""
+    found: dict[int, tuple[list[Transition], list[bool]]] = {}
+    for trajectory in trajectories:
+        for request, passes, sde in trajectory_transitions(trajectory):
+            if request in found:
+                raise TrainingError(f"rollout request {request} appears twice in the trajectories")
+            found[request] = (passes, sde)
+    if sorted(found) != list(range(len(found))):
+        raise TrainingError(f"rollout request ids {sorted(found)[:8]}: must be 0..{len(found) - 1}")
+    order = range(len(found))
+    origin = {"kind": kind, "trajectories": [t.digest for t in trajectories]}
+    return RolloutBatch([found[r][0] for r in order], [found[r][1] for r in order],
+                        torch.as_tensor(rewards, dtype=torch.float64), origin)
+
+
+def batch_from_rollout(rollout: Any, rewards: torch.Tensor) -> RolloutBatch:
+    """`batch_from_trajectories` of an `h3lab.rollout.Rollout` (its trajectories and stepper)."""
+    return batch_from_trajectories(rollout.trajectories, rollout.stepper, rewards)
+
+
 # ============================================================================================ one item
 def _item_loss(config: GrpoConfig, t: Transition, sample: TrainingSample, v_video, v_audio, advantage: float,
                logp_old: dict[str, torch.Tensor] | None, mean_ref: dict[str, torch.Tensor] | None,
@@ -226,11 +296,13 @@ def _item_loss(config: GrpoConfig, t: Transition, sample: TrainingSample, v_vide
     weights = {"video": config.objective.video_weight, "audio": config.objective.audio_weight}
     ncond = {"video": sample.num_condition_video_rows, "audio": sample.num_condition_audio_rows}
     loss = None
-    for m, v in (("video", v_video), ("audio", v_audio)):
+    velocity = {"video": v_video, "audio": v_audio}
+    for m in t.modalities:
+        v = velocity[m]
         x = getattr(sample, m)[:, ncond[m]:]
         x_next = getattr(sample, f"target_{m}")
         sigma, sigma_next = t.sigmas[m]
-        logp, _, mean, std = transition_logprob(config.kind, config.level, x, v[:, ncond[m]:], x_next, sigma,
+        logp, _, mean, std = transition_logprob(config.kind, t.levels[m], x, v[:, ncond[m]:], x_next, sigma,
                                                 sigma_next)
         rollout = t.logp_rollout[m].to(device)
         ratio_rollout = torch.exp(logp.detach() - rollout)
@@ -257,11 +329,13 @@ def _reference_means(config: GrpoConfig, model: nn.Module, t: Transition, sample
     with torch.no_grad(), adapter_disabled(model):
         v_video, v_audio = model(**sample.canonical().model_kwargs())
     out = {}
-    for m, v, nc in (("video", v_video, sample.num_condition_video_rows),
-                     ("audio", v_audio, sample.num_condition_audio_rows)):
+    velocity = {"video": v_video, "audio": v_audio}
+    ncond = {"video": sample.num_condition_video_rows, "audio": sample.num_condition_audio_rows}
+    for m in t.modalities:
+        nc = ncond[m]
         sigma, sigma_next = t.sigmas[m]
-        out[m] = transition_mean_std(config.kind, getattr(sample, m)[:, nc:], v[:, nc:], sigma, sigma_next,
-                                     config.level)[0]
+        out[m] = transition_mean_std(config.kind, getattr(sample, m)[:, nc:], velocity[m][:, nc:], sigma, sigma_next,
+                                     t.levels[m])[0]
     return out
 
 
@@ -292,6 +366,10 @@ def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, op
     if config.beta > 0 and not has_lora(model):
         raise TrainingError(f"GRPO beta={config.beta}: the KL's reference is the model with its LoRA adapter off, "
                             "and this model carries none (add_lora first, or beta=0)")
+    kind = batch.origin.get("kind", config.kind)
+    if kind != config.kind:
+        raise TrainingError(f"the rollout stepped with {kind!r} but GrpoConfig.kind is {config.kind!r}: the training "
+                            "side must use the rollout's transition")
     advantages = group_advantages(batch.rewards, config.group, config.adv_eps, config.adv_clip)
     items = selected_items(batch, config, iteration)
     scheme, device = _scheme(model), model_device(model)
@@ -312,15 +390,15 @@ def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, op
 
                 rg = request_gradient(model, sample, config.objective, params, trace=trace, loss_fn=loss_fn)
                 if epoch == 0 and config.importance_cap is not None:
-                    logp_old[k] = {m: info[m]["logp"].reshape(1) for m in MODALITIES}
+                    logp_old[k] = {m: info[m]["logp"].reshape(1) for m in t.modalities}
                 grads.add(rg.gradient)
                 losses.add(rg.loss.to(torch.float32))
-                ratios += [info[m]["ratio"] for m in MODALITIES]
+                ratios += [info[m]["ratio"] for m in t.modalities]
                 records.append({
                     "request": t.request, "pass": t.pass_index, "advantage": float(advantages[t.request]),
                     "loss": float(rg.loss), "gradient": rg.digest,
                     **{m: {**{k2: v2 for k2, v2 in info[m].items() if k2 not in ("logp", "ratio")},
-                           "logp": float(info[m]["logp"]), "ratio": float(info[m]["ratio"])} for m in MODALITIES},
+                           "logp": float(info[m]["logp"]), "ratio": float(info[m]["ratio"])} for m in t.modalities},
                 })
             n = len(items)
             gradient = grads.result() / n
@@ -331,8 +409,8 @@ def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, op
                 "weights": {name: tensor_digest(p.detach(), scheme) for name, p in params},
                 "optimizer": optimizer.state_digest(),
                 "ratio": ratio_stats(ratios),
-                "clipped": sum(r[m]["clipped"] for r in records for m in MODALITIES),
-                "kl": None if config.beta == 0 else [r[m]["kl"] for r in records for m in MODALITIES],
+                "clipped": sum(r[m]["clipped"] for r in records for m in MODALITIES if m in r),
+                "kl": None if config.beta == 0 else [r[m]["kl"] for r in records for m in MODALITIES if m in r],
             })
     return {"iteration": iteration, "rewards": [float(r) for r in batch.rewards],
             "advantages": [float(a) for a in advantages], "origin": dict(batch.origin),

@@ -1,6 +1,7 @@
 """The consistency gate of the GRPO step (issue 21, training side), on the CPU under the Triton interpreter.
 
-- strict: a rollout of G = 2 requests batched (request 1 at batch position 0), every pass an SDE pass, replayed one
+- strict: a rollout of G = 2 requests batched through the one loop on the `flow_sde` stepper (request 1 at batch
+  position 0; the trajectory records every pass's per-request log-density), every pass an SDE pass, replayed one
   request at a time by the training forward (grad on, gradient checkpointing on, LoRA with random B factors):
   exp(logp_train - logp_rollout) == 1.0 exactly for every pass, request and modality at the first inner epoch;
 - off: the torch training forward over the same strict rollout reports its deviation (not zero: shown here), and
@@ -15,7 +16,7 @@ import math
 import pytest
 import torch
 
-from grpo_cases import rollout_batch, sde_rollout, small_setup
+from grpo_cases import rollout_batch, sde_trajectory, small_setup
 from lora_cases import lora_model
 from training_cases import SMALL, build_model
 
@@ -31,8 +32,8 @@ REWARDS = [0.3, -0.4]
 def strict_case():
     model = lora_model(seed=43)
     layout, schedule, inputs = small_setup(group=2, passes=2, seed=4)
-    records = sde_rollout(model, inputs, schedule, "strict", "flow_sde", 0.7, seed=9, position_order=[1, 0])
-    return model, inputs, schedule, records
+    trajectory = sde_trajectory(model, layout, schedule, inputs, "strict", seed=9, requests=[1, 0])
+    return model, layout, schedule, inputs, trajectory
 
 
 def one_epoch(model, batch, mode, **kw):
@@ -46,8 +47,8 @@ def one_epoch(model, batch, mode, **kw):
 
 
 def test_strict_on_policy_ratio_is_exactly_one(strict_case):
-    model, inputs, schedule, records = strict_case
-    epoch = one_epoch(model, rollout_batch(inputs, schedule, records, REWARDS), "strict", gradient_checkpointing=True)
+    model, _, _, _, trajectory = strict_case
+    epoch = one_epoch(model, rollout_batch(trajectory, REWARDS), "strict", gradient_checkpointing=True)
     assert [(it["request"], it["pass"]) for it in epoch["items"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for it in epoch["items"]:
         for m in ("video", "audio"):
@@ -57,13 +58,13 @@ def test_strict_on_policy_ratio_is_exactly_one(strict_case):
 
 
 def test_off_reports_its_deviation(strict_case):
-    model, inputs, schedule, records = strict_case
-    mixed = one_epoch(model, rollout_batch(inputs, schedule, records, REWARDS), "off")["ratio"]
+    model, layout, schedule, inputs, trajectory = strict_case
+    mixed = one_epoch(model, rollout_batch(trajectory, REWARDS), "off")["ratio"]
     print(f"\noff training over the strict rollout: ratio - 1 in [{mixed['min']:.3g}, {mixed['max']:.3g}], "
           f"mean {mixed['mean']:.3g}, {mixed['exactly_one']}/{mixed['count']} exactly 1")
     assert mixed["exactly_one"] < mixed["count"] and 0 < mixed["max_abs"] < 1e-2
-    own = sde_rollout(model, inputs, schedule, "off", "flow_sde", 0.7, seed=9, position_order=[1, 0])
-    off = one_epoch(model, rollout_batch(inputs, schedule, own, REWARDS), "off")["ratio"]
+    own = sde_trajectory(model, layout, schedule, inputs, "off", seed=9, requests=[1, 0])
+    off = one_epoch(model, rollout_batch(own, REWARDS), "off")["ratio"]
     print(f"off training over its own batched rollout (this CPU): max |ratio - 1| = {off['max_abs']:.3g}, "
           f"{off['exactly_one']}/{off['count']} exactly 1")
     assert off["count"] == 8 and math.isfinite(off["max_abs"])
@@ -76,8 +77,7 @@ def off_run():
     layout, schedule, inputs = small_setup(group=2, passes=2, seed=6)
 
     def rollout(k, m):
-        return rollout_batch(inputs, schedule, sde_rollout(m, inputs, schedule, "off", "flow_sde", 0.7, seed=k),
-                             REWARDS)
+        return rollout_batch(sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]), REWARDS)
 
     cfg = GrpoConfig(group=2, mode="off", beta=0.04, inner_epochs=2, lr=1e-2,
                      selection=PassSelection("fraction", fraction=0.5), seed=3)
@@ -125,3 +125,34 @@ def test_config_refusals():
     assert GrpoConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(TrainingError, match="carries none"):
         grpo_iteration(build_model(SMALL, "released", 1), None, GrpoConfig(beta=0.1), None)
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    layout, schedule, inputs = small_setup(group=2, passes=1, seed=8)
+    cfg = GrpoConfig(group=2, mode="off", inner_epochs=1, lr=1e-2)
+
+    def fresh():
+        model = build_model(SMALL, "released", 9)
+        add_lora(model, 2, 4.0, seed=1)
+        return model
+
+    def rollout(k, m):
+        return rollout_batch(sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]),
+                             [0.1 * k, -0.2])
+
+    whole = grpo_train(fresh(), rollout, cfg, 2)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(k, record, run):
+        run.seal(tmp_path / "ckpt")
+        raise Stop
+
+    with pytest.raises(Stop):
+        grpo_train(fresh(), rollout, cfg, 2, on_iteration=stop_after_first)
+    resumed = grpo_train(fresh(), rollout, cfg, 2, resume=load(tmp_path / "ckpt"))
+    assert resumed.digest == whole.digest
+    assert all(torch.equal(resumed.weights[k], whole.weights[k]) for k in whole.weights)
+    with pytest.raises(TrainingError, match="nothing to resume"):
+        grpo_train(fresh(), rollout, cfg, 1, resume=load(tmp_path / "ckpt"))
