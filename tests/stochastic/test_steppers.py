@@ -13,6 +13,7 @@ from h3lab.ablation import tiny_bench
 from h3lab.hashing import json_sha256
 from h3lab.run import RunSpec, RunSpecError
 from h3lab.stochastic import pass_noise, transition_logprob, transition_mean_std
+from stochastic_helpers import batched
 
 PARAMS = {"level": 0.7, "seed": 5}
 
@@ -20,16 +21,6 @@ PARAMS = {"level": 0.7, "seed": 5}
 @pytest.fixture(scope="module")
 def bench(tiny_snapshot):
     return tiny_bench(str(tiny_snapshot), 4)  # 3 passes
-
-
-def batched(inputs, size, seed=1):
-    """`size` requests of one prompt: the same text and conditioning rows, fresh noise rows each."""
-    g = torch.Generator().manual_seed(seed)
-    nv = inputs.num_condition_video_rows
-    video = inputs.video.repeat(size, 1, 1)
-    video[:, nv:] = torch.randn(video[:, nv:].shape, generator=g)
-    audio = torch.randn((size,) + tuple(inputs.audio.shape[1:]), generator=g)
-    return inputs.replace(text=inputs.text.repeat(size, 1, 1), video=video, audio=audio)
 
 
 def sde_spec(bench, stepper="flow_sde", params=PARAMS, size=1, mode="off"):
