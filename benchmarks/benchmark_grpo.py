@@ -94,8 +94,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--level", type=float, default=0.7, help="Flow-GRPO noise level a")
+    parser.add_argument("--modes", default="strict,off", help="comma list of modes to run (default strict,off)")
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.tiny, flag="--tiny")
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes {args.modes!r}: each must be one of {', '.join(MODES)}")
 
     from h3lab.config import H3Config
     from h3lab.training import trainable_parameters
@@ -123,7 +127,7 @@ def main(argv=None) -> dict:
                             "t2va 1344x768x39f": {"video": -9.0e-6, "audio": -9.1e-5},
                             "fl2va 512x512x56f": {"video": 0.0, "audio": -1.5e-5}})
     rewards = torch.randn(args.group, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    for mode in MODES:
+    for mode in modes:
         with torch.no_grad():
             for n, p in params:
                 p.copy_(initial[n])

@@ -607,6 +607,14 @@ class Session:
             return rollout(self, prompts, group=group, stepper=stepper, level=level, seed=seed, window=window,
                            decode=decode, batched=batched, keep=keep, **overrides)
 
+    def rollout_report(self, prompt: str, *, group: int, reward: str, settings: GenerationSettings) -> list[str]:
+        """`!rollout`: G stochastic rollouts of `prompt`, each request's reward, and the on-policy ratio of every
+        pass replayed alone (`h3lab.training.grpo_job.rollout_report`)."""
+        from .training.grpo_job import rollout_report
+
+        with self._lock:
+            return rollout_report(self, prompt, group=group, reward=reward, settings=settings)
+
     # -------------------------------------------------------------------------------------- adapters
     def load_lora(self, path: str | os.PathLike, scale: float = 1.0) -> dict[str, Any]:
         """Generate with the LoRA adapter at `path` (PEFT folder or Diffusers .safetensors) from now on: checked

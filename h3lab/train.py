@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from .errors import H3Error, user_message
 from .runtime import MODES
@@ -138,22 +138,18 @@ def grpo_job_from_args(args: argparse.Namespace):
 
 def grpo_main(argv: Sequence[str]) -> int:
     """`h3lab train grpo ...` (module docstring)."""
-    try:
+    def work() -> dict:
         args = build_grpo_parser().parse_args(argv)
         job = grpo_job_from_args(args)
         from .session import Session
         from .training.grpo_job import run_grpo_job
 
         session = Session(job.snapshot, device=job.device)
-        summary = run_grpo_job(job, session, resume=args.resume, progress=GrpoProgress())
-    except KeyboardInterrupt:
-        print("h3lab train grpo: interrupted; continue with the same command and --resume", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 - one line, exit 2
-        if os.environ.get("H3LAB_DEBUG"):
-            raise
-        print(f"h3lab train grpo: error: {user_message(err)}", file=sys.stderr)
-        return 2
+        return run_grpo_job(job, session, resume=args.resume, progress=GrpoProgress())
+
+    code, summary = _guarded("h3lab train grpo", work)
+    if code:
+        return code
     ratio = summary["ratio"]
     print(f"trained {summary['iterations']} GRPO iterations, last mean reward {summary['reward_mean']:.6g}; "
           f"on-policy ratio - 1 in [{ratio['min']:.3g}, {ratio['max']:.3g}] ({ratio['exactly_one']}/"
@@ -221,25 +217,34 @@ class Progress:
         self.stream.flush()
 
 
+def _guarded(prog: str, work: Callable[[], dict]) -> tuple[int, dict | None]:
+    """(0, work()), or the exit status after one stderr line: 130 on Ctrl-C, 2 on any error (H3LAB_DEBUG=1 raises)."""
+    try:
+        return 0, work()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; continue with the same command and --resume", file=sys.stderr)
+        return 130, None
+    except Exception as err:  # noqa: BLE001 - one line, exit 2
+        if os.environ.get("H3LAB_DEBUG"):
+            raise
+        print(f"{prog}: error: {user_message(err)}", file=sys.stderr)
+        return 2, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grpo"]:
         return grpo_main(argv[1:])
-    try:
+    def work() -> dict:
         args = build_parser().parse_args(argv)
         job = job_from_args(args)
         from .training.job import load_model, run_job
 
-        model = load_model(job)
-        summary = run_job(job, model, resume=args.resume, progress=Progress())
-    except KeyboardInterrupt:
-        print("h3lab train: interrupted; continue with the same command and --resume", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 - one line, exit 2
-        if os.environ.get("H3LAB_DEBUG"):
-            raise
-        print(f"h3lab train: error: {user_message(err)}", file=sys.stderr)
-        return 2
+        return run_job(job, load_model(job), resume=args.resume, progress=Progress())
+
+    code, summary = _guarded("h3lab train", work)
+    if code:
+        return code
     print(f"trained {summary['steps']} steps, last loss {summary['loss']:.6g}; run digest {summary['digest']}")
     print(f"adapter {summary['adapter_sha256']} in {summary['adapter']}")
     print(f"sealed run in {summary['run']}")

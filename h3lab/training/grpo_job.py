@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,12 +74,6 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     return prompts
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise TrainingError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class GrpoJob:
     """One `h3lab train grpo` job (module docstring). `snapshot=None` is the embedded tiny snapshot."""
@@ -120,15 +112,13 @@ class GrpoJob:
         from ..io_utils import check_output_dir
         from ..session import resolve_device
         from ..settings import GenerationSettings
-        from .job import _check_targets, _snapshot_config
+        from .job import _check_targets, _int, _snapshot_config, check_alpha
 
         iterations = _int("--iterations", self.iterations, 1)
         steps = _int("--steps", self.steps, 1)
         rank = _int("--rank", self.rank, 1)
         lora_seed = _int("--lora-seed", self.lora_seed, 0)
-        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
-                                       or not math.isfinite(self.alpha) or self.alpha <= 0):
-            raise TrainingError(f"--alpha {self.alpha!r}: must be a finite number > 0")
+        check_alpha(self.alpha)
         resolve_reward(self.reward)
         prompts = read_prompts(self.prompts)
         GenerationSettings(prompt=prompts[0], **self.generation())  # the canvas / frames / steps rules
@@ -227,3 +217,41 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
     finally:
         remove_lora(model, handle)
 
+
+
+def rollout_report(session: Any, prompt: str, *, group: int, reward: str, settings: Any,
+                   kind: str = "flow_sde", level: float = 0.7) -> list[str]:
+    """The REPL's `!rollout`: G `kind` rollouts of `prompt` with the current `settings` (canvas, frames, steps, mode,
+    seed; the session's adapter, if any), each request's reward and group advantage, and the ratio
+    exp(logp_replay - logp_rollout) of every (request, SDE pass, modality) replayed alone (`replay_ratios`)."""
+    from .adapters import attached
+    from .adapter_file import read_adapter
+    from .grpo import group_advantages, ratio_stats
+    from .grpo_step import replay_ratios
+
+    scorer = resolve_reward(reward)
+    decoded = scorer.needs == "decoded"
+    gen = {"width": settings.width, "height": settings.height, "frames": settings.num_frames,
+           "steps": settings.steps, "mode": settings.mode}
+    out = session.rollout([prompt], group=group, stepper=kind, level=level, seed=settings.seed, decode=decoded, **gen)
+    rewards = score(scorer, reward_samples(out, decoded))
+    advantages = group_advantages(rewards, group)
+    batch = batch_from_rollout(out, rewards)
+    model = session.transformer(session.variant_for(settings.task))
+    if session.adapters:
+        entry = session.adapters[0]
+        with attached(model, read_adapter(entry["path"], expect_sha256=entry["sha256"]), entry["scale"]):
+            rows = replay_ratios(model, batch, settings.mode)
+    else:
+        rows = replay_ratios(model, batch, settings.mode)
+    lines = [f"rollout {kind} level {level:g}, G={group}, seed {settings.seed}, {settings.mode}: "
+             f"{len(out.trajectories)} trajectory, reward {scorer.name}"]
+    for r in sorted(out.requests, key=lambda q: q.request):
+        lines.append(f"  request {r.request}: reward {float(rewards[r.request]):.6g}  advantage "
+                     f"{float(advantages[r.request]):+.3f}")
+    stats = ratio_stats([torch.tensor(row[m], dtype=torch.float32) for row in rows for m in ("video", "audio")
+                         if m in row])
+    lines.append(f"  ratio exp(logp_replay - logp_rollout), {stats['count']} (request, pass, modality): "
+                 f"{stats['exactly_one']} exactly 1, ratio - 1 in [{stats['min']:.3g}, {stats['max']:.3g}], "
+                 f"mean {stats['mean']:.3g}")
+    return lines

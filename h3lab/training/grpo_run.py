@@ -42,7 +42,7 @@ from ._deps import code_revision, runtime, tensor_digest
 from .grpo_step import GrpoConfig, RolloutBatch, Transition, grpo_iteration
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import TrainingError
-from .run import _check_hashes, _read, read_manifest
+from .run import _check_hashes, _read, _scheme, read_manifest
 from .step import model_device, trainable_parameters
 
 FORMAT = "h3lab-grpo/1"
@@ -53,10 +53,6 @@ MANIFEST = "manifest.json"
 
 def records_digest(iterations: list[dict]) -> str:
     return hashlib.sha256(json.dumps(iterations, sort_keys=True).encode()).hexdigest()
-
-
-def _scheme(model: nn.Module) -> str:
-    return "sha256" if model_device(model).type == "cpu" else "device"
 
 
 def _host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -61,6 +61,7 @@ from .grpo import (
 from .lora import adapter_disabled, has_lora
 from .objective import MODALITIES, Objective, TrainingError, TrainingSample
 from .optim import StrictAdamW
+from .run import _scheme
 from .step import _TrainContext, model_device, request_gradient, split_flat, trainable_parameters
 
 
@@ -202,7 +203,8 @@ def transition(inputs: Any, schedule: Any, item: int, request: int, pass_index: 
     sample = TrainingSample(
         text=inputs.text[b], video=entering["video"], audio=entering["audio"], timestep=timestep,
         timestep_indices=timestep_indices, **inputs.layout_kwargs(),
-        target_video=after["video"][:, ncond["video"]:].float(), target_audio=after["audio"][:, ncond["audio"]:].float(),
+        target_video=after["video"][:, ncond["video"]:].float(),
+        target_audio=after["audio"][:, ncond["audio"]:].float(),
         num_condition_video_rows=ncond["video"], num_condition_audio_rows=ncond["audio"], key_order=inputs.key_order)
     sigmas = {m: (float(getattr(schedule, m).sigmas[pass_index]), float(getattr(schedule, m).sigmas[pass_index + 1]))
               for m in MODALITIES}
@@ -353,10 +355,6 @@ def selected_items(batch: RolloutBatch, config: GrpoConfig, iteration: int) -> l
     return items
 
 
-def _scheme(model: nn.Module) -> str:
-    return "sha256" if model_device(model).type == "cpu" else "device"
-
-
 def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, optimizer: StrictAdamW,
                    iteration: int = 0, trace: TraceSummary | None = None) -> dict[str, Any]:
     """Every inner epoch of one rollout batch (module docstring); trains `model` in place; returns the record."""
@@ -417,3 +415,36 @@ def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, op
             "sde": [[bool(s) for s in plan] for plan in batch.sde],
             "items": [[t.request, t.pass_index] for t in items], "epochs": epochs}
 
+
+
+def replay_ratios(model: nn.Module, batch: RolloutBatch, mode: str = "strict") -> list[dict[str, Any]]:
+    """The on-policy consistency of a rollout batch without an update: every (request, SDE pass) replayed alone (batch
+    1, no grad) in `mode`, its log-density recomputed, and exp(logp_replay - logp_rollout) per stochastic modality.
+    Returns one record per item {request, pass, <modality>: ratio} (request-major, pass-ascending); strict gives 1.0
+    exactly (training forward and no-grad forward are byte-equal, H-C1)."""
+    if mode not in runtime.MODES:
+        raise TrainingError(f"mode={mode!r}: must be one of {', '.join(runtime.MODES)}")
+    device, out = model_device(model), []
+    with torch.no_grad(), runtime.use_mode(mode):
+        for passes in batch.transitions:
+            for t in passes:
+                sample = t.sample.to(device).canonical()
+                v = dict(zip(MODALITIES, model(**sample.model_kwargs())))
+                ncond = {"video": sample.num_condition_video_rows, "audio": sample.num_condition_audio_rows}
+                row: dict[str, Any] = {"request": t.request, "pass": t.pass_index}
+                for m in t.modalities:
+                    sigma, sigma_next = t.sigmas[m]
+                    logp = transition_logprob(_kind(batch), t.levels[m], getattr(sample, m)[:, ncond[m]:],
+                                              v[m][:, ncond[m]:], getattr(sample, f"target_{m}"), sigma,
+                                              sigma_next)[0]
+                    row[m] = float(torch.exp(logp - t.logp_rollout[m].to(device)))
+                out.append(row)
+    return out
+
+
+def _kind(batch: RolloutBatch) -> str:
+    """The SDE kind a batch was rolled out with (`origin["kind"]`, set by `batch_from_trajectories`)."""
+    if "kind" not in batch.origin:
+        raise TrainingError("the rollout batch does not record its SDE kind (origin['kind']): build it with "
+                            "batch_from_trajectories / batch_from_rollout")
+    return batch.origin["kind"]

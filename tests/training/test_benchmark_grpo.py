@@ -1,7 +1,9 @@
 """The GPU GRPO benchmark's logic (full-size-shaped model with LoRA, the batched SDE rollout, one GRPO iteration in
-both modes, the ratio statistics, the JSON schema) as a CPU dry run on the tiny config."""
+the ratio statistics, the JSON schema) as a CPU dry run on the tiny config, in `off` (the strict side of the same
+code is the gate test's, `test_grpo_gate.py`; strict under the interpreter here would cost minutes)."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,15 +14,14 @@ def test_benchmark_grpo_tiny_writes_the_schema(tmp_path, monkeypatch):
     import benchmark_grpo
 
     out = tmp_path / "grpo.json"
-    benchmark_grpo.main(["--tiny", "--group", "2", "--passes", "1", "--rank", "2", "--out", str(out)])
+    benchmark_grpo.main(["--tiny", "--group", "2", "--passes", "1", "--rank", "2", "--modes", "off", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"} <= set(doc)
     assert doc["grpo"]["group"] == 2 and doc["grpo"]["batch_order"] == [0, 1] and doc["lora"]["rank"] == 2
     rows = {r["impl"]: r for r in doc["results"]}
-    assert set(rows) == {"h3lab-strict", "h3lab-off"}
+    assert set(rows) == {"h3lab-off"}
     for r in rows.values():
         assert {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(r)
         assert r["train_items"] == 2 and r["train_pass_s"] > 0 and r["rollout_pass_median_s"] > 0
         assert r["ratio"]["count"] == 4 and len(r["ratios"]) == 2
-    strict = rows["h3lab-strict"]["ratio"]
-    assert strict["exactly_one"] == 4 and strict["max_abs"] == 0.0
+    assert math.isfinite(rows["h3lab-off"]["ratio"]["max_abs"])

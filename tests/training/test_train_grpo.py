@@ -109,3 +109,47 @@ def test_good_arguments_make_the_job(files):
     assert job.config.group == 3 and job.config.selection.kind == "window" and job.config.selection.size == 2
     assert job.config.beta == 0.04 and job.config.importance_cap == 2.0
     assert not (files / "out2").exists()
+
+
+def grpo_argv(files, out, *extra):
+    return ["--prompts", str(files / "prompts.txt"), "--group", "2", "--reward", "latent_mean", "--out", str(out),
+            "--iterations", "2", "--steps", "2", "--width", "64", "--height", "64", "--frames", "22", "--mode", "off",
+            "--rank", "2", "--lr", "1e-2", "--beta", "0.04", "--device", "cpu", *extra]
+
+
+def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
+    from h3lab.session import Session
+    from h3lab.training.grpo_job import run_grpo_job
+    from h3lab.training.grpo_run import load, verify
+
+    snap = ["-d", str(tiny_snapshot)]
+    assert train.main(["grpo", *grpo_argv(files, tmp_path / "whole"), *snap]) == 0
+    out = capsys.readouterr().out
+    # 2 prompts x 2 members x 2 passes x 2 modalities, on-policy
+    assert "trained 2 GRPO iterations" in out and "(16/16 exactly 1)" in out
+    whole = load(tmp_path / "whole" / "run")
+    assert len(whole.iterations) == 2 and whole.manifest["reward"] == "latent_mean"
+    assert [len(it["rewards"]) for it in whole.iterations] == [4, 4]
+
+    job = train.grpo_job_from_args(train.build_grpo_parser().parse_args(grpo_argv(files, tmp_path / "cut") + snap))
+    session = Session(job.snapshot, device="cpu")
+
+    def stop(k, total, record):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_grpo_job(job, session, progress=stop)
+    assert train.main(["grpo", *grpo_argv(files, tmp_path / "cut"), *snap, "--resume"]) == 0
+    resumed = load(tmp_path / "cut" / "run")
+    assert resumed.digest == whole.digest
+    assert resumed.manifest["adapter"]["final_sha256"] == whole.manifest["adapter"]["final_sha256"]
+    model = session.transformer("transformer")
+    from h3lab.training import add_lora, remove_lora
+
+    handle = add_lora(model, 2, None, seed=0)
+    try:
+        assert verify(resumed, model).ok
+    finally:
+        remove_lora(model, handle)
+    code = train.main(["grpo", *grpo_argv(files, tmp_path / "cut"), *snap, "--resume", "--beta", "0.05"])
+    assert code == 2 and "differs from the job" in capsys.readouterr().err
