@@ -609,8 +609,8 @@ class Session:
 
     def rollout_report(self, prompt: str, *, group: int, reward: str, settings: GenerationSettings) -> list[str]:
         """`!rollout`: G stochastic rollouts of `prompt`, each request's reward, and the on-policy ratio of every
-        pass replayed alone (`h3lab.training.grpo_job.rollout_report`)."""
-        from .training.grpo_job import rollout_report
+        pass replayed alone (`h3lab.training.grpo_report.rollout_report`)."""
+        from .training.grpo_report import rollout_report
 
         with self._lock:
             return rollout_report(self, prompt, group=group, reward=reward, settings=settings)

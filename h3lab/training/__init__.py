@@ -20,7 +20,8 @@ verifiable training runs.
 - `grpo_step.py`      `GrpoConfig`, `Transition`, `RolloutBatch` (from SDE trajectories / `Session.rollout`),
                       `grpo_iteration`, `replay_ratios`
 - `grpo_run.py`       sealed GRPO runs: `grpo_train` (resume), `load`, `verify`
-- `grpo_job.py`       `h3lab train grpo` jobs (`GrpoJob.check`, `run_grpo_job`) and the REPL's `!rollout` report
+- `grpo_job.py`       `h3lab train grpo` jobs (`GrpoJob.check`, `run_grpo_job`)
+- `grpo_report.py`    the REPL's `!rollout` report (`rollout_report`), `reward_samples` of a `Session.rollout`
 - `_deps.py`          every name taken from the rest of h3lab (one place to update when those rooms move)
 """
 

@@ -13,7 +13,7 @@ targets against the snapshot's transformer config -- before any model loads -- r
 Iteration k rolls out with `Session.rollout(prompts, group=G, stepper=kind, level=level, seed=rollout_seed(seed, k),
 decode=reward.needs == "decoded", steps=, width=, height=, frames=, mode=)` on the session's transformer, which
 carries the job's LoRA adapter in place (so the rollout runs the current policy), scores every request with the
-reward (`rewards.score`; `RewardSample.from_rollout`), builds the `RolloutBatch` (`grpo_step.batch_from_rollout`) and
+reward (`rewards.score`; `grpo_report.reward_samples`), builds the `RolloutBatch` (`grpo_step.batch_from_rollout`) and
 trains one iteration. The output folder `out`:
     job.json              the job (`--resume` must name the same job)
     initial/              the adapter before iteration 0 (PEFT format)
@@ -35,15 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from ._deps import atomic_write_json
+from .grpo_report import reward_samples
 from .grpo_run import GrpoRun, grpo_train
 from .grpo_run import load as load_run
 from .grpo_step import GrpoConfig, batch_from_rollout
 from .lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
 from .objective import TrainingError
-from .rewards import RewardSample, resolve_reward, score
+from .rewards import resolve_reward, score
 
 JOB = "job.json"
 CHECKPOINT = "checkpoint"
@@ -155,17 +154,6 @@ class GrpoJob:
         return path.resolve()
 
 
-def reward_samples(rollout: Any, decoded: bool) -> list[RewardSample]:
-    """One `RewardSample` per rollout request, in request order."""
-    from ..settings import AUDIO_SAMPLE_RATE
-
-    return [RewardSample(prompt=rollout.prompts[r.prompt_index], seed=int(r.seed), index=int(r.request),
-                         frames=r.frames if decoded else None,
-                         audio=None if not decoded or r.audio is None else torch.as_tensor(r.audio),
-                         sample_rate=AUDIO_SAMPLE_RATE, latents=r.latents, audio_latents=r.audio_rows)
-            for r in sorted(rollout.requests, key=lambda q: q.request)]
-
-
 def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
                  progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
     """Train `job` (checked) with `session` (its snapshot, on its device) and write its folder (module docstring);
@@ -218,40 +206,3 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
         remove_lora(model, handle)
 
 
-
-def rollout_report(session: Any, prompt: str, *, group: int, reward: str, settings: Any,
-                   kind: str = "flow_sde", level: float = 0.7) -> list[str]:
-    """The REPL's `!rollout`: G `kind` rollouts of `prompt` with the current `settings` (canvas, frames, steps, mode,
-    seed; the session's adapter, if any), each request's reward and group advantage, and the ratio
-    exp(logp_replay - logp_rollout) of every (request, SDE pass, modality) replayed alone (`replay_ratios`)."""
-    from .adapters import attached
-    from .adapter_file import read_adapter
-    from .grpo import group_advantages, ratio_stats
-    from .grpo_step import replay_ratios
-
-    scorer = resolve_reward(reward)
-    decoded = scorer.needs == "decoded"
-    gen = {"width": settings.width, "height": settings.height, "frames": settings.num_frames,
-           "steps": settings.steps, "mode": settings.mode}
-    out = session.rollout([prompt], group=group, stepper=kind, level=level, seed=settings.seed, decode=decoded, **gen)
-    rewards = score(scorer, reward_samples(out, decoded))
-    advantages = group_advantages(rewards, group)
-    batch = batch_from_rollout(out, rewards)
-    model = session.transformer(session.variant_for(settings.task))
-    if session.adapters:
-        entry = session.adapters[0]
-        with attached(model, read_adapter(entry["path"], expect_sha256=entry["sha256"]), entry["scale"]):
-            rows = replay_ratios(model, batch, settings.mode)
-    else:
-        rows = replay_ratios(model, batch, settings.mode)
-    lines = [f"rollout {kind} level {level:g}, G={group}, seed {settings.seed}, {settings.mode}: "
-             f"{len(out.trajectories)} trajectory, reward {scorer.name}"]
-    for r in sorted(out.requests, key=lambda q: q.request):
-        lines.append(f"  request {r.request}: reward {float(rewards[r.request]):.6g}  advantage "
-                     f"{float(advantages[r.request]):+.3f}")
-    stats = ratio_stats([torch.tensor(row[m], dtype=torch.float32) for row in rows for m in ("video", "audio")
-                         if m in row])
-    lines.append(f"  ratio exp(logp_replay - logp_rollout), {stats['count']} (request, pass, modality): "
-                 f"{stats['exactly_one']} exactly 1, ratio - 1 in [{stats['min']:.3g}, {stats['max']:.3g}], "
-                 f"mean {stats['mean']:.3g}")
-    return lines
