@@ -8,9 +8,10 @@ schedule first, H11).
 
 A spec with parameters builds its stepper once when it is constructed, and calls `check_inputs(inputs)` when the
 stepper has it, so a rule that needs the schedule or the inputs (a window past the last pass, one request id per
-batch item) fails before any run. A stepper may also report what it did on a pass: `pass_record(i) -> (record, tensors) | None`, called by the loop
-once per pass after both modalities stepped; `record` is JSON (sealed in the trajectory's pass entry), `tensors`
-name -> CPU tensor (kept with `keep=("noise",)`). A stepper without `pass_record` reports nothing (the Euler step).
+batch item) fails before any run. A stepper may also report what it did on a pass: `pass_record(i) -> (record,
+tensors) | None`, called by the loop once per pass after both modalities stepped; `record` is JSON (sealed in the
+trajectory's pass entry), `tensors` name -> CPU tensor (kept with `keep=("noise",)`). A stepper without
+`pass_record` reports nothing (the Euler step).
 
 Registered names (`STEPPERS`):
   euler             the sampler's Euler step on the schedule's own grid per modality (`ScheduleStepper`, default);
