@@ -31,9 +31,9 @@ then renamed onto the target; an existing trajectory at the target is moved asid
 rename, so a reader sees the old artifact or the new one, never a mix.
 
 `Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`, plus `:tr` -- the
-`transition_sha256` -- on a pass that has one); replays' `# expect` lines check it. `load(path)` re-hashes the sealed tensors and kept tensors against the manifest, rebuilds the
-`RunSpec` and checks its `sha256`, checks every `transition` against its `transition_sha256`, and recomputes the
-digest (a tampered file raises `TrajectoryError`).
+`transition_sha256` -- on a pass that has one); replays' `# expect` lines check it. `load(path)` re-hashes the
+sealed tensors and kept tensors against the manifest, rebuilds the `RunSpec` and checks its `sha256`, checks every
+`transition` against its `transition_sha256`, and recomputes the digest (a tampered file raises `TrajectoryError`).
 `verify(path, model)` replays exactly the sealed spec (mode, factors, stepper and its parameters, reuse, preset,
 placement, adapters, residency) and reports the first pass (and tensor, or transition entry: the recomputed
 log-densities, means, stds, sigmas) that differs, or OK. A spec with custom callables cannot be replayed

@@ -159,7 +159,8 @@ def resolve(spec: RunSpec, model: Any, *,
         raise RunSpecError(f"the run spec carries custom callables {custom.describe()} that were never sealed: "
                            "it cannot run from its description")
     run = ResolvedRun(spec=spec, model=model, inputs=spec.inputs, schedule=spec.schedule, layout=spec.layout,
-                      stepper=spec.stepper, stepper_params=spec.stepper_params, overrides=dict(custom.overrides), hooks=custom.hooks,
+                      stepper=spec.stepper, stepper_params=spec.stepper_params,
+                      overrides=dict(custom.overrides), hooks=custom.hooks,
                       custom_stepper=custom.stepper, reuse=spec.reuse, reuse_mode=spec.reuse_mode,
                       models=_lookup(models), base_model=model,
                       changed={**{f"op:{op}": "a custom override" for op in custom.overrides},

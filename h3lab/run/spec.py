@@ -176,8 +176,10 @@ class RunSpec:
         if self.reuse_mode not in REUSE_MODES:
             raise RunSpecError(f"reuse_mode={self.reuse_mode!r}: must be one of {', '.join(REUSE_MODES)}")
         object.__setattr__(self, "stepper_params", check_stepper_params(self.stepper, self.stepper_params))
-        if self.stepper_params:  # rules that need the schedule (a window inside the passes) fail here, not mid-run
-            make_stepper(self.stepper, self.schedule, self.stepper_params)
+        if self.stepper_params:  # rules that need the schedule or the inputs fail here, not mid-run
+            stepper = make_stepper(self.stepper, self.schedule, self.stepper_params)
+            if hasattr(stepper, "check_inputs"):
+                stepper.check_inputs(self.inputs)
         if self.custom is not None and not isinstance(self.custom, Custom):
             raise RunSpecError(f"custom is a {type(self.custom).__name__}: must be a run.Custom or None")
         if self.custom is not None and not self.custom:

@@ -6,9 +6,12 @@ that takes them, its parameters (`RunSpec.stepper_params`, a JSON object sealed 
 builds the stepper on the run's final schedule with `make_stepper(name, schedule, params)` (a factor may change the
 schedule first, H11).
 
-A stepper may also report what it did on a pass: `pass_record(i) -> (record, tensors) | None`, called by the loop
-once per pass after both modalities stepped; `record` is JSON (sealed in the trajectory's pass entry), `tensors`
-name -> CPU tensor (kept with `keep=("noise",)`). A stepper without `pass_record` reports nothing (the Euler step).
+A spec with parameters builds its stepper once when it is constructed, and calls `check_inputs(inputs)` when the
+stepper has it, so a rule that needs the schedule or the inputs (a window past the last pass, one request id per
+batch item) fails before any run. A stepper may also report what it did on a pass: `pass_record(i) -> (record,
+tensors) | None`, called by the loop once per pass after both modalities stepped; `record` is JSON (sealed in the
+trajectory's pass entry), `tensors` name -> CPU tensor (kept with `keep=("noise",)`). A stepper without
+`pass_record` reports nothing (the Euler step).
 
 Registered names (`STEPPERS`):
   euler             the sampler's Euler step on the schedule's own grid per modality (`ScheduleStepper`, default);

@@ -101,6 +101,10 @@ class SDEStepper:
         self._record: dict[str, Any] = {}
         self._tensors: dict[str, torch.Tensor] = {}
 
+    def check_inputs(self, inputs) -> None:
+        """The spec's inputs carry one batch item per request id (called when the spec is built)."""
+        self.requests_for(inputs.batch_size)
+
     def in_window(self, i: int) -> bool:
         return self.window is None or self.window["start"] <= i < self.window["start"] + self.window["size"]
 

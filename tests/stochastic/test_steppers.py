@@ -61,9 +61,8 @@ def test_bad_params_raise_one_line_at_spec_construction(bench, stepper, params, 
 
 
 def test_request_ids_must_match_the_batch(bench):
-    spec = sde_spec(bench, params={**PARAMS, "requests": [0, 1]})
     with pytest.raises(RunSpecError, match="2 ids for a batch of 1"):
-        T.record(spec, bench.model)
+        sde_spec(bench, params={**PARAMS, "requests": [0, 1]})
 
 
 @pytest.mark.parametrize("stepper", ["flow_sde", "dance_sde", "cps"])
