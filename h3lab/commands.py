@@ -527,6 +527,27 @@ def _h_lora(state, path, scale=None):
     return [f"lora {entry['name']} scale {entry['scale']:g} (sha256 {entry['sha256'][:16]}) for the next generations"]
 
 
+def _p_rollout(name, args):
+    if len(args) < 3:
+        raise CommandError(f"!{name} expects G REWARD PROMPT (G >= 2 requests; REWARD a shipped name or "
+                           f"module:function), got {' '.join(args)!r}")
+    group = _int_arg(name, args[0], "G REWARD PROMPT")
+    if group < 2:
+        raise CommandError(f"!{name} G={group}: a group needs at least 2 requests")
+    from .training.rewards import resolve_reward
+
+    resolve_reward(args[1])  # an unknown reward fails here, before any model loads
+    return (group, args[1], " ".join(args[2:]))
+
+
+@command("rollout", "!rollout G REWARD PROMPT", "G flow_sde rollouts of PROMPT: each request's reward and the "
+         "ratio exp(logp_replay - logp_rollout) of every pass replayed alone", parse=_p_rollout, drain=True)
+def _h_rollout(state, group, reward_name, prompt):
+    session = state.get_session()
+    lines = session.rollout_report(prompt, group=group, reward=reward_name, settings=state.settings)
+    return lines
+
+
 def _last_two(state, what: str) -> tuple:
     if len(state.results) < 2:
         raise CommandError(f"{what}: needs two generations, have {len(state.results)}")

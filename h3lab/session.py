@@ -51,6 +51,8 @@ Contract
 - Every pass goes to a `trajectory.TrajectoryRecorder`; `result.trajectory` is the recorded `Trajectory` (sealed
   inputs, per-pass hashes, provenance) and `result.trajectory_hash` its digest, which replays' `# expect` lines
   check. `Session.keep` picks the per-pass tensors kept in memory (default none: hashes only).
+- `rollout(prompts, group=G, stepper=..., level=..., seed=...)`: G stochastic requests per prompt on an SDE
+  stepper, per-pass log-densities sealed in the trajectories (`h3lab.rollout` does the work).
 - `progress(StepInfo)` is called after every pass; `cancel` (a `threading.Event`) is checked before every pass and
   raises `GenerationCancelled` (the session stays usable). `preview(frame, step, total)` receives the preview frame
   of every pass (`preview_frame`: the x0 estimate's middle latent frames, decoded, middle pixel frame).
@@ -594,6 +596,25 @@ class Session:
             "arm": trajectory.spec,
             "streaming": streamed,
         }
+
+    # -------------------------------------------------------------------------------------- RL rollouts
+    def rollout(self, prompts, *, group: int = 4, stepper: str = "flow_sde", level=0.7, seed: int = 0,
+                window=None, decode: bool = False, batched: bool = True, keep=("latents",), **overrides: Any):
+        """G stochastic requests per prompt on an SDE stepper, their per-pass log-densities sealed in the
+        trajectories (`h3lab.rollout`: request order, seed derivation, what comes back)."""
+        from .rollout import rollout
+
+        with self._lock:
+            return rollout(self, prompts, group=group, stepper=stepper, level=level, seed=seed, window=window,
+                           decode=decode, batched=batched, keep=keep, **overrides)
+
+    def rollout_report(self, prompt: str, *, group: int, reward: str, settings: GenerationSettings) -> list[str]:
+        """`!rollout`: G stochastic rollouts of `prompt`, each request's reward, and the on-policy ratio of every
+        pass replayed alone (`h3lab.training.grpo_report.rollout_report`)."""
+        from .training.grpo_report import rollout_report
+
+        with self._lock:
+            return rollout_report(self, prompt, group=group, reward=reward, settings=settings)
 
     # -------------------------------------------------------------------------------------- adapters
     def load_lora(self, path: str | os.PathLike, scale: float = 1.0) -> dict[str, Any]:

@@ -4,6 +4,8 @@ update over sealed rollouts, with a progress bar, periodic atomic checkpoints an
     h3lab train --clips data/ --out runs/fox --rank 16 --steps 200 --batch-size 2 --lr 1e-4
     h3lab train --rollout traj/a 0.8 --rollout traj/b -0.8 --out runs/rl --steps 4 --mode strict
     h3lab train ... --resume                # continue the newest checkpoint of --out (same arguments)
+    h3lab train grpo --prompts prompts.txt --group 4 --reward brightness --out runs/grpo --iterations 10
+    h3lab train grpo ... --reward mypkg.rewards:score --beta 0.04 --inner-epochs 2 --passes fraction:0.6
 
 A front end: it parses, checks and prints; the job is `h3lab.training.job` (`TrainJob.check`, `run_job`). Every bad
 argument, path or data file fails before any model loads with one line on stderr and exit status 2; Ctrl-C stops
@@ -16,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from .errors import H3Error, user_message
 from .runtime import MODES
@@ -59,6 +61,115 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
     return p
+
+
+def build_grpo_parser() -> argparse.ArgumentParser:
+    from .stochastic import SDE_KINDS
+    from .training.lora import PROJECTIONS
+
+    p = _Parser(prog="h3lab train grpo", description="GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA "
+                "policy on a prompt file, a reward per request, the clipped GRPO step (strict, sealed, resumable).")
+    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt a line ('#' lines are comments)")
+    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt (default 4)")
+    p.add_argument("--reward", required=True, metavar="NAME|module:function",
+                   help="brightness, redness, colour, pitch, anchor_match, latent_mean, or package.module:function")
+    p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoint, final adapter, sealed run")
+    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations (default 1)")
+    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH", help="snapshot (default: embedded tiny)")
+    p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
+    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout (default 4)")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None)
+    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition (default flow_sde)")
+    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a, dance_sde eta (0.7)")
+    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range (default 1e-4)")
+    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip (default 5)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference (default 0)")
+    p.add_argument("--importance-cap", type=float, default=None, metavar="C",
+                   help="truncated importance weights min(ratio, C) (default off)")
+    p.add_argument("--inner-epochs", type=int, default=1)
+    p.add_argument("--passes", default="all", metavar="all|fraction:F|window:S,W",
+                   help="which SDE passes train (default all; DanceGRPO fraction:0.6; MixGRPO window:0,4)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default = rank)")
+    p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
+    p.add_argument("--lora-seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="run seed (rollout noise, pass selection)")
+    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step (default strict)")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    return p
+
+
+def _selection(text: str):
+    from .training.grpo import PassSelection
+
+    kind, _, arg = text.partition(":")
+    if kind == "all" and not arg:
+        return PassSelection("all")
+    if kind == "fraction" and arg:
+        return PassSelection("fraction", fraction=_float(arg, "--passes fraction"))
+    if kind == "window" and arg.count(",") == 1:
+        start, size = arg.split(",")
+        if start.isdigit() and size.isdigit():
+            return PassSelection("window", start=int(start), size=int(size))
+    raise TrainArgError(f"--passes {text!r}: must be all, fraction:F (0 < F <= 1) or window:START,SIZE")
+
+
+def grpo_job_from_args(args: argparse.Namespace):
+    """The checked `GrpoJob` of the flags (every check before any model loads)."""
+    from .training.grpo_job import GrpoJob
+    from .training.grpo_step import GrpoConfig
+
+    config = GrpoConfig(kind=args.stepper, level=args.level, group=args.group, clip_range=args.clip_range,
+                        adv_clip=args.adv_clip, beta=args.beta, importance_cap=args.importance_cap,
+                        inner_epochs=args.inner_epochs, selection=_selection(args.passes), seed=args.seed,
+                        mode=args.mode, gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
+                        weight_decay=args.weight_decay)
+    job = GrpoJob(out=args.out, prompts=args.prompts, reward=args.reward, config=config, iterations=args.iterations,
+                  steps=args.steps, width=args.width, height=args.height, frames=args.frames,
+                  snapshot=args.snapshot, device=args.device, rank=args.rank, alpha=args.alpha,
+                  targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
+    return job.check(resume=args.resume)
+
+
+def grpo_main(argv: Sequence[str]) -> int:
+    """`h3lab train grpo ...` (module docstring)."""
+    def work() -> dict:
+        args = build_grpo_parser().parse_args(argv)
+        job = grpo_job_from_args(args)
+        from .session import Session
+        from .training.grpo_job import run_grpo_job
+
+        session = Session(job.snapshot, device=job.device)
+        return run_grpo_job(job, session, resume=args.resume, progress=GrpoProgress())
+
+    code, summary = _guarded("h3lab train grpo", work)
+    if code:
+        return code
+    ratio = summary["ratio"]
+    print(f"trained {summary['iterations']} GRPO iterations, last mean reward {summary['reward_mean']:.6g}; "
+          f"on-policy ratio - 1 in [{ratio['min']:.3g}, {ratio['max']:.3g}] ({ratio['exactly_one']}/"
+          f"{ratio['count']} exactly 1); run digest {summary['digest']}")
+    print(f"adapter {summary['adapter_sha256']} in {summary['adapter']}")
+    print(f"sealed run in {summary['run']}")
+    return 0
+
+
+class GrpoProgress:
+    """One line per iteration on stderr: mean reward and the first epoch's ratio statistics."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+
+    def __call__(self, k: int, total: int, record: dict) -> None:
+        rewards, ratio = record["rewards"], record["epochs"][0]["ratio"]
+        self.stream.write(f"grpo {k}/{total}: mean reward {sum(rewards) / len(rewards):.6g}, ratio - 1 "
+                          f"[{ratio['min']:.3g}, {ratio['max']:.3g}], clipped {record['epochs'][-1]['clipped']}\n")
+        self.stream.flush()
 
 
 def _float(text: str, what: str) -> float:
@@ -106,23 +217,34 @@ class Progress:
         self.stream.flush()
 
 
+def _guarded(prog: str, work: Callable[[], dict]) -> tuple[int, dict | None]:
+    """(0, work()), or the exit status after one stderr line: 130 on Ctrl-C, 2 on any error (H3LAB_DEBUG=1 raises)."""
+    try:
+        return 0, work()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; continue with the same command and --resume", file=sys.stderr)
+        return 130, None
+    except Exception as err:  # noqa: BLE001 - one line, exit 2
+        if os.environ.get("H3LAB_DEBUG"):
+            raise
+        print(f"{prog}: error: {user_message(err)}", file=sys.stderr)
+        return 2, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    if argv[:1] == ["grpo"]:
+        return grpo_main(argv[1:])
+    def work() -> dict:
         args = build_parser().parse_args(argv)
         job = job_from_args(args)
         from .training.job import load_model, run_job
 
-        model = load_model(job)
-        summary = run_job(job, model, resume=args.resume, progress=Progress())
-    except KeyboardInterrupt:
-        print("h3lab train: interrupted; continue with the same command and --resume", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 - one line, exit 2
-        if os.environ.get("H3LAB_DEBUG"):
-            raise
-        print(f"h3lab train: error: {user_message(err)}", file=sys.stderr)
-        return 2
+        return run_job(job, load_model(job), resume=args.resume, progress=Progress())
+
+    code, summary = _guarded("h3lab train", work)
+    if code:
+        return code
     print(f"trained {summary['steps']} steps, last loss {summary['loss']:.6g}; run digest {summary['digest']}")
     print(f"adapter {summary['adapter_sha256']} in {summary['adapter']}")
     print(f"sealed run in {summary['run']}")

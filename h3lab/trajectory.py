@@ -14,8 +14,13 @@ A sealed trajectory is a directory:
                     reuse), the run spec (`spec`: `RunSpec.to_dict()`, and `spec_sha256`), per pass the SHA-256 of the
                     video and audio velocities and latents, the provenance trace summary, the kept tensors, `digest`;
 - `inputs.safetensors`  the spec's sealed tensors: the `DenoiseInputs` and the layout's (`layout.<name>`);
-- `tensors.safetensors` the tensors the user asked to keep (`keep=("latents", "velocities")`, optionally only some
-                    passes), keys `video.0003`, `velocity_video.0003`, ...
+- `tensors.safetensors` the tensors the user asked to keep (`keep=("latents", "velocities", "noise")`, optionally
+                    only some passes), keys `video.0003`, `velocity_video.0003`, `noise_audio.0003`, ...
+
+A stochastic stepper (`h3lab.stochastic`: flow_sde, dance_sde, cps) reports each pass (`StepRecord.transition`): the
+pass entry then also holds `transition` (per modality: sigmas, level, std and, per request, the float32 log-density
+mean and sum and the mean's SHA-256) and `transition_sha256` (its sorted-key JSON SHA-256); `noise` keeps the pass's
+Gaussian draws. A pass without one (every Euler run) has neither key, so the digests of Euler runs are unchanged.
 
 The manifest's `schedule`, `inputs`, `mode` and `run` are the spec's: what the run was asked to be. A factor's
 changes (another plan, grid, stepper, model) are not sealed as tensors: the spec seals the factor's name, and a
@@ -25,11 +30,13 @@ Writing is atomic at the directory level: every file is written (fsynced) into a
 then renamed onto the target; an existing trajectory at the target is moved aside first and removed only after the
 rename, so a reader sees the old artifact or the new one, never a mix.
 
-`Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`); replays' `# expect`
-lines check it. `load(path)` re-hashes the sealed tensors and kept tensors against the manifest, rebuilds the
-`RunSpec` and checks its `sha256`, and recomputes the digest (a tampered file raises `TrajectoryError`).
-`verify(path, model)` replays exactly the sealed spec (mode, factors, stepper, reuse, preset, placement, adapters,
-residency) and reports the first pass (and tensor) whose hash differs, or OK. A spec with custom callables cannot be replayed
+`Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`, plus `:tr` -- the
+`transition_sha256` -- on a pass that has one); replays' `# expect` lines check it. `load(path)` re-hashes the
+sealed tensors and kept tensors against the manifest, rebuilds the `RunSpec` and checks its `sha256`, checks every
+`transition` against its `transition_sha256`, and recomputes the digest (a tampered file raises `TrajectoryError`).
+`verify(path, model)` replays exactly the sealed spec (mode, factors, stepper and its parameters, reuse, preset,
+placement, adapters, residency) and reports the first pass (and tensor, or transition entry: the recomputed
+log-densities, means, stds, sigmas) that differs, or OK. A spec with custom callables cannot be replayed
 from its description: `verify` refuses it. A manifest written before run specs existed (no `spec`) is read as a
 plain spec of its mode, stepper and reuse; one that recorded ablation factors is refused (its factors were not sealed
 by name).
@@ -51,9 +58,10 @@ import torch
 
 from . import __version__, runtime
 from .errors import H3Error
-from .hashing import digest_mismatch, model_fingerprint, tensor_digest
+from .hashing import digest_mismatch, json_sha256, model_fingerprint, tensor_digest
 from .io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from .run import Custom, DenoiseInputs, ResolvedRun, RunSpec, StepRecord, denoise
+from .run.fields import thaw
 from .run.spec import schedule_from_dict
 from .sampler import DualSchedule
 
@@ -62,7 +70,8 @@ MANIFEST = "manifest.json"
 INPUTS_FILE = "inputs.safetensors"
 TENSORS_FILE = "tensors.safetensors"
 STEP_FIELDS = ("velocity_video", "velocity_audio", "video", "audio")  # per-pass hashed tensors, in digest order
-KEEP_CHOICES = ("latents", "velocities")
+KEEP_CHOICES = ("latents", "velocities", "noise")
+TRANSITION = "transition_sha256"  # the per-pass hash of a stochastic stepper's record
 
 
 class TrajectoryError(H3Error):
@@ -70,11 +79,30 @@ class TrajectoryError(H3Error):
 
 
 def digest_lines(steps: Sequence[dict]) -> str:
-    """`Trajectory.digest`: SHA-256 over one line `i:vv:va:xv:xa` per pass, in pass order."""
+    """`Trajectory.digest`: SHA-256 over one line `i:vv:va:xv:xa[:tr]` per pass, in pass order (`tr`: the pass's
+    `transition_sha256`, only on a pass that has one)."""
     h = hashlib.sha256()
     for s in steps:
-        h.update((":".join([str(s["index"])] + [s[f] for f in STEP_FIELDS]) + "\n").encode())
+        fields = [str(s["index"])] + [s[f] for f in STEP_FIELDS] + ([s[TRANSITION]] if TRANSITION in s else [])
+        h.update((":".join(fields) + "\n").encode())
     return h.hexdigest()
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """The path of the first place two JSON values differ ("video.requests[1].logp_sum"), None when equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else key)
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for k, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{where}[{k}]")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (where or "value")
 
 
 # ================================================================================================ provenance
@@ -186,7 +214,8 @@ class TrajectoryRecorder:
             },
             "mode": spec.mode,
             "device": str(spec.inputs.video.device),
-            "run": {"stepper": spec.stepper, "reuse": spec.reuse, "reuse_mode": spec.reuse_mode},
+            "run": {"stepper": spec.stepper, "reuse": spec.reuse, "reuse_mode": spec.reuse_mode,
+                    **({"stepper_params": thaw(spec.stepper_params)} if spec.stepper_params else {})},
         }
 
     def _host_copies(self, rec: StepRecord) -> tuple[dict[str, torch.Tensor], Any]:
@@ -214,6 +243,12 @@ class TrajectoryRecorder:
     def record(self, rec: StepRecord) -> None:
         entry: dict[str, Any] = {"index": rec.index, "t_video": rec.t_video, "t_audio": rec.t_audio,
                                  "evaluated": rec.evaluated}
+        if rec.transition is not None:
+            entry["transition"] = rec.transition
+            entry[TRANSITION] = json_sha256(rec.transition)
+            if "noise" in self.keep and (self.keep_steps is None or rec.index in self.keep_steps):
+                for name, t in (rec.transition_tensors or {}).items():
+                    self.kept[f"{name}.{rec.index:04d}"] = t.detach().cpu().clone()
         self.flush()  # the previous pass's copies finished long ago: hash them now
         host, done = self._host_copies(rec)
         self.steps.append(entry)
@@ -394,6 +429,11 @@ def load(path: str | os.PathLike) -> Trajectory:
             f"{manifest_path}: digest {manifest['digest']} does not match its per-pass hashes ({recomputed}): "
             "the manifest was edited"
         )
+    for step in manifest["steps"]:
+        if ("transition" in step) != (TRANSITION in step) or (
+                "transition" in step and json_sha256(step["transition"]) != step[TRANSITION]):
+            raise TrajectoryError(f"{manifest_path}: pass {step.get('index')}'s transition record does not match its "
+                                  f"{TRANSITION}: the manifest was edited")
     tensors = _read_safetensors(root / INPUTS_FILE)
     problem = digest_mismatch(tensors, manifest["inputs"]["sha256"])
     if problem is not None:
@@ -449,8 +489,8 @@ class VerifyReport:
             return f"OK: {self.passes_checked}/{self.num_passes} passes byte-equal (digest {self.digest[:16]}){note}"
         note = "" if self.fingerprint_match else " (checkpoint fingerprint differs from the recorded one)"
         note += f" ({self.note})" if self.note else ""
-        return (f"DRIFT at pass {self.first_step}: {self.field} hash {self.got[:16]} != recorded "
-                f"{self.expected[:16]}{note}")
+        return (f"DRIFT at pass {self.first_step}: {self.field} hash {str(self.got)[:16]} != recorded "
+                f"{str(self.expected)[:16]}{note}")
 
 
 def verify(
@@ -496,10 +536,13 @@ def verify(
             want = expected[rec.index] if rec.index < len(expected) else None
             replay.append(got)
             if not first:
-                for name in STEP_FIELDS:
-                    if want is None or got[name] != want[name]:
-                        first.update(step=rec.index, field=name, expected=None if want is None else want[name],
-                                     got=got[name])
+                for name in STEP_FIELDS + (TRANSITION,):
+                    if want is None or got.get(name) != want.get(name):
+                        first.update(step=rec.index, field=name, expected=None if want is None else want.get(name),
+                                     got=got.get(name))
+                        if name == TRANSITION:  # say which entry: a log-density, a mean, a std, a sigma
+                            where = first_difference(got.get("transition"), (want or {}).get("transition"))
+                            first["field"] = f"transition {where}"
                         break
                 if first and stop_at_first:
                     raise _Stop
@@ -513,7 +556,7 @@ def verify(
     common = dict(digest=traj.digest, fingerprint_match=fp_match, mode=spec.mode, note=note)
     if first:
         return VerifyReport(ok=False, passes_checked=len(replay), num_passes=len(expected), first_step=first["step"],
-                            field=first["field"], expected=first["expected"] or "", got=first["got"], **common)
+                            field=first["field"], expected=first["expected"] or "", got=first["got"] or "", **common)
     if len(replay) != len(expected):
         return VerifyReport(ok=False, passes_checked=len(replay), num_passes=len(expected), first_step=len(replay),
                             field="num_passes", expected=str(len(expected)), got=str(len(replay)), **common)

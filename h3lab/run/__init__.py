@@ -2,7 +2,8 @@
 
   registry.py  `RunSpecError`; `Registry`, name -> provider with a lazy import of the providing room
   inputs.py    `DenoiseInputs`, the sealed tensors of a run
-  steppers.py  `Stepper`, `ScheduleStepper` (the Euler step), steppers by registered name
+  steppers.py  `Stepper`, `ScheduleStepper` (the Euler step), steppers by registered name (`StepperProvider` for
+               steppers with sealed parameters)
   fields.py    the extension fields (adapters, factors, preset, placement, residency): `FieldProvider`, `register_field`
   spec.py      `RunSpec`, `Custom`; JSON description, sealed tensors, `sha256`
   loop.py      `resolve(spec, model)` -> `ResolvedRun`; `loop(run)`; `denoise(spec, model)` = resolve + loop
@@ -16,10 +17,11 @@ from .inputs import DenoiseInputs
 from .loop import DenoiseCancelled, ResolvedRun, StepRecord, denoise, loop, model_forward, resolve, set_hook_step
 from .registry import Registry, RunSpecError
 from .spec import Custom, RunSpec
-from .steppers import STEPPERS, ScheduleStepper, Stepper, make_stepper, register_stepper
+from .steppers import STEPPERS, ScheduleStepper, Stepper, StepperProvider, make_stepper, register_stepper
 
 __all__ = [
     "Custom", "DenoiseCancelled", "DenoiseInputs", "EXTENSION_FIELDS", "FIELDS", "FieldProvider", "Registry",
-    "ResolvedRun", "RunSpec", "RunSpecError", "STEPPERS", "ScheduleStepper", "StepRecord", "Stepper", "denoise",
+    "ResolvedRun", "RunSpec", "RunSpecError", "STEPPERS", "ScheduleStepper", "StepRecord", "Stepper", "StepperProvider",
+    "denoise",
     "loop", "make_stepper", "model_forward", "register_field", "register_stepper", "resolve", "set_hook_step",
 ]

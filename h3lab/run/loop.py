@@ -24,8 +24,9 @@ variant -> model; the spec's own model is `model`.
      timestep plan; else the velocities are extrapolated per modality on its own grid (`extrapolate_velocity`,
      `spec.reuse_mode`);
   2. the video rows after the `num_condition_video_rows` conditioning rows step down the video grid, the audio rows
-     after the reference rows down the audio grid (the stepper named by the run, built on its final schedule);
-     conditioning rows are never written;
+     after the reference rows down the audio grid (the stepper named by the run with the spec's `stepper_params`,
+     built on its final schedule); conditioning rows are never written; a stepper with `pass_record(i)` reports the
+     pass (the SDE steppers: log-densities, sigmas, noise) into `StepRecord.transition` / `.transition_tensors`;
   3. the recorder (`begin(run)` once, then `record(StepRecord)`) and `callback(StepRecord)` see the pass.
 `cancel` (an Event-like `.is_set()` or a callable) is checked before each pass and raises `DenoiseCancelled`. The
 whole loop runs under `torch.no_grad()`.
@@ -94,6 +95,7 @@ class ResolvedRun:
     schedule: DualSchedule
     layout: Any
     stepper: str
+    stepper_params: Mapping[str, Any] = field(default_factory=dict)
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     hooks: tuple = ()
     forward: Forward = model_forward
@@ -122,7 +124,9 @@ class ResolvedRun:
         return self.models(variant)
 
     def make_stepper(self) -> Stepper:
-        return self.custom_stepper if self.custom_stepper is not None else make_stepper(self.stepper, self.schedule)
+        if self.custom_stepper is not None:
+            return self.custom_stepper
+        return make_stepper(self.stepper, self.schedule, self.stepper_params)
 
 
 def _lookup(models: Mapping[str, Any] | Callable[[str], Any] | None) -> Callable[[str], Any] | None:
@@ -155,7 +159,8 @@ def resolve(spec: RunSpec, model: Any, *,
         raise RunSpecError(f"the run spec carries custom callables {custom.describe()} that were never sealed: "
                            "it cannot run from its description")
     run = ResolvedRun(spec=spec, model=model, inputs=spec.inputs, schedule=spec.schedule, layout=spec.layout,
-                      stepper=spec.stepper, overrides=dict(custom.overrides), hooks=custom.hooks,
+                      stepper=spec.stepper, stepper_params=spec.stepper_params,
+                      overrides=dict(custom.overrides), hooks=custom.hooks,
                       custom_stepper=custom.stepper, reuse=spec.reuse, reuse_mode=spec.reuse_mode,
                       models=_lookup(models), base_model=model,
                       changed={**{f"op:{op}": "a custom override" for op in custom.overrides},
@@ -180,7 +185,8 @@ def resolve(spec: RunSpec, model: Any, *,
 @dataclass
 class StepRecord:
     """One pass: t of each modality, whether the model ran (False: reused velocity), velocities as returned (all
-    rows, (B, N, C)), latents after the step (B, N, C), and the provenance trace of the forward (None if none)."""
+    rows, (B, N, C)), latents after the step (B, N, C), the provenance trace of the forward (None if none), and what
+    the stepper reported (`pass_record`: JSON `transition` and CPU `transition_tensors`; None for the Euler step)."""
 
     index: int
     t_video: float
@@ -191,6 +197,8 @@ class StepRecord:
     video: torch.Tensor
     audio: torch.Tensor
     trace: runtime.Trace | None = None
+    transition: dict | None = None
+    transition_tensors: dict | None = None
 
 
 def _cancelled(cancel: Any) -> bool:
@@ -206,6 +214,7 @@ def loop(run: ResolvedRun, recorder: Any = None, callback: Callable[[StepRecord]
     """Every pass of a resolved run; returns the final (video, audio) rows (B, N, C). See the module docstring."""
     schedule, inputs, model = run.schedule, run.inputs, run.model
     stepper = run.make_stepper()
+    report = getattr(stepper, "pass_record", None)
     evaluate = reuse_plan(schedule.num_passes, run.reuse)
     history: dict[str, list] = {"video": [], "audio": []}
     nv, na = inputs.num_condition_video_rows, inputs.num_condition_audio_rows
@@ -231,6 +240,7 @@ def loop(run: ResolvedRun, recorder: Any = None, callback: Callable[[StepRecord]
             # Only the generated rows move; the conditioning / reference rows are kept as sealed.
             video = torch.cat([video[:, :nv], stepper.step("video", i, video[:, nv:], v_video[:, nv:].float())], 1)
             audio = torch.cat([audio[:, :na], stepper.step("audio", i, audio[:, na:], v_audio[:, na:].float())], 1)
+            transition, transition_tensors = (report(i) or (None, None)) if report is not None else (None, None)
             record = StepRecord(
                 index=i,
                 t_video=float(schedule.video.timesteps[i]),
@@ -241,6 +251,8 @@ def loop(run: ResolvedRun, recorder: Any = None, callback: Callable[[StepRecord]
                 video=video,
                 audio=audio,
                 trace=trace,
+                transition=transition,
+                transition_tensors=transition_tensors,
             )
             if recorder is not None:
                 recorder.record(record)

@@ -4,8 +4,8 @@ ablation matrix and the arms build, run and seal.
 Contract
 --------
 `RunSpec(inputs, schedule, mode="off", variant="transformer", fingerprint="", layout=None, factors=(),
-stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), residency={}, custom=None,
-label="")`
+stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), residency={}, stepper_params={},
+custom=None, label="")`
 
   inputs       `DenoiseInputs`, the sealed tensors (text, initial rows, layout index tensors, per-pass plan)
   schedule     the sealed `DualSchedule` (its plan must match the inputs' pass count)
@@ -15,7 +15,10 @@ label="")`
   layout       the `PackedLayout` the inputs were sealed from (None: factors that rebuild the layout or the plan --
                H1, H10, H11, H12 -- cannot apply); must hash to `inputs.layout_sha256` when both are given
   factors      ablation factor names (provided by `h3lab.ablation`; canonical order; see `fields.py`)
-  stepper      registered stepper name (`steppers.py`): "euler", "diffusers", "negated_velocity", ...
+  stepper      registered stepper name (`steppers.py`): "euler", "diffusers", "negated_velocity", "flow_sde", ...
+  stepper_params  the stepper's parameters (a JSON object, validated by its provider; {} for steppers without
+               any), e.g. {"level": {"video": 0.7, "audio": 0.7}, "seed": 5, "requests": [0, 1], "window": null}; in
+               the JSON description only when not empty, so specs sealed before it existed keep their sha256
   reuse        whole-denoiser reuse: evaluate every `reuse`-th pass (+ first and last), extrapolate the others
                with `reuse_mode` ("linear" | "hold"), `sampler.reuse_plan` / `extrapolate_velocity`
   preset, placement, adapters, residency   extension fields (speed presets, device topology, LoRA adapters, where
@@ -54,7 +57,7 @@ from ..sampler import REUSE_MODES, DualSchedule, Schedule, ScheduleError, timest
 from .fields import DEFAULTS, EXTENSION_FIELDS, check_field, is_default, thaw
 from .inputs import DenoiseInputs
 from .registry import RunSpecError
-from .steppers import check_stepper
+from .steppers import check_stepper_params, make_stepper
 
 FORMAT = "h3lab-runspec/1"
 LAYOUT_PREFIX = "layout."
@@ -137,6 +140,7 @@ class RunSpec:
     placement: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["placement"])
     adapters: tuple = ()
     residency: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["residency"])
+    stepper_params: Mapping[str, Any] = field(default_factory=dict)
     custom: Custom | None = None
     label: str = ""
 
@@ -171,7 +175,11 @@ class RunSpec:
             raise RunSpecError(f"reuse={self.reuse!r}: must be an integer >= 1")
         if self.reuse_mode not in REUSE_MODES:
             raise RunSpecError(f"reuse_mode={self.reuse_mode!r}: must be one of {', '.join(REUSE_MODES)}")
-        check_stepper(self.stepper)
+        object.__setattr__(self, "stepper_params", check_stepper_params(self.stepper, self.stepper_params))
+        if self.stepper_params:  # rules that need the schedule or the inputs fail here, not mid-run
+            stepper = make_stepper(self.stepper, self.schedule, self.stepper_params)
+            if hasattr(stepper, "check_inputs"):
+                stepper.check_inputs(self.inputs)
         if self.custom is not None and not isinstance(self.custom, Custom):
             raise RunSpecError(f"custom is a {type(self.custom).__name__}: must be a run.Custom or None")
         if self.custom is not None and not self.custom:
@@ -241,6 +249,7 @@ class RunSpec:
             "custom": None if self.custom is None else self.custom.describe(),
             "sealable": self.sealable,
             **({} if is_default("residency", self.residency) else {"residency": thaw(self.residency)}),
+            **({"stepper_params": thaw(self.stepper_params)} if self.stepper_params else {}),
         }
 
     @functools.cached_property
@@ -271,7 +280,8 @@ class RunSpec:
                 variant=data["model"]["variant"], fingerprint=data["model"]["fingerprint"], layout=layout,
                 factors=tuple(data["factors"]), stepper=data["stepper"], reuse=data["reuse"]["k"],
                 reuse_mode=data["reuse"]["mode"], preset=data["preset"], placement=data["placement"],
-                adapters=data["adapters"], residency=data.get("residency"), custom=custom,
+                adapters=data["adapters"], residency=data.get("residency"),
+                stepper_params=data.get("stepper_params"), custom=custom,
                 label=data.get("label", ""),
             )
         except (KeyError, TypeError) as err:

@@ -14,6 +14,14 @@ verifiable training runs.
 - `adapter_file.py`   `read_adapter` (PEFT directory or Diffusers .safetensors, checked before any model loads),
                       `check_shapes`, `files_digest`
 - `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
+- `rewards.py`        RL rewards: `Reward`, `RewardSample`, `score`, `resolve_reward` (NAME, module:function)
+- `grpo.py`           GRPO pieces as pure functions: `group_advantages`, `clipped_surrogate`, `truncated_weight`,
+                      `reference_kl`, `PassSelection`
+- `grpo_step.py`      `GrpoConfig`, `Transition`, `RolloutBatch` (from SDE trajectories / `Session.rollout`),
+                      `grpo_iteration`, `replay_ratios`
+- `grpo_run.py`       sealed GRPO runs: `grpo_train` (resume), `load`, `verify`
+- `grpo_job.py`       `h3lab train grpo` jobs (`GrpoJob.check`, `run_grpo_job`)
+- `grpo_report.py`    the REPL's `!rollout` report (`rollout_report`), `reward_samples` of a `Session.rollout`
 - `_deps.py`          every name taken from the rest of h3lab (one place to update when those rooms move)
 """
 
@@ -45,6 +53,10 @@ from .lora import (
     save_adapter,
 )
 from .step import RequestGradient, StepResult, compute_gradients, request_gradient, train_step, trainable_parameters
+from .grpo import PassSelection, group_advantages
+from .grpo_step import GrpoConfig, RolloutBatch, Transition, batch_from_rollout, grpo_iteration
+from .grpo_run import GrpoRun, grpo_train
+from .rewards import Reward, RewardError, RewardSample, resolve_reward
 
 __all__ = [
     "TreeAccumulator", "tree_nodes", "tree_sum", "tree_sum_nodes", "data_parallel_gradients", "rank_block",
@@ -53,4 +65,6 @@ __all__ = [
     "train", "verify", "RequestGradient", "StepResult", "compute_gradients", "request_gradient", "train_step",
     "trainable_parameters", "AdapterFile", "check_shapes", "read_adapter", "adapter_entry", "PROJECTIONS",
     "AdapterError", "add_lora", "adapter_digest", "adapter_files", "adapter_state_dict", "remove_lora", "save_adapter",
+    "PassSelection", "group_advantages", "GrpoConfig", "RolloutBatch", "Transition", "batch_from_rollout",
+    "grpo_iteration", "GrpoRun", "grpo_train", "Reward", "RewardError", "RewardSample", "resolve_reward",
 ]

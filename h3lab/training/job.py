@@ -65,6 +65,13 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def check_alpha(alpha: Any) -> None:
+    """--alpha: None (= rank) or a finite number > 0."""
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+                              or not math.isfinite(alpha) or alpha <= 0):
+        raise TrainingError(f"--alpha {alpha!r}: must be a finite number > 0")
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """One `h3lab train` job (module docstring). `snapshot=None` is the embedded tiny snapshot."""
@@ -100,9 +107,7 @@ class TrainJob:
         if self.variant not in VARIANTS:
             raise TrainingError(f"--variant {self.variant!r}: must be one of {', '.join(VARIANTS)}")
         rank = _int("--rank", self.rank, 1)
-        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
-                                       or not math.isfinite(self.alpha) or self.alpha <= 0):
-            raise TrainingError(f"--alpha {self.alpha!r}: must be a finite number > 0")
+        check_alpha(self.alpha)
         every = _int("--checkpoint-every", self.checkpoint_every, 1)
         lora_seed = _int("--lora-seed", self.lora_seed, 0)
         targets = parse_targets(self.targets)

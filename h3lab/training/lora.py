@@ -321,6 +321,26 @@ def remove_lora(model: nn.Module, handle: LoraHandle | None = None) -> None:
 
 
 @contextlib.contextmanager
+def adapter_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model as the reference policy: every LoRA layer's adapter switched off with peft's own
+    `enable_adapters(False)` (what `PeftModel.disable_adapter` does), no second copy of the weights; the adapter and
+    every `requires_grad` flag are put back on exit. A model without LoRA is refused (its reference is itself)."""
+    layers = lora_layers(model)
+    if not layers:
+        raise AdapterError("the model carries no LoRA adapter: the adapter-off reference policy needs one")
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    for _, layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for _, layer in layers:
+            layer.enable_adapters(True)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+
+
+@contextlib.contextmanager
 def pinned_fingerprint(model: nn.Module) -> Iterator[str]:
     """Hold `model.fingerprint` at the base weights' fingerprint while an adapter is attached (the checkpoint a run
     records is the base; the adapter is recorded by its own digest), restored afterwards."""

@@ -100,9 +100,11 @@ def request_gradient(
     *,
     input_grads: bool = False,
     trace: TraceSummary | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, TrainingSample], torch.Tensor] | None = None,
 ) -> RequestGradient:
     """Forward + backward of one request in the current runtime mode (module docstring); the model's `.grad`s are
-    left cleared. `trace` receives the forward's provenance trace."""
+    left cleared. `trace` receives the forward's provenance trace. `loss_fn(v_video, v_audio, sample)` (default: the
+    flow-matching loss) gives the 0-d loss differentiated, on the canonical sample (the GRPO surrogate, `grpo_step`)."""
     params = trainable_parameters(model) if params is None else list(params)
     if not params and not input_grads:
         raise TrainingError("no trainable parameters (requires_grad) and no input gradients asked for: nothing to do")
@@ -118,7 +120,10 @@ def request_gradient(
             if trace is not None:
                 now = runtime.last_trace()
                 trace.add(now if now is not before else None)
-            loss = flow_matching_loss(objective, v_video, v_audio, sample)
+            if loss_fn is None:
+                loss = flow_matching_loss(objective, v_video, v_audio, sample)
+            else:
+                loss = loss_fn(v_video, v_audio, sample)
             loss.backward()
         gradient = flat_gradient(params)
     finally:

@@ -10,7 +10,7 @@ from nbclient import NotebookClient
 from nb_helpers import NOTEBOOKS, write_benchmark_sample
 
 NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_performance",
-         "05_reward_weighted_update"]
+         "05_reward_weighted_update", "06_grpo"]
 CELL_TIMEOUT_S = 300
 
 
@@ -125,3 +125,11 @@ def test_reward_weighted_update_runs():
     text = _text(nb)
     assert "8 requests" in text and "no transition log-probabilities" in text
     assert "trajectory hash differs" in text and "verify: OK: 2/2 passes byte-equal" in text
+
+
+def test_grpo_runs():
+    nb = _execute("06_grpo")
+    text = _text(nb)
+    assert "iteration 0: on-policy ratio - 1 in [0, 0] (8/8 exactly 1)" in text
+    assert "verify: OK: 3/3 GRPO iterations byte-equal" in text
+    assert _images(nb) == 1 and _stderr(nb) == [] and _long_lines(nb) == []

@@ -49,6 +49,7 @@ EXAMPLES = {
     "zoom": ("!zoom 1", (1,)),
     "quit": ("!quit", ()),
     "lora": ("!lora fox-lora 0.5", ("fox-lora", 0.5)),
+    "rollout": ("!rollout 4 brightness a red fox", (4, "brightness", "a red fox")),
 }
 
 

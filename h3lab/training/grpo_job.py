@@ -1,0 +1,208 @@
+"""A GRPO job of the `h3lab train grpo` front end: iterations of (stochastic rollout of the current LoRA policy on a
+prompt file -> reward -> `grpo_step.grpo_iteration`), checkpointed after every iteration, resumable, sealed.
+
+Contract
+--------
+`GrpoJob` (frozen) is everything a job varies: the prompt file (one prompt a line; blank lines and lines starting
+with `#` are skipped), the group G, the reward (`rewards.resolve_reward`: NAME or module:function), the iteration
+count, the rollout (SDE `GrpoConfig.kind`, `level`, `steps` passes, canvas `width` x `height` x `frames`), the LoRA
+(rank, alpha, targets, init seed), the `GrpoConfig` (every GRPO knob), snapshot, device, `out`. `check()` validates
+every value, the prompts (`settings.check_prompt`), the reward (imported, not called), the output folder and the LoRA
+targets against the snapshot's transformer config -- before any model loads -- raising one-line `H3Error`s.
+
+Iteration k rolls out with `Session.rollout(prompts, group=G, stepper=kind, level=level, seed=rollout_seed(seed, k),
+decode=reward.needs == "decoded", steps=, width=, height=, frames=, mode=)` on the session's transformer, which
+carries the job's LoRA adapter in place (so the rollout runs the current policy), scores every request with the
+reward (`rewards.score`; `grpo_report.reward_samples`), builds the `RolloutBatch` (`grpo_step.batch_from_rollout`) and
+trains one iteration. The output folder `out`:
+    job.json              the job (`--resume` must name the same job)
+    initial/              the adapter before iteration 0 (PEFT format)
+    checkpoint/           after every iteration but the last, atomically: the sealed run so far (`grpo_run`), whose
+                          `final.*` weights and optimiser state are where the next iteration starts
+    adapter/              the final adapter (PEFT format)
+    run/                  the sealed GRPO run (`h3lab.training.grpo_run.load` / `verify`)
+`--resume` puts the checkpoint's weights and optimiser state back and continues; the rollouts after it are drawn
+from the same seeds, so the finished run's records equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ._deps import atomic_write_json
+from .grpo_report import reward_samples
+from .grpo_run import GrpoRun, grpo_train
+from .grpo_run import load as load_run
+from .grpo_step import GrpoConfig, batch_from_rollout
+from .lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
+from .objective import TrainingError
+from .rewards import resolve_reward, score
+
+JOB = "job.json"
+CHECKPOINT = "checkpoint"
+
+
+def rollout_seed(seed: int, iteration: int) -> int:
+    """63 bits of SHA-256 of `h3lab-grpo-rollout|seed|iteration`: the rollout seed of iteration k."""
+    digest = hashlib.sha256(f"h3lab-grpo-rollout|{seed}|{iteration}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def read_prompts(path: str | os.PathLike) -> list[str]:
+    """The prompts of a prompt file (module docstring); one-line errors naming the file and line."""
+    from ..settings import check_prompt
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise TrainingError(f"--prompts {str(path)!r}: no such file")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise TrainingError(f"--prompts {str(path)!r}: not UTF-8 text ({err.reason})") from None
+    prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    if not prompts:
+        raise TrainingError(f"--prompts {str(path)!r}: holds no prompt (one a line; '#' lines are comments)")
+    for prompt in prompts:
+        check_prompt(prompt)
+    return prompts
+
+
+@dataclass(frozen=True)
+class GrpoJob:
+    """One `h3lab train grpo` job (module docstring). `snapshot=None` is the embedded tiny snapshot."""
+
+    out: str
+    prompts: str
+    reward: str
+    config: GrpoConfig
+    iterations: int = 1
+    steps: int = 4
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+    snapshot: str | None = None
+    device: str | None = None
+    rank: int = 16
+    alpha: float | None = None
+    targets: tuple[str, ...] = PROJECTIONS
+    lora_seed: int = 0
+    prompt_list: tuple[str, ...] = field(default=(), compare=False, repr=False)  # filled by check()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "prompt_list": list(self.prompt_list), "reward": self.reward,
+                "config": self.config.to_dict(), "iterations": self.iterations, "steps": self.steps,
+                "width": self.width, "height": self.height, "frames": self.frames, "snapshot": self.snapshot,
+                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "lora_seed": self.lora_seed}
+
+    def generation(self) -> dict[str, Any]:
+        """The generation settings every rollout request shares."""
+        out = {"steps": self.steps, "mode": self.config.mode}
+        out.update({k: getattr(self, k) for k in ("width", "height", "frames") if getattr(self, k) is not None})
+        return out
+
+    def check(self, resume: bool = False) -> "GrpoJob":
+        """Every value, path and the prompts, before any model loads (module docstring)."""
+        from ..io_utils import check_output_dir
+        from ..session import resolve_device
+        from ..settings import GenerationSettings
+        from .job import _check_targets, _int, _snapshot_config, check_alpha
+
+        iterations = _int("--iterations", self.iterations, 1)
+        steps = _int("--steps", self.steps, 1)
+        rank = _int("--rank", self.rank, 1)
+        lora_seed = _int("--lora-seed", self.lora_seed, 0)
+        check_alpha(self.alpha)
+        resolve_reward(self.reward)
+        prompts = read_prompts(self.prompts)
+        GenerationSettings(prompt=prompts[0], **self.generation())  # the canvas / frames / steps rules
+        device = resolve_device(self.device)
+        if self.config.mode == "strict" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise TrainingError("--mode strict on the cpu: strict kernels run there only under TRITON_INTERPRET=1 "
+                                "(export it before starting), or use --mode off")
+        targets = parse_targets(self.targets)
+        out = Path(self.out).expanduser()
+        check_output_dir(out, "--out")
+        has_job = (out / JOB).is_file()
+        if resume and not has_job:
+            raise TrainingError(f"--resume: {str(out)!r} holds no GRPO job ({JOB}); start it without --resume")
+        if not resume and out.exists() and any(out.iterdir()):
+            why = "holds a job: add --resume to continue it" if has_job else "is a folder of other files"
+            raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
+        snapshot = self._snapshot()
+        _check_targets(targets, _snapshot_config(snapshot, "transformer"))
+        return dataclasses.replace(self, out=str(out.resolve()), prompts=str(Path(self.prompts).resolve()),
+                                   iterations=iterations, steps=steps, rank=rank, lora_seed=lora_seed,
+                                   targets=targets, snapshot=str(snapshot), prompt_list=tuple(prompts))
+
+    def _snapshot(self) -> Path:
+        from ..errors import CheckpointError
+
+        if self.snapshot is None:
+            from ..checkpoint.tiny import default_snapshot
+
+            return Path(default_snapshot()).resolve()
+        path = Path(self.snapshot).expanduser()
+        if not (path / "transformer" / "config.json").is_file():
+            raise CheckpointError(f"snapshot {self.snapshot!r}: no transformer/config.json (not a MiniMax-H3 "
+                                  "snapshot folder)")
+        return path.resolve()
+
+
+def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
+                 progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
+    """Train `job` (checked) with `session` (its snapshot, on its device) and write its folder (module docstring);
+    returns a summary {iterations, reward_mean, ratio, adapter, adapter_sha256, run, digest}."""
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        recorded = json.loads((out / JOB).read_text(encoding="utf-8"))
+        now = json.loads(json.dumps(job.to_dict()))
+        if recorded != now:
+            key = next(k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k))
+            raise TrainingError(f"--resume: this command's {key} differs from the job in {str(out / JOB)!r}; "
+                                "resume with the same arguments")
+    else:
+        atomic_write_json(out / JOB, job.to_dict())
+    reward = resolve_reward(job.reward)
+    decoded = reward.needs == "decoded"
+    model = session.transformer("transformer")
+    handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
+    try:
+        previous = None
+        if resume:
+            if not (out / CHECKPOINT).is_dir():
+                raise TrainingError(f"--resume: {str(out)!r} has no checkpoint yet; start again in a new folder")
+            previous = load_run(out / CHECKPOINT)
+        else:
+            save_adapter(model, out / "initial")
+
+        def rollout(k: int, _model: Any):
+            ro = session.rollout(list(job.prompt_list), group=job.config.group, stepper=job.config.kind,
+                                 level=job.config.level, seed=rollout_seed(job.config.seed, k), decode=decoded,
+                                 **job.generation())
+            return batch_from_rollout(ro, score(reward, reward_samples(ro, decoded)))
+
+        def on_iteration(k: int, record: dict, run: GrpoRun) -> None:
+            if k + 1 < job.iterations:
+                run.seal(out / CHECKPOINT)
+            if progress is not None:
+                progress(k + 1, job.iterations, record)
+
+        run = grpo_train(model, rollout, job.config, job.iterations, reward=job.reward,
+                         meta={"job": job.to_dict()}, on_iteration=on_iteration, resume=previous)
+        adapter_path, sha = save_adapter(model, out / "adapter")
+        run_path = run.seal(out / "run")
+        last = run.iterations[-1]
+        return {"iterations": len(run.iterations), "reward_mean": sum(last["rewards"]) / len(last["rewards"]),
+                "ratio": last["epochs"][0]["ratio"], "adapter": str(adapter_path), "adapter_sha256": sha,
+                "run": str(run_path), "digest": run.digest}
+    finally:
+        remove_lora(model, handle)
+
+

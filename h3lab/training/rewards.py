@@ -1,0 +1,245 @@
+"""Rewards for RL on H3: a plain Python callable scoring each request of a rollout, shipped examples that need no
+download, resolution of `NAME` or `module:function`, and the checks on what a reward returns.
+
+Contract
+--------
+- A request reaches a reward as a `RewardSample`: its prompt, seed and index in the rollout batch; the decoded frames
+  (uint8 (F, H, W, 3)) and soundtrack (float32 (2, S) in [-1, 1] at `sample_rate`); the final latents (target video
+  (C, T, h, w) and audio rows (2A, C_audio), float32, normalised, as `GenerationResult` carries them); and the
+  first-frame anchor's path when the request had one. A reward that `needs="latents"` is given samples whose
+  `frames` / `audio` are None (the rollout may skip the VAE decodes for it).
+- A reward is a `Reward(name, fn, needs, batched)`. `batched=False` (the default): `fn(sample) -> float` per request.
+  `batched=True`: `fn(samples) -> sequence of floats`, one per sample in order (a scorer that runs one model over the
+  batch). `score(reward, samples)` calls it and returns (B,) float64; it refuses, in one line naming the reward, the
+  request and the value: a count other than B, a value that is not a real number (bool included), NaN or +-inf.
+- Resolution (`resolve_reward`): a `Reward` as it is; a registered NAME (`REWARDS`); `"package.module:function"`
+  imported with importlib (the attribute is a `Reward`, or a callable taken as a per-sample decoded reward unless it
+  carries `needs` / `batched` attributes, as `@reward(...)` sets them); any other callable the same way. An unknown
+  name, an unimportable module or a missing / non-callable attribute is a one-line `RewardError`.
+- The shipped rewards (all deterministic numpy on the CPU, float64):
+    brightness     mean Rec. 601 luma of every frame, in [0, 1]
+    redness        mean(R - (G + B) / 2) / 255 over every pixel, in [-1, 1]
+    colour(r,g,b)  factory: 1 - mean |pixel - (r, g, b)| / 255, in [0, 1] (`REWARDS["colour"]` targets pure red)
+    pitch          -|log2(f / 440)|, f the dominant frequency of the mono mix (largest rFFT magnitude above 20 Hz,
+                   Hann window): 0 at A4, -1 one octave away; `pitch_near(hz)` targets another pitch
+    anchor_match   1 - mean |frame 0 - anchor| / 255, the anchor image stretched onto the frame (PIL LANCZOS, as the
+                   pipeline stretches a first-frame anchor); a request without a first-frame anchor is refused
+    latent_mean    mean of the final target video latents (needs="latents": no decode; a cheap test reward)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ._deps import H3Error, read_image
+
+NEEDS = ("decoded", "latents")
+
+
+class RewardError(H3Error):
+    """A reward cannot be resolved, or returned something other than one finite float per request."""
+
+
+@dataclass(frozen=True, eq=False)
+class RewardSample:
+    """One request of a rollout as a reward sees it (module docstring)."""
+
+    prompt: str
+    seed: int
+    index: int
+    frames: np.ndarray | None = None  # uint8 (F, H, W, 3)
+    audio: torch.Tensor | None = None  # float32 (2, S) in [-1, 1]
+    sample_rate: int = 32000
+    latents: torch.Tensor | None = None  # final target video latents (C, T, h, w) float32
+    audio_latents: torch.Tensor | None = None  # final target audio rows (2A, C_audio) float32
+    first: str | None = None  # first-frame anchor path
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: Any, index: int = 0, decoded: bool = True) -> "RewardSample":
+        """From a `GenerationResult` (frames, audio, latents, settings)."""
+        s = result.settings
+        return cls(prompt=s.prompt, seed=int(result.seed), index=index,
+                   frames=result.frames if decoded else None, audio=result.audio if decoded else None,
+                   sample_rate=int(result.sample_rate), latents=result.latents, audio_latents=result.audio_latents,
+                   first=s.first)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A named reward: `fn` per sample (or per batch with `batched`), on decoded media or on latents (`needs`)."""
+
+    name: str
+    fn: Callable[..., Any]
+    needs: str = "decoded"
+    batched: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise RewardError(f"reward {self.name!r}: {self.fn!r} is not callable")
+        if self.needs not in NEEDS:
+            raise RewardError(f"reward {self.name!r} needs={self.needs!r}: must be one of {', '.join(NEEDS)}")
+
+
+def reward(name: str | None = None, needs: str = "decoded", batched: bool = False):
+    """Decorator marking a function as a reward: `@reward(needs="latents")`; `resolve_reward` reads the marks."""
+    def mark(fn):
+        fn.needs, fn.batched = needs, batched
+        if name is not None:
+            fn.reward_name = name
+        return fn
+    return mark
+
+
+# ================================================================================================ checks
+def _value(name: str, index: int, value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (np.ndarray, np.generic)) and (
+            np.size(value) == 1):
+        value = value.item()  # a one-element tensor or array, a numpy scalar
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise RewardError(f"reward {name!r} returned {value!r} for request {index}: must be a real number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardError(f"reward {name!r} returned {value} for request {index}: must be finite (not NaN or inf)")
+    return value
+
+
+def score(reward_: Reward, samples: Sequence[RewardSample]) -> torch.Tensor:
+    """(B,) float64: one checked value per sample, in order (module docstring)."""
+    samples = list(samples)
+    if reward_.batched:
+        out = reward_.fn(samples)
+        try:
+            values = list(out)
+        except TypeError:
+            raise RewardError(f"reward {reward_.name!r} returned {type(out).__name__}: a batched reward returns "
+                              f"one value per request ({len(samples)})") from None
+        if len(values) != len(samples):
+            raise RewardError(f"reward {reward_.name!r} returned {len(values)} values for {len(samples)} requests: "
+                              "must return one per request")
+    else:
+        values = [reward_.fn(s) for s in samples]
+    return torch.tensor([_value(reward_.name, i, v) for i, v in enumerate(values)], dtype=torch.float64)
+
+
+# ============================================================================================ the examples
+def _frames(sample: RewardSample, name: str) -> np.ndarray:
+    if sample.frames is None:
+        raise RewardError(f"reward {name!r}: request {sample.index} has no decoded frames")
+    return np.asarray(sample.frames, dtype=np.float64)
+
+
+def brightness(sample: RewardSample) -> float:
+    f = _frames(sample, "brightness")
+    return float((0.299 * f[..., 0] + 0.587 * f[..., 1] + 0.114 * f[..., 2]).mean() / 255.0)
+
+
+def redness(sample: RewardSample) -> float:
+    f = _frames(sample, "redness")
+    return float((f[..., 0] - 0.5 * (f[..., 1] + f[..., 2])).mean() / 255.0)
+
+
+def colour(r: float, g: float, b: float) -> Reward:
+    """1 - mean |pixel - (r, g, b)| / 255 (channels 0..255)."""
+    target = np.asarray([r, g, b], dtype=np.float64)
+    if target.shape != (3,) or not np.isfinite(target).all() or (target < 0).any() or (target > 255).any():
+        raise RewardError(f"colour target {(r, g, b)!r}: must be three numbers in [0, 255]")
+
+    def fn(sample: RewardSample) -> float:
+        return float(1.0 - np.abs(_frames(sample, "colour") - target).mean() / 255.0)
+
+    return Reward(f"colour({r:g},{g:g},{b:g})", fn)
+
+
+def dominant_pitch(audio: torch.Tensor | np.ndarray, sample_rate: int) -> float:
+    """Frequency (Hz) of the largest rFFT magnitude above 20 Hz of the Hann-windowed mono mix."""
+    x = np.asarray(audio, dtype=np.float64)
+    x = x.mean(axis=0) if x.ndim == 2 else x
+    if x.ndim != 1 or x.size < 2:
+        raise RewardError(f"audio of shape {tuple(np.shape(audio))}: dominant pitch needs (channels, samples)")
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(x.size)))
+    freqs = np.fft.rfftfreq(x.size, 1.0 / sample_rate)
+    band = freqs > 20.0
+    if not band.any():
+        raise RewardError(f"audio of {x.size} samples at {sample_rate} Hz: too short for a pitch above 20 Hz")
+    return float(freqs[band][int(np.argmax(spectrum[band]))])
+
+
+def pitch_near(hz: float) -> Reward:
+    """-|log2(f / hz)| of the dominant frequency f."""
+    if isinstance(hz, bool) or not isinstance(hz, numbers.Real) or not math.isfinite(hz) or hz <= 20:
+        raise RewardError(f"pitch target {hz!r}: must be a frequency in Hz above 20")
+
+    def fn(sample: RewardSample) -> float:
+        if sample.audio is None:
+            raise RewardError(f"reward 'pitch': request {sample.index} has no decoded audio")
+        return -abs(math.log2(dominant_pitch(sample.audio, sample.sample_rate) / hz))
+
+    return Reward(f"pitch_near({hz:g})", fn)
+
+
+def anchor_match(sample: RewardSample) -> float:
+    if sample.first is None:
+        raise RewardError(f"reward 'anchor_match': request {sample.index} has no first-frame anchor (--first)")
+    from PIL import Image
+
+    frame = _frames(sample, "anchor_match")[0]
+    h, w = frame.shape[:2]
+    anchor = np.asarray(Image.fromarray(read_image(sample.first)).resize((w, h), Image.Resampling.LANCZOS),
+                        dtype=np.float64)
+    return float(1.0 - np.abs(frame - anchor).mean() / 255.0)
+
+
+def latent_mean(sample: RewardSample) -> float:
+    if sample.latents is None:
+        raise RewardError(f"reward 'latent_mean': request {sample.index} has no final latents")
+    return float(sample.latents.to(torch.float64).mean())
+
+
+REWARDS: dict[str, Reward] = {
+    "brightness": Reward("brightness", brightness),
+    "redness": Reward("redness", redness),
+    "colour": Reward("colour", colour(255, 0, 0).fn),
+    "pitch": Reward("pitch", pitch_near(440.0).fn),
+    "anchor_match": Reward("anchor_match", anchor_match),
+    "latent_mean": Reward("latent_mean", latent_mean, needs="latents"),
+}
+
+
+# ============================================================================================ resolution
+def _wrap(name: str, obj: Any) -> Reward:
+    if isinstance(obj, Reward):
+        return obj
+    if not callable(obj):
+        raise RewardError(f"reward {name!r} is a {type(obj).__name__}: must be a callable or a Reward")
+    return Reward(getattr(obj, "reward_name", name), obj, getattr(obj, "needs", "decoded"),
+                  bool(getattr(obj, "batched", False)))
+
+
+def resolve_reward(spec: str | Callable | Reward) -> Reward:
+    """A `Reward` from a registered NAME, `"module:function"`, a callable or a `Reward` (module docstring)."""
+    if not isinstance(spec, str):
+        return _wrap(getattr(spec, "__name__", type(spec).__name__), spec)
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise RewardError(f"reward {spec!r}: not a shipped reward ({', '.join(REWARDS)}) nor module:function")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or not all(p.isidentifier() for p in module_name.split(".") + attr.split(".")):
+        raise RewardError(f"reward {spec!r}: must be NAME or package.module:function")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return _wrap(spec, obj)
