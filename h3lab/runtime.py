@@ -249,10 +249,6 @@ def use_placement(placement: Any) -> Iterator[Any]:
         _placement.reset(token)
 
 
-def current_placement() -> Any:
-    return _placement.get()
-
-
 def active_overrides() -> tuple[str, ...]:
     """Names of the ops the enclosing `use_overrides` replace, sorted."""
     return tuple(sorted(_overrides.get()))

@@ -23,7 +23,6 @@ rows. Three things make that true here, and each file holds one:
 - `follow.py`       lead / follow: rank 0 runs a front end, the other ranks its forwards (torchrun CLI).
 - `frontend.py`     `torchrun --nproc-per-node N -m h3lab --tp T --cp C ...`: mesh, sessions, lead / follow.
 - `launch.py`       `spawn(fn, n, *args)`: n local gloo CPU processes (the ablation rows, the tests).
-- `ablation_rows.py` the matrix's distributed rows (A4, A7, C0, H17, H-C4, H-C5) on gloo ranks.
 
 The model never imports this package; a plan is applied to a built model from outside. Forward only: a sharded
 forward runs under no_grad, in mode strict on more than one rank.

@@ -14,7 +14,6 @@ verifiable training runs.
 - `adapter_file.py`   `read_adapter` (PEFT directory or Diffusers .safetensors, checked before any model loads),
                       `check_shapes`, `files_digest`
 - `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
-- `_deps.py`          every name taken from the rest of h3lab (one place to update when those rooms move)
 """
 
 from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider
