@@ -189,6 +189,15 @@ class SessionState:
                 self.session = self.session()
             return self.session
 
+    def check_mode(self, mode: str, what: str = "!mode strict") -> None:
+        """Refuse a mode this session's device cannot run in this process (strict on a CPU without the interpreter),
+        now rather than at the next generation; a session not started yet is checked when it generates."""
+        from .whatran import check_strict_runs
+
+        device = getattr(self.session, "device", None)
+        if device is not None:
+            check_strict_runs(mode, device, what)
+
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()
         return p if p.is_absolute() else self.base_dir / p

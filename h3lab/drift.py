@@ -422,7 +422,7 @@ class DriftPoint:
     shape_a: tuple | None = None
     shape_b: tuple | None = None
     note: str = ""
-    owner: dict | None = None  # an arm with a placement: the rank(s) holding `packed_row` (`placement.row_owner`)
+    owner: dict | None = None  # an arm with a placement: the rank(s) holding `packed_row` (the placement provider's `locate`)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -756,11 +756,12 @@ def compare(
             break
     placement = next((dict(x.spec.placement) for x in (b, a) if x.spec.placement), None)
     if placement is not None:  # across ranks: name the rank that holds the first differing row
-        from .distributed.placement import row_owner
+        from .run.fields import provider
 
+        locate = provider("placement").locate  # the placement's provider (h3lab.distributed) says who holds a row
         for dp in (first, first_in_block):
-            if dp is not None and dp.packed_row is not None:
-                dp.owner = row_owner(placement, dp.point, dp.packed_row, cap_a.inputs.seq_len)
+            if dp is not None and dp.packed_row is not None and locate is not None:
+                dp.owner = locate(placement, dp.point, dp.packed_row, cap_a.inputs.seq_len)
 
     # --- matrices
     steps = sorted({k[0] for k in common if k[0] >= 0})

@@ -70,10 +70,16 @@ def use_emulation() -> Iterator[None]:
         _emulated.reset(token)
 
 
-def _error(message: str) -> Exception:
-    from .runtime import FastModeError
+_BOUND: dict[str, Any] = {}  # set by `bind` from h3lab.runtime: this module never imports the runtime
 
-    return FastModeError(message)
+
+def bind(reference_ops: dict[str, Callable[..., Any]], error: type[Exception]) -> None:
+    """The runtime hands fast mode its reference op table and its refusal type (`runtime.FastModeError`) at import."""
+    _BOUND["ops"], _BOUND["error"] = reference_ops, error
+
+
+def _error(message: str) -> Exception:
+    return _BOUND["error"](message)
 
 
 # ------------------------------------------------------------------------------------------------ quantisation
@@ -144,9 +150,7 @@ def prepare(model: torch.nn.Module) -> int:
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
-    from .model.layers import Linear
-
-    return isinstance(module, (Linear, torch.nn.Linear))
+    return isinstance(module, torch.nn.Linear)  # the model's Linear is an nn.Linear (no import of the model room)
 
 
 # ----------------------------------------------------------------------------------------------------- ops
@@ -208,8 +212,7 @@ def _check(name: str, point: str, args: tuple, kwargs: dict) -> None:
 def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Callable[..., Any]]:
     """(trace info, the callable that computes op `name` in fast mode); raises FastModeError (one line) for a call
     fast mode refuses."""
-    from .runtime import REFERENCE_OPS
-
+    REFERENCE_OPS = _BOUND["ops"]
     _check(name, point, args, kwargs)
     if name in ("linear", "linear_tree"):
         weight = args[1] if len(args) > 1 else kwargs["weight"]

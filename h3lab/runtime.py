@@ -266,10 +266,6 @@ def use_placement(placement: Any) -> Iterator[Any]:
         _placement.reset(token)
 
 
-def current_placement() -> Any:
-    return _placement.get()
-
-
 def active_overrides() -> tuple[str, ...]:
     """Names of the ops the enclosing `use_overrides` replace, sorted."""
     return tuple(sorted(_overrides.get()))
@@ -449,8 +445,6 @@ class Ops:
             self._log(name, point, "torch", _TORCH_INFO, args, kwargs, note)
             return REFERENCE_OPS[name](*args, **kwargs)
         if self.mode == "fast":
-            from . import fast
-
             info, fn = fast.serve(name, point, args, kwargs)
             self._log(name, point, "fast", info, args, kwargs, "fast: not strict")
             return fn(*args, **kwargs)
@@ -536,3 +530,7 @@ def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:
     from h3kernels import registry
 
     return registry.STRICT_OPS, registry.StrictUnsupported
+
+
+from . import fast  # noqa: E402 - the fast op table; it gets the reference ops and the refusal type from here
+fast.bind(REFERENCE_OPS, FastModeError)

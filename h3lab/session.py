@@ -79,6 +79,7 @@ import torch
 from . import pipeline
 from .components import streaming
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
+from .devices import default_device, resolve_device  # noqa: F401 - re-exported: the session's device check
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
 from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt, is_blank
@@ -172,33 +173,6 @@ class GenerationResult:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device a session runs on, checked before anything loads: `None` is `default_device()`; "cpu"; "cuda" or
-    "cuda:N" only when this torch build has CUDA and GPU N exists. Anything else is a one-line `ValidationError`."""
-    if device is None:
-        return default_device()
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValidationError(f"device={device!r}: not a device name (cpu, cuda or cuda:N)") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValidationError(f"device={device!r}: h3lab runs on cpu or cuda (strict kernels exist for those two)")
-    if torch.version.cuda is None:
-        raise ValidationError(f"device={device!r}: this torch build ({torch.__version__}) has no CUDA; use --device cpu")
-    if not torch.cuda.is_available():
-        raise ValidationError(f"device={device!r}: no CUDA GPU is visible to torch {torch.__version__}; use --device cpu")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ValidationError(f"device={device!r}: GPU {dev.index} does not exist ({count} visible: cuda:0..{count - 1})")
-    return dev
-
-
 def check_outputs(output: Any = None, wav: Any = None, frames_dir: Any = None) -> dict[str, Path | None]:
     """The output paths of one generation, checked before any work (`io_utils`: suffix, an existing file of the
     right kind, a folder that accepts new files, three distinct paths). Returns them expanded (None when unset)."""

@@ -22,15 +22,11 @@ every launch passes `enable_fp_fusion=False` (no mul+add contraction into FMA).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from h3kernels import registry
-
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
 
 def libdevice_enabled() -> bool:
     """libdevice transcendental functions exist only in compiled (CUDA) kernels, not in the interpreter."""

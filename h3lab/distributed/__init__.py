@@ -25,7 +25,6 @@ rows. Three things make that true here, and each file holds one:
 - `launch.py`       `spawn(fn, n, *args)`: n local gloo CPU processes (the ablation rows, the tests).
 - `shard_load.py`   ranks that hold only their TP shard: slices read from the safetensors files (`get_slice`), or a
                     counter-random init whose rank slice equals the full tensor's.
-- `ablation_rows.py` the matrix's distributed rows (A4, A7, C0, H17, H-C4, H-C5) on gloo ranks.
 
 The model never imports this package; a plan is applied to a built model from outside. Forward only: a sharded
 forward runs under no_grad, in mode strict on more than one rank. `init_mesh(share_device=True)` puts every rank on

@@ -25,7 +25,7 @@ from ..run import FieldProvider, ResolvedRun, register_field
 from . import follow
 from .errors import TopologyError
 from .mesh import check_degrees
-from .placement import placement_of
+from .placement import placement_of, row_owner
 
 KEYS = ("tp", "cp", "sp", "row_parallel")
 
@@ -64,4 +64,5 @@ def apply_placement(value: dict[str, Any], run: ResolvedRun) -> Iterator[Resolve
         yield run
 
 
-register_field("placement", FieldProvider(validate=check_placement, apply=apply_placement), replace=True)
+register_field("placement", FieldProvider(validate=check_placement, apply=apply_placement, locate=row_owner),
+               replace=True)

@@ -68,10 +68,13 @@ FIELDS = Registry("run-spec field", {
 @dataclass(frozen=True)
 class FieldProvider:
     """How a room validates (`validate(value) -> value`) and applies (`apply(value, run) -> context manager yielding
-    the run to continue with`) a non-default value of one extension field (see the module docstring)."""
+    the run to continue with`) a non-default value of one extension field (see the module docstring). Optional
+    `locate(value, point, packed_row, seq_len) -> dict` says where a packed row lives under the value (the placement:
+    which rank holds it, with a `text` for reports), so a report names it without importing the providing room."""
 
     validate: Callable[[Any], Any]
     apply: Callable[[Any, "ResolvedRun"], ContextManager["ResolvedRun"]]
+    locate: Callable[[Any, str, int, int], dict] | None = None
 
 
 def register_field(name: str, provider: FieldProvider, *, replace: bool = False) -> None:

@@ -40,12 +40,11 @@ def _render(new: Any, _state: Any) -> list[str]:
 
 
 def _check_mode(state: Any, new: Any) -> None:
-    """`!mode strict` on a started CPU session without TRITON_INTERPRET=1 is refused now, not at the generation."""
-    from ..whatran import check_strict_runs
-
-    device = getattr(state.session, "device", None)  # None: a session not started yet (generate checks it)
-    if device is not None:
-        check_strict_runs(new.mode, device, "!mode strict")
+    """`!mode strict` on a started CPU session without TRITON_INTERPRET=1 is refused now, not at the generation
+    (the REPL state's `check_mode`: the session room owns what a device can run)."""
+    check = getattr(state, "check_mode", None)
+    if check is not None:
+        check(new.mode)
 
 
 def _mode(new: Any, state: Any) -> list[str]:

@@ -22,7 +22,6 @@ verifiable training runs.
 - `grpo_run.py`       sealed GRPO runs: `grpo_train` (resume), `load`, `verify`
 - `grpo_job.py`       `h3lab train grpo` jobs (`GrpoJob.check`, `run_grpo_job`)
 - `grpo_report.py`    the REPL's `!rollout` report (`rollout_report`), `reward_samples` of a `Session.rollout`
-- `_deps.py`          every name taken from the rest of h3lab (one place to update when those rooms move)
 """
 
 from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider

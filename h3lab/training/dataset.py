@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._deps import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from .objective import ClipRequest, SampleRequest, TrainingError, rollout_requests
 from .run import _check_hashes, _dataset_entry, _named_digests, _read, _request_from, read_manifest
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ._deps import atomic_write_json
+from ..io_utils import atomic_write_json
 from .grpo_report import reward_samples
 from .grpo_run import GrpoRun, grpo_train
 from .grpo_run import load as load_run
@@ -109,7 +109,7 @@ class GrpoJob:
     def check(self, resume: bool = False) -> "GrpoJob":
         """Every value, path and the prompts, before any model loads (module docstring)."""
         from ..io_utils import check_output_dir
-        from ..session import resolve_device
+        from ..devices import resolve_device
         from ..settings import GenerationSettings
         from .job import _check_targets, _int, _snapshot_config, check_alpha
 

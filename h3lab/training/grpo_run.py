@@ -37,8 +37,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._deps import TraceSummary, __version__, atomic_save_safetensors, atomic_write_dir, atomic_write_json
-from ._deps import code_revision, runtime, tensor_digest
+from .. import __version__, runtime
+from ..hashing import tensor_digest
+from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from ..trajectory import TraceSummary, code_revision
 from .grpo_step import GrpoConfig, RolloutBatch, Transition, grpo_iteration
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import TrainingError

@@ -47,7 +47,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._deps import SDE_KINDS, TraceSummary, runtime, tensor_digest, transition_logprob, transition_mean_std
+from .. import runtime
+from ..hashing import tensor_digest
+from ..stochastic import SDE_KINDS, transition_logprob, transition_mean_std
+from ..trajectory import TraceSummary
 from .combine import TreeAccumulator
 from .grpo import (
     ADVANTAGE_EPS,

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._deps import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from .adapter_file import read_adapter
 from .dataset import check_fits, load_dataset, rollout_dataset
 from .lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
@@ -102,7 +102,7 @@ class TrainJob:
     def check(self, resume: bool = False) -> "TrainJob":
         """Every value, path and the data, before any model loads; returns the job with its data and paths filled."""
         from ..io_utils import check_output_dir
-        from ..session import resolve_device
+        from ..devices import resolve_device
 
         if self.variant not in VARIANTS:
             raise TrainingError(f"--variant {self.variant!r}: must be one of {', '.join(VARIANTS)}")
@@ -254,7 +254,7 @@ def _differences(recorded: Any, now: Any, prefix: str = "") -> list[tuple[str, A
 def load_model(job: TrainJob):
     """The job's base transformer, loaded from its snapshot onto its device."""
     from ..model import H3Transformer
-    from ..session import resolve_device
+    from ..devices import resolve_device
 
     model = H3Transformer.from_pretrained(job.snapshot, subfolder=job.variant, device=resolve_device(job.device))
     return model

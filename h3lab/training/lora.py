@@ -52,7 +52,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from ._deps import H3Error, atomic_write_dir, model_fingerprint, runtime
+from .. import runtime
+from ..errors import H3Error
+from ..hashing import model_fingerprint
+from ..io_utils import atomic_write_dir
 
 PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")  # every attention and FFN projection
 ADAPTER = "default"  # peft's adapter name; h3lab holds one adapter at a time

@@ -51,7 +51,10 @@ from typing import Any
 
 import torch
 
-from ._deps import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, H3Error, PackedLayout, Trajectory, draw_noise, noise_mix
+from ..errors import H3Error
+from ..layout import PackedLayout
+from ..sampler import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, draw_noise, noise_mix
+from ..trajectory import Trajectory
 
 MODALITIES = ("video", "audio")
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ._deps import tensor_digest
+from ..hashing import tensor_digest
 from .objective import TrainingError
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ._deps import H3Error, read_image
+from ..errors import H3Error
 
 NEEDS = ("decoded", "latents")
 
@@ -188,12 +188,17 @@ def pitch_near(hz: float) -> Reward:
 def anchor_match(sample: RewardSample) -> float:
     if sample.first is None:
         raise RewardError(f"reward 'anchor_match': request {sample.index} has no first-frame anchor (--first)")
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     frame = _frames(sample, "anchor_match")[0]
     h, w = frame.shape[:2]
-    anchor = np.asarray(Image.fromarray(read_image(sample.first)).resize((w, h), Image.Resampling.LANCZOS),
-                        dtype=np.float64)
+    try:  # the anchor was read and checked by the session before the rollout; decoded here with PIL as it did
+        with Image.open(sample.first) as image:
+            rgb = ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, ValueError) as err:
+        raise RewardError(f"reward 'anchor_match': cannot read the anchor {str(sample.first)!r} "
+                          f"({str(err).splitlines()[0]})") from None
+    anchor = np.asarray(rgb.resize((w, h), Image.Resampling.LANCZOS), dtype=np.float64)
     return float(1.0 - np.abs(frame - anchor).mean() / 255.0)
 
 

@@ -62,17 +62,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ._deps import (
-    PackedLayout,
-    TraceSummary,
-    __version__,
-    atomic_save_safetensors,
-    atomic_write_dir,
-    atomic_write_json,
-    code_revision,
-    runtime,
-    tensor_digest,
-)
+from .. import __version__, runtime
+from ..hashing import tensor_digest
+from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from ..layout import PackedLayout
+from ..trajectory import TraceSummary, code_revision
 from .data_parallel import data_parallel_gradients
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample

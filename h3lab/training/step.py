@@ -39,7 +39,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ._deps import TraceSummary, runtime, tensor_digest
+from .. import runtime
+from ..hashing import tensor_digest
+from ..trajectory import TraceSummary
 from .combine import TreeAccumulator
 from .objective import Objective, TrainingError, TrainingSample, flow_matching_loss
 from .optim import StrictAdamW

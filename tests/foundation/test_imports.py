@@ -282,3 +282,103 @@ def test_importing_the_session_loads_no_front_end():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"`import h3lab.session` loaded front ends: {proc.stdout.strip()}"
+
+
+# ------------------------------------------------------------------------------------------------ the layer table
+# Rooms, bottom layer first: a room may import only the rooms it lists, all of them below it (so no import runs up a
+# layer). A module belongs to the room of its longest matching prefix. docs/ARCHITECTURE.md ("Layers") holds the same
+# table; the test reads it back.
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (module prefixes, rooms it may import)
+    "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices"), ()),
+    "schema": (("h3lab.schema",), ("base",)),
+    "runtime": (("h3lab.runtime", "h3lab.fast"), ()),
+    "checkpoint": (("h3lab.checkpoint",), ("base",)),
+    "layout": (("h3lab.layout",), ("base",)),
+    "sampler": (("h3lab.sampler",), ("base",)),
+    "model": (("h3lab.model",), ("base", "checkpoint", "runtime")),
+    "run": (("h3lab.run",), ("base", "layout", "runtime", "sampler")),
+    "stochastic": (("h3lab.stochastic",), ("base", "run", "sampler")),
+    "presets": (("h3lab.presets",), ("base", "layout", "run", "runtime", "sampler", "schema")),
+    "settings": (("h3lab.settings", "h3lab.schema.builtin", "h3lab.schema.argv"), ("base", "presets", "runtime",
+                                                                                    "schema")),
+    "distributed": (("h3lab.distributed",), ("base", "checkpoint", "model", "run", "runtime")),
+    "research": (("h3lab.trajectory", "h3lab.drift", "h3lab.arms"), ("base", "model", "run", "runtime", "sampler")),
+    "training": (("h3lab.training",), ("base", "checkpoint", "layout", "model", "research", "run", "runtime",
+                                       "sampler", "settings", "stochastic")),
+    "ablation": (("h3lab.ablation",), ("base", "checkpoint", "distributed", "layout", "model", "research", "run",
+                                       "runtime", "sampler")),
+    "components": (("h3lab.components",), ("base", "checkpoint", "distributed", "model", "presets", "run",
+                                           "sampler")),
+    "pipeline": (("h3lab.pipeline",), ("base", "components", "layout", "presets", "run", "sampler", "schema",
+                                       "settings")),
+    "plots": (("h3lab.plots",), ("base", "components", "sampler", "settings")),
+    "preview": (("h3lab.preview",), ("base",)),
+    "session": (("h3lab.session", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
+                 "h3lab.rollout"),
+                ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
+                 "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training")),
+    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.train", "h3lab.__main__"),
+                   ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
+                    "session", "settings", "stochastic", "training")),
+}
+# The modules that may import the strict kernels (`h3kernels`): the runtime's op table, the device digest of
+# hashing, and the distributed room's strict collectives and row-parallel tree.
+KERNEL_IMPORTERS = {"h3lab.runtime", "h3lab.fast", "h3lab.hashing", "h3lab.distributed.collectives", "h3lab.distributed.placement",
+                    "h3lab.distributed.shards"}
+
+
+def room_of(module: str) -> str | None:
+    best = None
+    for room, (prefixes, _) in LAYERS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (room, prefix)
+    return best[0] if best else None
+
+
+def test_every_import_follows_the_layer_table():
+    graph = import_graph()
+    order = list(LAYERS)
+    for room, (_, allowed) in LAYERS.items():  # the table itself: every allowed room is below
+        up = [r for r in allowed if order.index(r) >= order.index(room)]
+        assert not up, f"layer table: {room} may import {up}, which are not below it"
+    unplaced = sorted(m for m in graph if room_of(m) is None)
+    assert not unplaced, f"modules in no room of the layer table: {unplaced}"
+    bad = []
+    for a, targets in graph.items():
+        ra = room_of(a)
+        for b, where in targets.items():
+            rb = room_of(b)
+            if rb != ra and rb not in LAYERS[ra][1]:
+                bad.append(f"{a} ({ra}) -> {b} ({rb}) at {where}")
+    assert not bad, "imports outside the layer table:\n" + "\n".join(bad)
+
+
+def test_only_the_declared_modules_import_the_kernels():
+    importers = set()
+    for module in _modules(ROOT, PACKAGE).values():
+        for node in _imports(module.tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if getattr(node, "level", 0) == 0 and any(n == "h3kernels" or n.startswith("h3kernels.") for n in names):
+                importers.add(module.name)
+    stray = sorted(importers - KERNEL_IMPORTERS)
+    assert not stray, f"h3kernels imported outside the declared modules: {stray}"
+
+
+def _architecture_table() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The "Layers" table of docs/ARCHITECTURE.md: room -> (modules, rooms it may import), in its row order."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    block = text.split("<!-- layers -->")[1].split("<!-- /layers -->")[0]
+    table = {}
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("room", "") or set(cells[0]) <= {"-"}:
+            continue
+        modules = tuple(m.strip("`") for m in cells[1].split(", "))
+        allowed = () if cells[2] in ("—", "-") else tuple(r.strip() for r in cells[2].split(", "))
+        table[cells[0]] = (modules, allowed)
+    return table
+
+
+def test_the_architecture_notes_hold_the_layer_table():
+    assert _architecture_table() == LAYERS, "docs/ARCHITECTURE.md's Layers table differs from LAYERS"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from h3kernels import attention as attn
 from h3kernels import registry
-from h3kernels._testing import assert_error_within, randn
+from strict_testing import assert_error_within, randn
 from h3lab import runtime
 
 DTYPES = [torch.bfloat16, torch.float32]

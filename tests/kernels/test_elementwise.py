@@ -7,7 +7,7 @@ import torch
 
 from h3kernels import elementwise as K
 from h3kernels import registry
-from h3kernels._testing import assert_error_within, randn
+from strict_testing import assert_error_within, randn
 from h3lab import runtime
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

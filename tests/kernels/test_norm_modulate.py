@@ -9,7 +9,7 @@ from h3kernels import modulate as M
 from h3kernels import norm_modulate as K
 from h3kernels import registry
 from h3kernels import rms_norm as N
-from h3kernels._testing import assert_error_within, randn
+from strict_testing import assert_error_within, randn
 from h3lab import runtime
 
 EPS = 1e-5  # H3Config.norm_eps

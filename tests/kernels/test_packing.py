@@ -7,7 +7,7 @@ import torch
 
 from h3kernels import packing as K
 from h3kernels import registry
-from h3kernels._testing import randn
+from strict_testing import randn
 from h3lab import runtime
 
 S, B, D = 23, 2, 24

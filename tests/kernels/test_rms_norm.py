@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from h3kernels import registry
 from h3kernels import rms_norm as K
-from h3kernels._testing import assert_error_within, randn
+from strict_testing import assert_error_within, randn
 from h3lab import runtime
 
 EPS = 1e-5

@@ -8,7 +8,7 @@ import torch
 
 from h3kernels import registry
 from h3kernels import timestep as K
-from h3kernels._testing import assert_error_within
+from strict_testing import assert_error_within
 from h3lab import runtime
 
 

@@ -8,7 +8,7 @@ after the inverse permutation; gradient checkpointing on vs off (outputs and eve
 grad-enabled forward vs a no-grad forward. Two strict backward passes give identical gradients for every parameter
 and input. Accuracy: against a float64 truth (the same weights upcast, `off` mode), the strict error of each output,
 and of every parameter and input gradient, is at most ~2x the error of the torch (`off`) path in the same dtype
-policy (`h3kernels._testing.assert_error_within`: factor 2 plus a floor of 4 float32 ulps of the truth's norm).
+policy (`strict_testing.assert_error_within`: factor 2 plus a floor of 4 float32 ulps of the truth's norm).
 
 Cases: `tiny` and `h3d8` (hidden != attention inner width, both ways), layouts t2va / fl2va (first + last) / ref2va
 (image + video with soundtrack + audio references) from `build_layout`, released (bf16 + float32 modules) and
@@ -33,7 +33,7 @@ from strict_cases import (
     truth_model,
 )
 
-from h3kernels._testing import assert_error_within
+from strict_testing import assert_error_within
 from h3lab import H3Config, H3Transformer, runtime
 from h3lab.layout import PackedLayout
 

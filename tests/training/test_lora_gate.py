@@ -24,7 +24,7 @@ import torch
 from lora_cases import ALPHA, RANK, lora_model, randomize_b
 from training_cases import SMALL, batched_torch_gradient, float64_twin, make_clip, make_layout
 
-from h3kernels._testing import assert_error_within
+from strict_testing import assert_error_within
 from h3lab import runtime
 from h3lab.training import (
     Objective,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from h3kernels._testing import assert_error_within
+from strict_testing import assert_error_within
 from h3lab.training import StrictAdamW, TrainingError
 
 SHAPES = [(37, 5), (129,), (3, 7, 11)]

@@ -1,73 +1,10 @@
-"""The RFC's ablation matrix (section 6) as declarative perturbations, each checked against its expected signature
-by the first-drift localiser.
-
-Contract
---------
-`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — with the factor it changes, how the
-change is applied (op override / hook / layout change / sampler change / input change / model change / control),
-the runtime mode and scope it runs in, and its `Expected` signature:
-
-  PASS      the two arms are byte-equal at every compared point (the drift report is `equal`);
-  DRIFT     the first drift is at exactly `point` in pass `step` (-1 = scheduler construction), and, where given,
-            the first drift inside the block stack is at `block_point`;
-  REJECTED  the comparison must refuse the pair as non-comparable;
-  N/A       the factor does not exist in H3; the row runs a check that it indeed does not (A5, C2).
-
-Distributed rows (A4, A7, C0, H17, H-C4, H-C5; `Ablation.distributed` says what they run) compare arms on several
-ranks: `h3lab.distributed.ablation_rows` spawns local gloo CPU processes (2 for the tiny bench; one set per
-comparison, about 5-15 s each under the interpreter) and runs `drift.compare` on every rank through the placement's
-hook view, which shows each rank the one-process tensors. A4 (a rank holding another rank's rows) is REJECTED by
-the forward's ownership check; A7 (a ring-attention KV-block plan, merged in canonical vs rank order) drifts at
-`blocks.0.attention`; C0 (tp 2 with the other row-parallel partition), H-C4 (tp 2/4/8 the bench admits) and H-C5
-(cp 2/3/4, uneven shards) PASS against one process; H17 (hidden rows sharded, metadata not) drifts at
-`blocks.0.modulate1`. The drift rows name the rank owning the first differing row (`first_drift["owner"]`). A7 is
-also a factor of a one-process run (`factors=("A7",)`: two KV blocks merged in reverse order).
-
-`run_ablation(name, bench=None, mode=None)` and `run_matrix(bench=None, names=None, modes=None)` return per row a
-dict: `name`, `factor`, `description`, `apply`, `mode`, `scope`, `expected` (text), `expected_signature`, `rfc`
-(the RFC's wording), `observed` (text), `status` (PASS / DRIFT / REJECTED / N/A / ERROR),
-`first_drift` and `first_in_block` (`DriftPoint.to_dict()` or None), `passed` (True / False / None), `seconds`,
-and `report` (the `DriftReport.to_dict()`, None for rows without a comparison); a distributed row adds
-`comparisons` (per comparison: the arms, scope, world size and its own observed text).
-
-Modes. Perturbation rows run in ``off``: on CPU torch is deterministic, so the only drift between the arms is the
-planted one, and the signature (where it first shows) is a property of the perturbation, not of the arithmetic.
-The invariance promises run in ``strict``: A0 (shared replay from the sealed artifact), C1 / H-C1 (request alone vs
-a row of a packed batch — only strict promises batch invariance: torch is not batch-invariant on a GPU, nor on a CPU
-with two threads, where the float32 `audio_proj_in` GEMM of a 2-item batch differs in the last bit from the
-1-item one), H-C0 / H-C2 (repeat), H-C3 (consistent permutation: the permuted layout's sealed inputs carry its
-`key_order()`, so attention visits keys in canonical order and the outputs permute byte for byte). H-C6
-(checkpointing) runs in ``off`` by default: on CPU a strict backward through the Triton interpreter costs ~25 s per
-step; `run_ablation("H-C6", mode="strict")` runs it strict (GPU).
-`modes={"H5": "strict"}` (or `mode=`) overrides any row.
-
-The bench (`Bench.tiny(snapshot)`): the tiny snapshot's `transformer/` (released mixed precision) and its
-`transformer_ref/` (the other variant, for H16), an fl2va layout with a first-frame anchor (5 text rows, 4
-conditioning rows, 6 audio rows, 8 target video rows = 23 rows: conditioning rows keep at least two distinct
-timesteps per pass, which H3/H4 need), a 2-pass dual schedule, and seeded inputs (anchor latents noise-mixed at
-t = 0.999, target noise). The bench caches the strict reference runs so rows sharing an arm do not recompute them:
-A0 and H-C2 share one replay of the sealed reference (A0 also checks the replay's digest against the sealed one),
-C2 reports H-C2, forward-scope rows cut their reference from the trajectory capture.
-
-Factors: declarative transforms of a `RunSpec`. The perturbation rows that change one run (`FACTORS`: A1-A3, A6, A7,
-H1-H14, H16) carry a `transform(run) -> run` of the resolved run (`h3lab.run.ResolvedRun`) and the things it
-`changes` ("op:rms_norm", "stepper", "plan", "schedule", "model", ...). This module provides the run spec's
-`factors` field (`h3lab.run.register_field`): a spec that names factors gets them applied by the one loop's
-`resolve`, in canonical order (model changes first, then matrix order), each time it runs -- so everything that
-re-runs a spec (verify, drift, arms, the session's `!drift`) re-derives exactly the same perturbation. Two factors
-that change one thing, or H1 with any other, are refused when the spec is built. A factor row's probe is the bench
-spec with the factor switched on (`bench.reference(mode).with_spec(factors=(name,))`); the other rows' probes are
-other transforms of the bench spec (its inputs, layout or execution options) that are not factors of a generation:
-the controls, the batch and permutation rows, and H15, which re-noises the anchor rows from their clean latents --
-only the bench keeps those (`parts["x0"]`); a generation's sealed inputs hold the augmented rows only.
-
-The steppers of H9 and H13 are registered by name ("negated_velocity", "reordered_euler").
-"""
+"""The ablation matrix: the rows (`ROWS`, `Ablation`, `Expected`), the factor transforms of a run and their
+`RunSpec.factors` provider, the probes, and the runner (`run_ablation`, `run_matrix`, `summarize`,
+`format_table`). The contract is the package docstring (`h3lab.ablation`)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import tempfile
 import time
@@ -78,12 +15,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import runtime
-from .config import AUDIO
-from .drift import Capture, DriftError, DriftPoint, DriftReport, Execution, RowMap, capture, compare
-from .errors import H3Error
-from .hashing import model_fingerprint, tensor_digest
-from .run import (
+from .. import runtime
+from ..config import AUDIO
+from ..drift import DriftError, DriftPoint, DriftReport, Execution, RowMap, capture, compare
+from ..errors import H3Error
+from ..hashing import model_fingerprint, tensor_digest
+from ..run import (
     DenoiseInputs,
     FieldProvider,
     ResolvedRun,
@@ -93,8 +30,9 @@ from .run import (
     register_field,
     register_stepper,
 )
-from .sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
-from .trajectory import TrajectoryRecorder, load
+from ..sampler import CONDITION_T, DualSchedule, Schedule, draw_noise, noise_mix, timesteps
+from ..trajectory import TrajectoryRecorder, load
+from .bench import Bench, _ones_tags, make_inputs, tiny_bench  # noqa: F401 - re-exported
 
 KINDS = ("PASS", "DRIFT", "REJECTED", "N/A")
 
@@ -152,119 +90,7 @@ class Ablation:
     check: Callable[["Bench", str], tuple[str, str, bool | None, DriftReport | None]] | None = None
     transform: Callable[[ResolvedRun], ResolvedRun] | None = None
     changes: tuple[str, ...] = ()
-    distributed: str = ""  # a distributed row: what its arms run (h3lab.distributed.ablation_rows)
-
-
-# ======================================================================================================= bench
-def _ones_tags(n: int) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.long)
-
-
-@dataclass
-class Bench:
-    """The shared setting every row perturbs (see the module docstring). `parts` keeps the pieces the inputs were
-    made from (anchor latents, noise seeds) so probes can rebuild them with one change."""
-
-    model: Any
-    variant: Any
-    layout: Any
-    schedule: DualSchedule
-    inputs: DenoiseInputs
-    parts: dict[str, Any]
-    snapshot: Path | None = None
-    cache: dict[Any, Any] = field(default_factory=dict)
-
-    @classmethod
-    def tiny(cls, snapshot: str | Path | None = None, num_points: int = 3, seed: int = 0) -> "Bench":
-        """The tiny bench: `snapshot` (default: the embedded tiny snapshot), `num_points` grid points
-        (`num_points - 1` passes), `seed` for the inputs."""
-        from .checkpoint.tiny import default_snapshot
-        from .layout import build_layout
-        from .model import H3Transformer
-
-        snap = Path(snapshot) if snapshot is not None else default_snapshot()
-        model = H3Transformer.from_pretrained(snap, subfolder="transformer")
-        variant = H3Transformer.from_pretrained(snap, subfolder="transformer_ref")
-        layout = build_layout("fl2va", _ones_tags(5), 2, 4, 4, 3, anchors=("first",),
-                              patch_size=model.config.patch_size)
-        schedule = DualSchedule.build(num_points)
-        parts = {"seed": seed}
-        inputs = make_inputs(model.config, layout, schedule, seed, parts)
-        return cls(model=model, variant=variant, layout=layout, schedule=schedule, inputs=inputs, parts=parts,
-                   snapshot=snap)
-
-    # ------------------------------------------------------------------------------------------------- arms
-    def inputs_for(self, layout: Any = None, schedule: DualSchedule | None = None, **changes: Any) -> DenoiseInputs:
-        """The bench inputs with a different layout and/or schedule (plan rebuilt from them) and field changes."""
-        layout = layout if layout is not None else self.layout
-        schedule = schedule if schedule is not None else self.schedule
-        base = self.inputs
-        if layout is not self.layout or schedule is not self.schedule:
-            base = base.resealed(layout, schedule)
-        return base.replace(**changes) if changes else base
-
-    def spec(self, mode: str = "off") -> RunSpec:
-        """The bench run in `mode`: its inputs, schedule and layout on the tiny `transformer/` (one object per mode,
-        so a plain reference arm is recognised by identity)."""
-        key = ("spec", mode)
-        if key not in self.cache:
-            self.cache[key] = RunSpec(self.inputs, self.schedule, mode=mode, variant="transformer",
-                                      fingerprint=model_fingerprint(self.model), layout=self.layout)
-        return self.cache[key]
-
-    @property
-    def models(self) -> dict[str, Any]:
-        """The variants a factor may swap in (H16)."""
-        return {"transformer": self.model, "transformer_ref": self.variant}
-
-    def reference(self, mode: str, scope: str = "trajectory", label: str = "reference") -> Execution:
-        return Execution(self.spec(mode), self.model, label=f"{label}:{mode}", models=self.models, scope=scope)
-
-    def reference_capture(self, mode: str, scope: str = "trajectory", forward_pass: int = 0) -> Capture:
-        """Cached capture of the reference arm (trajectory scope also records the `Trajectory`, see
-        `reference_trajectory`). A forward-scope capture is cut from the trajectory capture of the same mode."""
-        if scope == "forward":
-            return self.reference_capture(mode).forward_view(forward_pass)
-        key = ("capture", mode)
-        if key not in self.cache:
-            recorder = TrajectoryRecorder(keep=("latents", "velocities"), meta={"bench": "ablation.tiny"})
-            ex = self.reference(mode).replace(recorder=recorder)
-            self.cache[key] = capture(ex)
-            self.cache[("trajectory", mode)] = recorder.finish()
-        return self.cache[key]
-
-    def reference_trajectory(self, mode: str):
-        """The reference arm's recorded `Trajectory` in `mode` (latents and velocities kept), computed once."""
-        self.reference_capture(mode)
-        return self.cache[("trajectory", mode)]
-
-
-def make_inputs(
-    config: Any, layout: Any, schedule: DualSchedule, seed: int, parts: dict | None = None
-) -> DenoiseInputs:
-    """Seeded pre-encoded inputs for `layout`: text embeddings N(0,1) (1, L, text_dim); anchor latents x0 N(0,1)
-    noise-mixed to t = CONDITION_T with their own noise draw (first on the request generator, as released); then the
-    target video noise and the target audio noise in row layout. `parts` receives the anchor latents `x0`."""
-    g = torch.Generator().manual_seed(seed)
-    ncv = layout.num_condition_video_rows
-    nv, na, nt = layout.video_indices.numel(), layout.audio_indices.numel(), layout.text_indices.numel()
-    text = torch.randn(1, nt, config.text_dim, generator=g)
-    x0 = torch.randn(1, ncv, config.video_patch_dim, generator=g)  # the anchor frame's VAE latents, as rows
-    cond_noise = draw_noise((1, ncv, config.video_patch_dim), g)
-    video_noise = draw_noise((1, nv - ncv, config.video_patch_dim), g)
-    audio_noise = draw_noise((1, na, config.audio_in_channels), g)
-    video = torch.cat([noise_mix(x0, cond_noise, CONDITION_T), video_noise], dim=1)
-    if parts is not None:
-        parts.update(x0=x0, cond_noise=cond_noise)
-    seeds = {"request": seed}
-    return DenoiseInputs.from_layout(layout, schedule, text, video, audio_noise, seeds)
-
-
-@functools.lru_cache(maxsize=4)
-def tiny_bench(snapshot: str | None = None, num_points: int = 3, seed: int = 0) -> Bench:
-    """A process-wide cached `Bench.tiny(...)` (tests of drift, ablation and arms share one bench and its cached
-    strict reference runs)."""
-    return Bench.tiny(snapshot, num_points, seed)
+    distributed: str = ""  # a distributed row: what its arms run (h3lab.ablation.distributed)
 
 
 # ============================================================================================= perturbations
@@ -656,7 +482,7 @@ def _probe_HC6(bench, mode):
 def _check_HC7(bench, mode):
     """Repeated FL2VA / Ref2VA preprocessing: layouts, their JSON artifacts and the sealed inputs built twice are
     identical; component hashes (weights of both variants, snapshot files) are identical when taken twice."""
-    from .layout import Reference, build_layout
+    from ..layout import Reference, build_layout
 
     cfg = bench.model.config
     mismatches = []
@@ -679,7 +505,7 @@ def _check_HC7(bench, mode):
         if model_fingerprint(m) != model_fingerprint(m) or _weights_digest(m) != _weights_digest(m):
             mismatches.append(f"{name} weights")
     if bench.snapshot is not None:
-        from .checkpoint.info import component_hash
+        from ..checkpoint.info import component_hash
 
         for comp in ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"):
             folder = bench.snapshot / comp
@@ -898,9 +724,9 @@ def _observe(expected: Expected, report: Any) -> tuple[str, str, bool]:
 
 def _run_distributed(row: Ablation, bench: "Bench", mode: str) -> dict[str, Any]:
     """A distributed row: its comparisons on local gloo ranks, each judged against the row's signature."""
-    from .distributed import ablation_rows
+    from .distributed import run_row
 
-    comparisons = ablation_rows.run_row(row.name, bench, mode)
+    comparisons = run_row(row.name, bench, mode)
     passed, statuses, observed, failing = True, [], [], None
     for c in comparisons:
         if "rejected" in c:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .launch import spawn
+from ..distributed.launch import spawn
 
 MAX_LOCAL_RANKS = 4
 
@@ -55,7 +55,7 @@ ONE = Arm("one process")
 
 
 def _tp_degrees(config) -> list[int]:
-    from .mesh import supported_tp
+    from ..distributed.mesh import supported_tp
 
     return [d for d in (2, 4, 8) if d in supported_tp(config) and d <= MAX_LOCAL_RANKS]
 
@@ -137,9 +137,9 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     """One rank of a comparison (module docstring)."""
     from ..drift import Execution, compare, execute
     from ..run import RunSpec
-    from .field import check_placement
-    from .mesh import init_mesh
-    from .placement import Faults, OwnershipError, parallelize
+    from ..distributed.field import check_placement
+    from ..distributed.mesh import init_mesh
+    from ..distributed.placement import Faults, OwnershipError, parallelize
 
     spec = RunSpec.from_dict(job["spec"], job["tensors"])
     mesh = None
