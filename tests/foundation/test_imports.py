@@ -313,6 +313,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
                                        "settings")),
     "plots": (("h3lab.plots",), ("base", "components", "sampler", "settings")),
     "preview": (("h3lab.preview",), ("base",)),
+    "shapes": (("h3lab.shapes",), ("base",)),
     "session": (("h3lab.session", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
                  "h3lab.rollout"),
                 ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",

@@ -1,0 +1,467 @@
+"""Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
+
+    python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S]
+
+What it does, in order (every draw from `--seed`; nothing is downloaded):
+1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
+   22 frames, 29,600 stereo samples at 32 kHz); the 12 held-out triples are never rendered here. Its digest is the
+   SHA-256 over every clip's spec, frames and waveform bytes in order.
+2. a random tiny base snapshot (`make_tiny_snapshot(seed=0)`): the tokenizer, processor, schedulers and the Qwen3-VL
+   text encoder, which stays random (its layer-50 features are still prompt-specific).
+3. video VAE (`AutoencoderKLMiniMaxH3`, `VAE` below: the tiny structure with wider channels) trained as an
+   autoencoder: reparameterised posterior sample -> decode, MSE in the pipeline's ImageNet-normalised pixel space
+   with foreground pixels weighted `FG_WEIGHT` x, plus `KL_WEIGHT` x the per-element KL. Then the audio VAE
+   (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`) on the waveforms (each channel a batch item, as the pipeline does):
+   posterior mean -> decode, L1 on samples + log-magnitude STFT L1 at two resolutions. Each VAE's `latents_mean`
+   / `latents_std` are then the per-channel statistics of its training latents (4 decimals), so the transformer sees
+   unit-scale latents.
+4. the transformer (`TRANSFORMER`: >= 6 blocks, released classes and dtype policy) with the flow-matching objective of
+   `h3lab.training.objective` on the latents the session would feed it (t2va and fl2va layouts from
+   `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
+   `VideoVAE.encode_condition`, targets the VAE posterior means through the wrappers' normalisation): sigma from
+   `shifted_sigma` on the released shifts, `noise_mix`, conditioning rows at CONDITION_T, target x0 - noise on the
+   generated rows. Departures from `h3lab.training.train_step`, for speed: the run is in `off` mode (strict
+   training on the CPU interpreter is far too slow), each step is one batched forward of `--batch` clips of one
+   layout sharing one sigma draw (H3's forward takes one timestep table per batch; the strict step's per-request
+   micro-batches are ~15x slower here), the weights train in float32 with torch AdamW and an EMA (decay
+   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` has
+   the same config and stays random (seeded), not trained.
+5. the snapshot folder `OUT/h3-shapes/` (released layout) with `h3lab_training.json` (the seal: command, device,
+   versions, git revision, data digest, steps run, losses, seconds, weight hashes) and `h3lab_manifest.json`
+   (SHA-256 of every other file), and `OUT/h3-shapes.tar` of it.
+
+`--vae-seconds / --audio-seconds / --dit-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
+repeated with `--vae-steps/--audio-steps/--dit-steps` set to them); `--quick` is a smoke run (a few clips and steps)
+for checking the script on a CPU. `--verify DIR` re-renders the data and checks a snapshot's seal and manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG, randomize_  # noqa: E402
+from h3lab.config import H3Config  # noqa: E402
+from h3lab.shapes import ClipSpec, prompt, render_clip, training_combos  # noqa: E402
+from h3lab.shapes.clips import BACKGROUND  # noqa: E402
+
+SNAPSHOT_NAME = "h3-shapes"
+TRAINED_VERSION = "shapes-v1"
+SEAL = "h3lab_training.json"
+MANIFEST = "h3lab_manifest.json"
+TRANSFORMER = H3Config(
+    num_attention_heads=3, attention_head_dim=32, hidden_size=64, num_layers=6, num_refiner_layers=2, ffn_dim=192,
+    in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=16, freq_dim=32, time_embed_hidden_dim=64,
+    time_embed_dim=32, rope_freq_dim=4,
+)
+VAE = {**VAE_CONFIG, "block_out_channels": (16, 16, 32, 32), "decoder_num_layers": 2,
+       "decoder_num_attention_heads": 4, "decoder_attention_head_dim": 16}
+AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 4, "decoder_dim": 256}
+FG_WEIGHT = 8.0
+KL_WEIGHT = 1e-4
+EMA_DECAY = 0.999
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
+GEOMETRY = dict(width=64, height=64, frames=22)  # 7 latent frames of 4x4, 37 audio latents per channel
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def _render(spec: ClipSpec):
+    return render_clip(spec)
+
+
+def make_data(variants: int, workers: int, every: int = 1):
+    """(specs, frames, audio, digest): every `every`-th training clip (1: all of them; the smoke run takes fewer)."""
+    specs = [ClipSpec(c, s, d, seed=k, **GEOMETRY) for (c, s, d) in training_combos() for k in range(variants)]
+    specs = specs[::every]
+    with Pool(workers) as pool:
+        clips = pool.map(_render, specs, chunksize=4)
+    frames = np.stack([f for f, _ in clips])  # (N, F, H, W, 3) uint8
+    audio = np.stack([a for _, a in clips])  # (N, 2, S) float32
+    h = hashlib.sha256()
+    for spec, (f, a) in zip(specs, clips):
+        h.update(json.dumps([spec.colour, spec.shape, spec.direction, spec.seed]).encode())
+        h.update(f.tobytes())
+        h.update(a.tobytes())
+    return specs, frames, audio, h.hexdigest()
+
+
+def _pixels(frames: np.ndarray, device) -> torch.Tensor:
+    """uint8 (N, F, H, W, 3) -> ImageNet-normalised float32 (N, 3, F, H, W) on `device` (the VAE's pixel space)."""
+    x = torch.from_numpy(frames).to(device).permute(0, 4, 1, 2, 3).float().div(255.0)
+    mean = torch.tensor(PIXEL_MEAN, device=device).view(1, 3, 1, 1, 1)
+    std = torch.tensor(PIXEL_STD, device=device).view(1, 3, 1, 1, 1)
+    return (x - mean) / std
+
+
+def _schedule(opt, step: int, steps: int, lr: float, warmup: int = 100) -> None:
+    scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0))))
+    for group in opt.param_groups:
+        group["lr"] = lr * scale
+
+
+class Phase:
+    """Step loop bookkeeping: the step cap, the wall-time cap, the loss record."""
+
+    def __init__(self, name: str, steps: int, seconds: float | None):
+        self.name, self.steps, self.seconds = name, steps, seconds
+        self.t0, self.done, self.losses = time.time(), 0, []
+
+    def running(self) -> bool:
+        if self.done >= self.steps:
+            return False
+        return self.seconds is None or time.time() - self.t0 < self.seconds
+
+    def log(self, loss: float, every: int = 100) -> None:
+        self.losses.append(loss)
+        self.done += 1
+        if self.done % every == 0 or self.done == 1:
+            print(f"[{self.name}] step {self.done}/{self.steps} loss {np.mean(self.losses[-every:]):.5f} "
+                  f"({time.time() - self.t0:.1f} s)", flush=True)
+
+    def record(self) -> dict:
+        tail = self.losses[-max(1, min(100, len(self.losses))):]
+        return {"steps_run": self.done, "steps_asked": self.steps, "seconds": round(time.time() - self.t0, 2),
+                "first_loss": self.losses[0] if self.losses else None, "final_loss": float(np.mean(tail))}
+
+
+# ------------------------------------------------------------------------------------------------- the VAEs
+def train_video_vae(frames: np.ndarray, args, device) -> tuple[torch.nn.Module, dict]:
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    torch.manual_seed(args.seed)
+    vae = AutoencoderKLMiniMaxH3(**VAE).to(device)
+    vae.disable_tiling()
+    pixels = _pixels(frames, device)
+    bg = torch.tensor(BACKGROUND, device=device, dtype=torch.float32)
+    raw = torch.from_numpy(frames).to(device).float()
+    weight = 1.0 + (FG_WEIGHT - 1.0) * ((raw - bg).norm(dim=-1) > 30).float()  # (N, F, H, W)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    phase = Phase("video VAE", args.vae_steps, args.vae_seconds)
+    while phase.running():
+        _schedule(opt, phase.done, args.vae_steps, args.vae_lr)
+        idx = torch.randint(0, pixels.shape[0], (args.vae_batch,), generator=g).to(device)
+        x = pixels[idx]
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(device)
+        y = vae.decode(z).sample
+        w = weight[idx][:, None]
+        rec = ((y - x) ** 2 * w).sum() / w.expand_as(y).sum()
+        kl = 0.5 * (post.mean ** 2 + post.var - 1.0 - post.logvar).mean()
+        loss = rec + KL_WEIGHT * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        phase.log(float(rec))
+    vae.eval()
+    with torch.no_grad():
+        z = torch.cat([vae.encode(pixels[i:i + 16]).latent_dist.mean for i in range(0, pixels.shape[0], 16)])
+    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2, 3, 4))]
+    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2, 3, 4))]
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    return vae, {**phase.record(), "latents_mean": mean, "latents_std": std}
+
+
+def _stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    loss = 0.0
+    for n_fft in (512, 2048):
+        window = torch.hann_window(n_fft, device=x.device)
+        Y = torch.stft(y, n_fft, n_fft // 4, window=window, return_complex=True).abs()
+        X = torch.stft(x, n_fft, n_fft // 4, window=window, return_complex=True).abs()
+        loss = loss + (torch.log(Y + 1e-4) - torch.log(X + 1e-4)).abs().mean() + (Y - X).abs().mean()
+    return loss
+
+
+def train_audio_vae(audio: np.ndarray, args, device) -> tuple[torch.nn.Module, dict]:
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    torch.manual_seed(args.seed + 2)
+    avae = AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE).to(device)
+    wave = torch.from_numpy(audio).to(device).reshape(-1, 1, audio.shape[-1])  # (2N, 1, S): channels as items
+    opt = torch.optim.AdamW(avae.parameters(), lr=args.audio_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed + 3)
+    phase = Phase("audio VAE", args.audio_steps, args.audio_seconds)
+    while phase.running():
+        _schedule(opt, phase.done, args.audio_steps, args.audio_lr)
+        idx = torch.randint(0, wave.shape[0], (args.audio_batch,), generator=g).to(device)
+        x = wave[idx]
+        y = avae.decode(avae.encode(x).latent_dist.mode()).sample
+        loss = (y - x).abs().mean() + _stft_loss(y[:, 0], x[:, 0])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(avae.parameters(), 1.0)
+        opt.step()
+        phase.log(float(loss))
+    avae.eval()
+    with torch.no_grad():
+        z = torch.cat([avae.encode(wave[i:i + 32]).latent_dist.mode() for i in range(0, wave.shape[0], 32)])
+    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2))]
+    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2))]
+    avae.register_to_config(latents_mean=mean, latents_std=std)
+    return avae, {**phase.record(), "latents_mean": mean, "latents_std": std}
+
+
+# ------------------------------------------------------------------------------------------ the transformer
+def build_requests(snapshot: Path, specs, frames, audio, args, device):
+    """Layout groups {key: dict(layout, text, video, audio)} of clean latent rows, as the session would feed them."""
+    from h3lab import layout as L
+    from h3lab.components.audio_vae import AudioVAE
+    from h3lab.components.references import Keyframe
+    from h3lab.components.text_encoder import TextEncoder
+    from h3lab.components.video_vae import VideoVAE, patchify
+
+    text_encoder = TextEncoder.from_pretrained(snapshot, device="cpu")
+    vvae = VideoVAE.from_pretrained(snapshot, device=device, tiling=False)
+    avae = AudioVAE.from_pretrained(snapshot, device=device)
+    groups: dict[tuple, dict] = {}
+    t2va_text: dict[str, object] = {}
+    t_lat, h_lat, w_lat = 7, GEOMETRY["height"] // 16, GEOMETRY["width"] // 16
+    a_lat = audio.shape[-1] // 800
+    with torch.no_grad():
+        for i, spec in enumerate(specs):
+            x = _pixels(frames[i:i + 1], device)
+            z = vvae.vae.encode(x).latent_dist.mode().float().cpu()
+            z = ((z - vvae.latents_mean) / vvae.latents_std)[0]  # (C, T, h, w), the wrappers' normalisation
+            target = patchify(z)
+            rows_a = avae.encode(torch.from_numpy(audio[i]))
+            tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else [])
+            for task in tasks:
+                anchors = ()
+                if task == "fl2va":
+                    anchors = (Keyframe(frames[i, 0], "first"), Keyframe(frames[i, -1], "last"))
+                if task == "t2va":  # the text rows of a t2va request depend on the prompt alone
+                    if prompt(spec) not in t2va_text:
+                        t2va_text[prompt(spec)] = text_encoder.encode(prompt(spec))
+                    enc = t2va_text[prompt(spec)]
+                else:  # fl2va: the anchors are presented to the text encoder too
+                    enc = text_encoder.encode(prompt(spec), anchors)
+                cond = [patchify(vvae.encode_condition(k.image[None])) for k in anchors]
+                lay = L.build_layout(task, enc.tags.cpu(), t_lat, h_lat, w_lat, a_lat,
+                                     anchors=tuple(k.anchor for k in anchors), patch_size=TRANSFORMER.patch_size)
+                key = (task, tuple(enc.tags.tolist()))
+                grp = groups.setdefault(key, {"layout": lay, "text": [], "video": [], "audio": []})
+                grp["text"].append(enc.embeds.detach().float().cpu()[0])
+                grp["video"].append(torch.cat(cond + [target]))
+                grp["audio"].append(rows_a)
+    return {k: {"layout": g["layout"], **{m: torch.stack(g[m]).to(device) for m in ("text", "video", "audio")}}
+            for k, g in groups.items()}
+
+
+def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
+    from h3lab import H3Transformer, runtime
+    from h3lab.sampler import draw_noise, noise_mix
+    from h3lab.training.objective import CONDITION_T, Objective, shifted_sigma
+
+    objective = Objective()
+    torch.manual_seed(args.seed + 4)
+    model = H3Transformer(TRANSFORMER).to(device).float().train()
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, weight_decay=0.01)
+    keys = sorted(groups)
+    sizes = torch.tensor([groups[k]["video"].shape[0] for k in keys], dtype=torch.float64)
+    inputs = {k: groups[k]["layout"].model_inputs(device) for k in keys}
+    g = torch.Generator().manual_seed(args.seed + 5)
+    phase = Phase("transformer", args.dit_steps, args.dit_seconds)
+    with runtime.use_mode("off"):
+        while phase.running():
+            _schedule(opt, phase.done, args.dit_steps, args.dit_lr, warmup=200)
+            key = keys[int(torch.multinomial(sizes, 1, generator=g))]
+            grp, lay = groups[key], groups[key]["layout"]
+            idx = torch.randint(0, grp["video"].shape[0], (args.batch,), generator=g).to(device)
+            x0v, x0a, text = grp["video"][idx], grp["audio"][idx], grp["text"][idx]
+            # The objective's draws (objective.ClipRequest.sample), one sigma pair shared by the batch.
+            u = torch.rand(2, generator=g, dtype=torch.float32)
+            t_v = 1.0 - shifted_sigma(u[0], objective.video_shift)
+            t_a = 1.0 - shifted_sigma(u[1], objective.audio_shift)
+            nv, na = draw_noise(x0v.shape, g, device), draw_noise(x0a.shape, g, device)
+            ncv, nca = lay.num_condition_video_rows, lay.num_condition_audio_rows
+            video = torch.cat([noise_mix(x0v[:, :ncv], nv[:, :ncv], CONDITION_T),
+                               noise_mix(x0v[:, ncv:], nv[:, ncv:], t_v.to(device))], dim=1)
+            aud = torch.cat([x0a[:, :nca], noise_mix(x0a[:, nca:], na[:, nca:], t_a.to(device))], dim=1)
+            timestep, timestep_indices = lay.row_timesteps(float(t_v), float(t_a))
+            v_video, v_audio = model(hidden_states=video, audio_hidden_states=aud, encoder_hidden_states=text,
+                                     timestep=timestep.to(device), timestep_indices=timestep_indices.to(device),
+                                     **inputs[key])
+            loss_v = ((v_video[:, ncv:] - (x0v[:, ncv:] - nv[:, ncv:])) ** 2).mean()
+            loss_a = ((v_audio[:, nca:] - (x0a[:, nca:] - na[:, nca:])) ** 2).mean()
+            loss = objective.video_weight * loss_v + objective.audio_weight * loss_a
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            decay = min(EMA_DECAY, (1 + phase.done) / (10 + phase.done))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    ema[n].lerp_(p.detach(), 1 - decay)
+            phase.log(float(loss))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(ema[n])
+    return model.eval(), {**phase.record(), "ema_decay": EMA_DECAY, "layout_groups": len(keys)}
+
+
+# ------------------------------------------------------------------------------------------------ the snapshot
+def _save_transformer(folder: Path, state: dict, config: H3Config) -> None:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3lab.checkpoint.loader import released_dtype
+
+    model = MiniMaxH3Transformer3DModel(**config.to_diffusers())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
+        raise RuntimeError(f"transformer state does not match Diffusers: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = p.data.to(released_dtype(name))
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=1_000_000)
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def _git_rev() -> str:
+    rev = os.environ.get("H3LAB_GIT_REV")
+    if rev:
+        return rev
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def assemble(out: Path, base: Path, vae, avae, dit, seal: dict) -> Path:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    snap = out / SNAPSHOT_NAME
+    shutil.copytree(base, snap)
+    for sub in ("transformer", "transformer_ref", "vae", "audio_vae"):
+        shutil.rmtree(snap / sub)
+    (snap / MANIFEST).unlink()
+    _save_transformer(snap / "transformer", {k: v.detach().cpu() for k, v in dit.state_dict().items()}, TRANSFORMER)
+    ref = randomize_(MiniMaxH3Transformer3DModel(**TRANSFORMER.to_diffusers()), args_seed(seal), "transformer_ref")
+    _save_transformer(snap / "transformer_ref", ref.state_dict(), TRANSFORMER)
+    vae.to("cpu").save_pretrained(snap / "vae", safe_serialization=True)
+    avae.to("cpu").save_pretrained(snap / "audio_vae", safe_serialization=True)
+    seal["weights"] = {k: v for k, v in file_hashes(snap).items() if k.endswith(".safetensors")}
+    (snap / SEAL).write_text(json.dumps(seal, indent=2, sort_keys=True) + "\n")
+    manifest = {"version": TRAINED_VERSION, "files": file_hashes(snap)}
+    (snap / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with tarfile.open(out / f"{SNAPSHOT_NAME}.tar", "w") as tar:
+        tar.add(snap, arcname=SNAPSHOT_NAME)
+    return snap
+
+
+def args_seed(seal: dict) -> int:
+    return int(seal["seed"])
+
+
+def verify(snapshot: Path, workers: int) -> int:
+    """Re-render the data and check the seal's data digest and the manifest's file hashes; 0 when both hold."""
+    seal = json.loads((snapshot / SEAL).read_text())
+    manifest = json.loads((snapshot / MANIFEST).read_text())
+    _, _, _, digest = make_data(seal["variants"], workers)
+    ok_data = digest == seal["data_digest"]
+    ok_files = manifest["files"] == file_hashes(snapshot)
+    ok_weights = all(file_hashes(snapshot)[k] == v for k, v in seal["weights"].items())
+    print(f"data digest {'matches' if ok_data else 'DIFFERS'}; files {'match' if ok_files else 'DIFFER'} the "
+          f"manifest; weights {'match' if ok_weights else 'DIFFER'} the seal")
+    return 0 if ok_data and ok_files and ok_weights else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="output folder (must not exist)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", type=int, default=6, help="seeded clips per training triple")
+    p.add_argument("--fl2va-variants", type=int, default=2, help="of them, how many also train as fl2va")
+    p.add_argument("--vae-steps", type=int, default=2500)
+    p.add_argument("--vae-batch", type=int, default=4)
+    p.add_argument("--vae-lr", type=float, default=2e-3)
+    p.add_argument("--audio-steps", type=int, default=2000)
+    p.add_argument("--audio-batch", type=int, default=8)
+    p.add_argument("--audio-lr", type=float, default=2e-3)
+    p.add_argument("--dit-steps", type=int, default=6000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dit-lr", type=float, default=1e-3)
+    for name in ("vae", "audio", "dit"):
+        p.add_argument(f"--{name}-seconds", type=float, default=None, help=f"wall-time cap of the {name} phase")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 variant, a few steps per phase")
+    p.add_argument("--verify", metavar="SNAPSHOT", help="check a trained snapshot's seal against fresh data")
+    args = p.parse_args(argv)
+    if args.verify:
+        return verify(Path(args.verify), args.workers)
+    if not args.out:
+        p.error("--out is required (or --verify)")
+    if args.quick:
+        args.variants, args.fl2va_variants = 1, 1
+        args.vae_steps, args.audio_steps, args.dit_steps, args.batch, args.vae_batch, args.audio_batch = 2, 2, 3, 2, 1, 2
+    out = Path(args.out)
+    if out.exists():
+        p.error(f"--out {out}: exists; give a fresh folder")
+    out.mkdir(parents=True)
+    device = torch.device(args.device)
+    t0 = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from h3lab.checkpoint.tiny import make_tiny_snapshot
+
+    specs, frames, audio, digest = make_data(args.variants, args.workers, 8 if args.quick else 1)
+    print(f"data: {len(specs)} clips {frames.shape} {audio.shape} digest {digest[:16]} ({time.time() - t0:.1f} s)",
+          flush=True)
+    base = make_tiny_snapshot(out / "base", seed=0)
+    vae, vae_rec = train_video_vae(frames, args, device)
+    avae, audio_rec = train_audio_vae(audio, args, device)
+    stage = out / "stage"  # the base with the trained VAEs: the encoders the transformer's data go through
+    shutil.copytree(base, stage)
+    for sub, model in (("vae", vae), ("audio_vae", avae)):
+        shutil.rmtree(stage / sub)
+        model.save_pretrained(stage / sub, safe_serialization=True)
+    groups = build_requests(stage, specs, frames, audio, args, device)
+    print(f"requests: {sum(g['video'].shape[0] for g in groups.values())} in {len(groups)} layouts "
+          f"({time.time() - t0:.1f} s)", flush=True)
+    dit, dit_rec = train_transformer(groups, args, device)
+    seal = {
+        "name": SNAPSHOT_NAME, "version": TRAINED_VERSION, "seed": args.seed, "variants": args.variants,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "git_rev": _git_rev(), "data_digest": digest, "clips": len(specs),
+        "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec},
+        "configs": {"transformer": TRANSFORMER.to_diffusers(), "vae": {k: list(v) if isinstance(v, tuple) else v
+                                                                       for k, v in VAE.items()},
+                    "audio_vae": {k: list(v) if isinstance(v, tuple) else v for k, v in AUDIO_VAE.items()}},
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "verify", "workers")},
+        "seconds": round(time.time() - t0, 1),
+    }
+    snap = assemble(out, base, vae, avae, dit, seal)
+    shutil.rmtree(out / "base")
+    shutil.rmtree(stage)
+    print(f"wrote {snap} ({sum(f.stat().st_size for f in snap.rglob('*') if f.is_file()) / 1e6:.2f} MB) in "
+          f"{time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
