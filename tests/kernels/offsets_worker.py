@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from h3kernels import attention, gemm, modulate, packing
-from h3kernels._testing import randn
+from strict_testing import randn
 
 # Row strides below 2**31 (so Triton passes them as int32, as it does at every real shape) whose row 2 lies past
 # 2**31 elements: only an int64 product row * stride addresses it.

@@ -44,7 +44,7 @@ def test_offset_helpers_past_int32():
 
 def test_kernels_address_rows_past_int32():
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offsets_worker.py"))], env=env,
                           capture_output=True, text=True, timeout=600)
     done = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")]

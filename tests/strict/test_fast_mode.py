@@ -9,7 +9,7 @@ import pytest
 import torch
 from strict_cases import forward_kwargs, make_layout, make_request
 
-from h3kernels._testing import randn
+from strict_testing import randn
 from h3lab import H3Transformer, fast, runtime
 
 
