@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import pipeline
+from . import pipeline, runtime
 from .errors import ValidationError
 from .settings import check_prompt
 
@@ -100,6 +100,10 @@ def _check(session, prompts, group, stepper, level, seed, window, overrides):
     settings = []
     for prompt in prompts:
         s = session.settings(check_prompt(prompt), **overrides).checked_paths()
+        try:
+            runtime.require_not_fast("a rollout (its log-densities are the GRPO ratio's denominator)", s.mode)
+        except runtime.FastModeError as err:
+            raise ValidationError(f"mode={s.mode!r}: {err}") from None
         session.check_prompt_length(s.prompt)
         session.check_preset(s)
         settings.append(s)

@@ -126,6 +126,9 @@ class GrpoConfig:
             raise TrainingError(f"GrpoConfig.selection is a {type(self.selection).__name__}: must be a PassSelection")
         if self.mode not in runtime.MODES:
             raise TrainingError(f"GrpoConfig.mode={self.mode!r}: must be one of {', '.join(runtime.MODES)}")
+        if self.mode == "fast":  # runtime.require_not_fast's rule, as a training error
+            raise TrainingError("GrpoConfig.mode='fast': GRPO needs the strict contract (fast's FP8 projections are "
+                                "neither strict nor batch-invariant); use mode strict")
         if not isinstance(self.objective, Objective):
             raise TrainingError(f"GrpoConfig.objective is a {type(self.objective).__name__}: must be an Objective")
         object.__setattr__(self, "betas", tuple(self.betas))

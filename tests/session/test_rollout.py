@@ -81,6 +81,7 @@ def test_window_and_decode(session):
     (dict(prompts=["x"], group=2, seed=1.5), "seed=1.5"),
     (dict(prompts=["x"], group=2, width=50), "width=50"),
     (dict(prompts=["x"], group=2, keep=("everything",)), "keep="),
+    (dict(prompts=["x"], group=2, mode="fast"), "needs the strict contract"),
 ])
 def test_bad_rollout_raises_one_line_before_any_work(session, kwargs, rule):
     prompts = kwargs.pop("prompts")

@@ -117,7 +117,7 @@ def test_config_refusals():
     for kw, msg in ((dict(kind="sde"), "GrpoConfig.kind='sde'"), (dict(group=1), "group=1"),
                     (dict(clip_range=0.0), "clip_range=0.0"), (dict(beta=-1.0), "beta=-1.0"),
                     (dict(inner_epochs=0), "inner_epochs=0"), (dict(importance_cap=0), "importance_cap=0"),
-                    (dict(mode="fast2"), "mode='fast2'")):
+                    (dict(mode="fast2"), "mode='fast2'"), (dict(mode="fast"), "needs the strict contract")):
         with pytest.raises(TrainingError, match=msg) as err:
             GrpoConfig(**kw)
         assert "\n" not in str(err.value)
