@@ -20,7 +20,11 @@ from h3lab.distributed.launch import RankFailed
 
 REPLAY = """\
 !mesh
-"""
+!size 32x32
+!steps 1
+!mode strict
+a red ball
+"""  # a replay holds at least one generation (strict: the mode a mesh runs); unchecked, so --allow-unchecked
 
 
 def _free_port() -> int:
@@ -39,7 +43,7 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, tiny_snapshot):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "h3lab-test", "--local-addr", "127.0.0.1", "-m", "h3lab", "--tp", "2", "--device",
-               "cpu", "--share-device", "-d", str(tiny_snapshot), "--replay", str(replay)]
+               "cpu", "--share-device", "-d", str(tiny_snapshot), "--replay", str(replay), "--allow-unchecked"]
         agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        cwd=tmp_path))
     outs = [agent.communicate(timeout=240) for agent in agents]

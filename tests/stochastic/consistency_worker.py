@@ -1,4 +1,4 @@
-"""Child process of tests/stochastic/test_consistency.py (run with OPENBLAS_CORETYPE set; see that file): a batched
+"""Child process of tests/stochastic/test_consistency.py (see that file): a batched
 flow_sde rollout of GROUP requests on the tiny snapshot's bench in strict and in off mode, then for the request at
 position ITEM a batch-1 forward of every pass at the recorded inputs and its log-density recomputed. Writes JSON.
 
