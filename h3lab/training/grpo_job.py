@@ -111,12 +111,13 @@ class GrpoJob:
         from ..io_utils import check_output_dir
         from ..devices import resolve_device
         from ..settings import GenerationSettings
-        from .job import _check_targets, _int, _snapshot_config, check_alpha
+        from .job import _check_targets, _snapshot_config, check_alpha
+        from .objective import checked_int
 
-        iterations = _int("--iterations", self.iterations, 1)
-        steps = _int("--steps", self.steps, 1)
-        rank = _int("--rank", self.rank, 1)
-        lora_seed = _int("--lora-seed", self.lora_seed, 0)
+        iterations = checked_int("--iterations", self.iterations, 1)
+        steps = checked_int("--steps", self.steps, 1)
+        rank = checked_int("--rank", self.rank, 1)
+        lora_seed = checked_int("--lora-seed", self.lora_seed, 0)
         check_alpha(self.alpha)
         resolve_reward(self.reward)
         prompts = read_prompts(self.prompts)

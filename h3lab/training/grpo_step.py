@@ -62,7 +62,7 @@ from .grpo import (
     truncated_weight,
 )
 from .lora import adapter_disabled, has_lora
-from .objective import MODALITIES, Objective, TrainingError, TrainingSample
+from .objective import MODALITIES, Objective, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
 from .run import _scheme
 from .step import _TrainContext, model_device, request_gradient, split_flat, trainable_parameters
@@ -76,11 +76,6 @@ def _opt_real(name: str, value, positive: bool = True) -> float | None:
         raise TrainingError(f"GrpoConfig.{name}={value!r}: must be a finite number{' > 0' if positive else ''}")
     return float(value)
 
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise TrainingError(f"GrpoConfig.{name}={value!r}: must be an integer >= {minimum}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ class GrpoConfig:
         if self.kind not in SDE_KINDS:
             raise TrainingError(f"GrpoConfig.kind={self.kind!r}: must be one of {', '.join(SDE_KINDS)}")
         object.__setattr__(self, "level", _opt_real("level", self.level))
-        object.__setattr__(self, "group", _int("group", self.group, 2))
+        object.__setattr__(self, "group", checked_int("GrpoConfig.group", self.group, 2))
         object.__setattr__(self, "clip_range", _opt_real("clip_range", self.clip_range))
         object.__setattr__(self, "adv_eps", _opt_real("adv_eps", self.adv_eps))
         object.__setattr__(self, "adv_clip", _opt_real("adv_clip", self.adv_clip))
@@ -120,8 +115,8 @@ class GrpoConfig:
             raise TrainingError(f"GrpoConfig.beta={self.beta!r}: must be >= 0")
         object.__setattr__(self, "beta", beta)
         object.__setattr__(self, "importance_cap", _opt_real("importance_cap", self.importance_cap))
-        object.__setattr__(self, "inner_epochs", _int("inner_epochs", self.inner_epochs, 1))
-        object.__setattr__(self, "seed", _int("seed", self.seed, 0))
+        object.__setattr__(self, "inner_epochs", checked_int("GrpoConfig.inner_epochs", self.inner_epochs, 1))
+        object.__setattr__(self, "seed", checked_int("GrpoConfig.seed", self.seed, 0))
         if not isinstance(self.selection, PassSelection):
             raise TrainingError(f"GrpoConfig.selection is a {type(self.selection).__name__}: must be a PassSelection")
         if self.mode not in runtime.MODES:

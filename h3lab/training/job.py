@@ -50,7 +50,7 @@ from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_j
 from .adapter_file import read_adapter
 from .dataset import check_fits, load_dataset, rollout_dataset
 from .lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
-from .objective import TrainingError
+from .objective import TrainingError, checked_int
 from .run import RunState, TrainConfig, train
 from .step import trainable_parameters
 
@@ -58,11 +58,6 @@ JOB = "job.json"
 CHECKPOINTS = "checkpoints"
 VARIANTS = ("transformer", "transformer_ref")
 
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise TrainingError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return int(value)
 
 
 def check_alpha(alpha: Any) -> None:
@@ -106,10 +101,10 @@ class TrainJob:
 
         if self.variant not in VARIANTS:
             raise TrainingError(f"--variant {self.variant!r}: must be one of {', '.join(VARIANTS)}")
-        rank = _int("--rank", self.rank, 1)
+        rank = checked_int("--rank", self.rank, 1)
         check_alpha(self.alpha)
-        every = _int("--checkpoint-every", self.checkpoint_every, 1)
-        lora_seed = _int("--lora-seed", self.lora_seed, 0)
+        every = checked_int("--checkpoint-every", self.checkpoint_every, 1)
+        lora_seed = checked_int("--lora-seed", self.lora_seed, 0)
         targets = parse_targets(self.targets)
         device = resolve_device(self.device)
         if self.config.mode == "strict" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

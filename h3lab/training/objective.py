@@ -63,6 +63,13 @@ class TrainingError(H3Error):
     """A training input or setting breaks a rule (request shapes, weights, seeds, trajectories, runs)."""
 
 
+def checked_int(name: str, value, minimum: int) -> int:
+    """`value` as an int when it is an integer (not a bool) >= `minimum`, else a one-line TrainingError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise TrainingError(f"{name}={value!r}: must be an integer >= {minimum}")
+    return int(value)
+
+
 def _finite(name: str, value, minimum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TrainingError(f"{name}={value!r}: must be a finite number")

@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -69,7 +68,7 @@ from ..layout import PackedLayout
 from ..trajectory import TraceSummary, code_revision
 from .data_parallel import data_parallel_gradients
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
-from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample
+from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
 from .step import StepResult, compute_gradients, model_device, split_flat, trainable_parameters
 
@@ -80,12 +79,6 @@ WEIGHTS_FILE = "weights.safetensors"
 
 
 # ================================================================================================== config
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise TrainingError(f"TrainConfig.{name}={value!r}: must be an integer >= {minimum}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a run varies: steps, batch size, seed, runtime mode, checkpointing, AdamW, the objective."""
@@ -103,9 +96,9 @@ class TrainConfig:
     objective: Objective = field(default_factory=Objective)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", _int("steps", self.steps, 1))
-        object.__setattr__(self, "batch_size", _int("batch_size", self.batch_size, 1))
-        object.__setattr__(self, "seed", _int("seed", self.seed, 0))
+        object.__setattr__(self, "steps", checked_int("TrainConfig.steps", self.steps, 1))
+        object.__setattr__(self, "batch_size", checked_int("TrainConfig.batch_size", self.batch_size, 1))
+        object.__setattr__(self, "seed", checked_int("TrainConfig.seed", self.seed, 0))
         if self.mode not in runtime.MODES:
             raise TrainingError(f"TrainConfig.mode={self.mode!r}: must be one of {', '.join(runtime.MODES)}")
         object.__setattr__(self, "betas", tuple(self.betas))
