@@ -31,6 +31,9 @@ info: $(STAMP)
 	$(BIN)/h3lab --info
 
 # The notebook browser test needs Debian's chromium; browser_setup.sh installs it once (quick when present).
+# Two pytest-xdist workers (this project's CI and dev machines have 2 cores), each test module on one worker so its
+# module fixtures are built once; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	bash scripts/browser_setup.sh $(BIN)/python
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope

@@ -7,6 +7,7 @@ ops in `registry.STRICT_OPS` under the op names of `h3lab.runtime.REFERENCE_OPS`
 torch and triton.
 """
 
-from . import _interpreter_dot, registry  # noqa: F401
+from . import _interpreter_dot, _interpreter_patching, registry  # noqa: F401
 
 _interpreter_dot.install()  # CPU interpreter only: a dot whose bytes do not depend on a row's tile position
+_interpreter_patching.install()  # CPU interpreter only: the language patched once per launch (speed, same bytes)
