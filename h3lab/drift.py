@@ -690,14 +690,52 @@ def compare(
     `reference`: a `Capture` of `a` made earlier (skips the first run of `a`)."""
     if a.scope != b.scope:
         raise DriftError(f"scopes differ ({a.scope!r} vs {b.scope!r}): compare a trajectory with a trajectory")
-    cap_a = reference if reference is not None else capture(a)
+    cap_a = reference if reference is not None else capture(a)  # pass 1: A's digests
     points_a = model_points(a.model)
     rank = _point_rank(points_a)
     num_layers = sum(1 for p in points_a if p.name.endswith(".norm1") and p.name.startswith("blocks."))
     layer_labels, layer_names = _matrix_names(num_layers, matrix_point)
-    matrix_set = set(layer_names)
 
-    # --- pass 2: B, keeping differing tensors at the first drift, the matrix points and the outputs
+    cap_b, kept = _capture_b(b, cap_a, rank, set(layer_names))  # pass 2
+    common = [k for k in cap_a.order if k in cap_b.digests]
+    common.sort(key=lambda k: (k[0], rank.get(k[1], 10**9)))
+    differing = [k for k in common if cap_a.digests[k] != cap_b.digests[k]]
+    only = sorted({k[1] for k in cap_a.digests.keys() ^ cap_b.digests.keys()})
+    rerun = bool(kept)
+    stats, a_tensor_first, repeatable = _reduce_kept(a, cap_a, kept, differing[0]) if rerun else ({}, {}, True)
+    first, first_in_block = _first_points(differing, cap_a, cap_b, stats, a_tensor_first)
+    _name_owners((first, first_in_block), (b, a), cap_a.inputs.seq_len)
+
+    steps = sorted({k[0] for k in common if k[0] >= 0})
+    rows = cap_a.inputs.seq_len
+    sl_abs, sl_rel, r_abs, r_rel = _layer_matrices(steps, layer_names, rows, cap_a, cap_b, stats)
+    streams = _row_streams(cap_a.inputs)
+    return DriftReport(
+        label_a=a.label or "a",
+        label_b=b.label or "b",
+        equal=not differing,
+        first=first,
+        first_in_block=first_in_block,
+        compared=len(common),
+        uncompared=only,
+        metadata=_metadata(cap_a, cap_b),
+        step_labels=steps,
+        layer_labels=layer_labels,
+        row_labels=[f"{r}:{streams[r]}" for r in range(rows)],
+        step_layer_max_abs=sl_abs,
+        step_layer_rel_l2=sl_rel,
+        row_max_abs=r_abs,
+        row_rel_l2=r_rel,
+        per_step=_output_errors(steps, cap_a, cap_b, stats),
+        a_repeatable=repeatable if rerun else None,
+        differing=len(differing),
+    )
+
+
+def _capture_b(b: Execution, cap_a: Capture, rank: dict[str, int],
+               matrix_set: set[str]) -> tuple[Capture, dict[tuple[int, str], torch.Tensor]]:
+    """Pass 2: run B, hashing every point, and keep the tensors that differ from A's digest at the earliest drift so
+    far (overall and inside the block stack), at the matrix points and at the outputs."""
     cap_b = Capture(b.label)
     kept: dict[tuple[int, str], torch.Tensor] = {}
     first: list[tuple[int, str]] = []  # earliest differing key so far (canonical order)
@@ -721,51 +759,62 @@ def compare(
 
     run_b = execute(b, sink_b)
     cap_b.inputs, cap_b.row_map = run_b.inputs, run_b.row_map
+    return cap_b, kept
 
-    common = [k for k in cap_a.order if k in cap_b.digests]
-    common.sort(key=lambda k: (k[0], rank.get(k[1], 10**9)))
-    differing = [k for k in common if cap_a.digests[k] != cap_b.digests[k]]
-    only = sorted({k[1] for k in cap_a.digests.keys() ^ cap_b.digests.keys()})
 
-    # --- pass 3: A again, reducing each kept pair as A reaches it
+def _reduce_kept(a: Execution, cap_a: Capture, kept: dict[tuple[int, str], torch.Tensor],
+                 first_key: tuple[int, str]) -> tuple[dict, dict, bool]:
+    """Pass 3: run A again and reduce each kept pair as A reaches it (`_stats`); returns the stats per key, the
+    first drift's batch index and shapes, and whether A repeated its own digests on the kept points."""
     stats: dict[tuple[int, str], dict] = {}
     a_tensor_first: dict[str, Any] = {}
     repeat_ok = [True]
-    rerun = bool(kept)
-    if rerun:
-        first_key = differing[0]
 
-        def sink_a(step: int, point: Point, t: torch.Tensor) -> None:
-            key = (step, point.name)
-            if key not in kept:
-                return
-            if tensor_digest(t, "auto") != cap_a.digests.get(key):
-                repeat_ok[0] = False
-            tb = kept.pop(key)
-            stats[key] = _stats(t, tb, point.row_axis)
-            if key == first_key:
-                a_tensor_first.update(batch=_first_batch(t, tb, point), shape_a=tuple(t.shape), shape_b=tuple(tb.shape))
+    def sink_a(step: int, point: Point, t: torch.Tensor) -> None:
+        key = (step, point.name)
+        if key not in kept:
+            return
+        if tensor_digest(t, "auto") != cap_a.digests.get(key):
+            repeat_ok[0] = False
+        tb = kept.pop(key)
+        stats[key] = _stats(t, tb, point.row_axis)
+        if key == first_key:
+            a_tensor_first.update(batch=_first_batch(t, tb, point), shape_a=tuple(t.shape), shape_b=tuple(tb.shape))
 
-        execute(a, sink_a)
+    execute(a, sink_a)
+    return stats, a_tensor_first, repeat_ok[0]
 
+
+def _first_points(differing: list[tuple[int, str]], cap_a: Capture, cap_b: Capture, stats: dict,
+                  a_tensor_first: dict) -> tuple[DriftPoint | None, DriftPoint | None]:
+    """The first drift overall and the first inside the block stack (None when there is none)."""
     first = _drift_point(differing[0], cap_a, cap_b, stats, a_tensor_first) if differing else None
     first_in_block = None
     for k in differing:
         if k[1].startswith("blocks."):
             first_in_block = _drift_point(k, cap_a, cap_b, stats, {})
             break
-    placement = next((dict(x.spec.placement) for x in (b, a) if x.spec.placement), None)
-    if placement is not None:  # across ranks: name the rank that holds the first differing row
-        from .run.fields import provider
+    return first, first_in_block
 
-        locate = provider("placement").locate  # the placement's provider (h3lab.distributed) says who holds a row
-        for dp in (first, first_in_block):
-            if dp is not None and dp.packed_row is not None and locate is not None:
-                dp.owner = locate(placement, dp.point, dp.packed_row, cap_a.inputs.seq_len)
 
-    # --- matrices
-    steps = sorted({k[0] for k in common if k[0] >= 0})
-    rows = cap_a.inputs.seq_len
+def _name_owners(points: Sequence[DriftPoint | None], executions: Sequence[Execution], seq_len: int) -> None:
+    """Across ranks: name the rank that holds each drift point's packed row (the placement of the first execution
+    that has one; its provider, `h3lab.distributed`, says who holds a row)."""
+    placement = next((dict(x.spec.placement) for x in executions if x.spec.placement), None)
+    if placement is None:
+        return
+    from .run.fields import provider
+
+    locate = provider("placement").locate
+    for dp in points:
+        if dp is not None and dp.packed_row is not None and locate is not None:
+            dp.owner = locate(placement, dp.point, dp.packed_row, seq_len)
+
+
+def _layer_matrices(steps: list[int], layer_names: list[str], rows: int, cap_a: Capture, cap_b: Capture,
+                    stats: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(pass, layer) max-abs and relative-L2 matrices and their per-row versions (pass, layer, row): 0 where the
+    bytes are equal, the kept pair's statistics where they differ, NaN where nothing was compared or kept."""
     shape2 = (len(steps), len(layer_names))
     sl_abs = np.full(shape2, np.nan)
     sl_rel = np.full(shape2, np.nan)
@@ -784,7 +833,11 @@ def compare(
                 sl_abs[si, li], sl_rel[si, li] = st["max_abs"], st["rel_l2"]
                 r_abs[si, li] = st["row_max_abs"].numpy()
                 r_rel[si, li] = st["row_rel_l2"].numpy()
-    streams = _row_streams(cap_a.inputs)
+    return sl_abs, sl_rel, r_abs, r_rel
+
+
+def _output_errors(steps: list[int], cap_a: Capture, cap_b: Capture, stats: dict) -> list[dict[str, Any]]:
+    """Per pass, the max-abs / relative-L2 error of every output point (None: differs, tensor not kept)."""
     per_step = []
     for s in steps:
         entry: dict[str, Any] = {"step": s}
@@ -800,27 +853,7 @@ def compare(
             else:
                 entry[name] = {"max_abs": None, "rel_l2": None}
         per_step.append(entry)
-
-    return DriftReport(
-        label_a=a.label or "a",
-        label_b=b.label or "b",
-        equal=not differing,
-        first=first,
-        first_in_block=first_in_block,
-        compared=len(common),
-        uncompared=only,
-        metadata=_metadata(cap_a, cap_b),
-        step_labels=steps,
-        layer_labels=layer_labels,
-        row_labels=[f"{r}:{streams[r]}" for r in range(rows)],
-        step_layer_max_abs=sl_abs,
-        step_layer_rel_l2=sl_rel,
-        row_max_abs=r_abs,
-        row_rel_l2=r_rel,
-        per_step=per_step,
-        a_repeatable=repeat_ok[0] if rerun else None,
-        differing=len(differing),
-    )
+    return per_step
 
 
 def _always_kept(key: tuple[int, str], matrix_set: set[str]) -> bool:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -655,80 +655,13 @@ def build_layout(
     _check_grid("target", latent_height, latent_width, patch_size)
     latent_height, latent_width = int(latent_height), int(latent_width)
 
-    L = tags.numel()
+    parts = _Parts(patch_size)
+    parts.text(tags.numel())
+    origin = parts.conditioning(float(tags.numel()), anchors, references, num_latent_frames, latent_height,
+                                latent_width)
     _, target_w_axis = _frame_grid(latent_height, latent_width, patch_size)
-
-    # Each part: (Block without start, (rows, 3) float64 positions). Rows are laid out in list order.
-    parts: list[tuple[dict, torch.Tensor]] = []
-
-    def video_part(label: str, role: str, h: int, w: int, times: torch.Tensor) -> None:
-        # times: (frames,) float64 rotary time per latent frame; rows frame-major, then the frame's (h, w) grid.
-        grid, _ = _frame_grid(h, w, patch_size)  # (rows_per_frame, 2)
-        pos = torch.empty(times.numel(), grid.shape[0], 3, dtype=torch.float64)
-        pos[:, :, 0] = times[:, None]
-        pos[:, :, 1:] = grid[None]
-        kind = TIME_VIDEO if role == "target" else TIME_CONDITION
-        info = dict(label=label, role=role, stream="video", time_kind=kind, frames=times.numel(),
-                    grid_h=h // patch_size[1], grid_w=w // patch_size[2])
-        parts.append((info, pos.reshape(-1, 3)))
-
-    def one_frame(t: float) -> torch.Tensor:
-        return torch.tensor([t], dtype=torch.float64)
-
-    def audio_part(label: str, role: str, latents: int, origin: float, w_axis: torch.Tensor) -> None:
-        # (2 * latents, 3): channel-major; t = origin + latent index, h = 0, w = an end of the block's width axis.
-        pos = torch.zeros(AUDIO_CHANNELS, latents, 3, dtype=torch.float64)
-        pos[:, :, 0] = origin + torch.arange(latents, dtype=torch.float64)
-        pos[0, :, 2] = float(w_axis[0])  # ch0 on the first width coordinate, ch1 on the last
-        pos[1, :, 2] = float(w_axis[-1])
-        kind = TIME_AUDIO if role == "target" else TIME_REFERENCE_AUDIO
-        info = dict(label=label, role=role, stream="audio", time_kind=kind, audio_latents=latents)
-        parts.append((info, pos.reshape(-1, 3)))
-
-    text_pos = torch.zeros(L, 3, dtype=torch.float64)
-    text_pos[:, 0] = torch.arange(L, dtype=torch.float64)
-    parts.append((dict(label="text", role="text", stream="text", time_kind=TIME_VIDEO), text_pos))
-
-    origin = float(L)
-    for i, anchor in enumerate(anchors):
-        t = origin if anchor == "first" else _last_anchor_time(num_latent_frames, origin)
-        video_part(f"anchor{i}:{anchor}", "cond", latent_height, latent_width, one_frame(t))
-    for i, ref in enumerate(references):
-        if ref.kind == "image":
-            video_part(f"ref{i}:image", "ref", ref.latent_height, ref.latent_width, one_frame(origin))
-            origin += 1.0  # an image takes one integer rotary slot
-        elif ref.kind == "audio":
-            audio_part(f"ref{i}:audio", "ref", ref.audio_latents, origin, target_w_axis)
-            origin += float(ref.audio_latents)
-        else:
-            # The soundtrack precedes its video rows, shares their origin and sits on the video's own width axis.
-            if ref.has_audio:
-                _, ref_w_axis = _frame_grid(ref.latent_height, ref.latent_width, patch_size)
-                audio_part(f"ref{i}:soundtrack", "ref", ref.audio_latents, origin, ref_w_axis)
-            times = _frame_times(ref.latent_frames, origin)
-            video_part(f"ref{i}:video", "ref", ref.latent_height, ref.latent_width, times)
-            origin += max(float(ref.audio_latents), _video_span(ref.latent_frames))
-    audio_part("target:audio", "target", num_audio_latents, origin, target_w_axis)
-    video_part("target:video", "target", latent_height, latent_width, _frame_times(num_latent_frames, origin))
-
-    blocks, start = [], 0
-    for info, pos in parts:
-        blocks.append(Block(start=start, num_rows=pos.shape[0], **info))
-        start += pos.shape[0]
-    S = start
-    position_ids = torch.cat([pos for _, pos in parts])
-    token_tags = torch.empty(S, dtype=torch.long)
-    row_time_kinds = torch.empty(S, dtype=torch.long)
-    row_blocks = torch.empty(S, dtype=torch.long)
-    row_offsets = torch.empty(S, dtype=torch.long)
-    stream_rows: dict[str, list[torch.Tensor]] = {"text": [], "video": [], "audio": []}
-    for b_index, b in enumerate(blocks):
-        rows = torch.arange(b.start, b.start + b.num_rows)
-        token_tags[rows] = tags if b.stream == "text" else (VIDEO if b.stream == "video" else AUDIO)
-        row_time_kinds[rows] = b.time_kind
-        row_blocks[rows] = b_index
-        row_offsets[rows] = torch.arange(b.num_rows)
-        stream_rows[b.stream].append(rows)
+    parts.audio("target:audio", "target", num_audio_latents, origin, target_w_axis)
+    parts.video("target:video", "target", latent_height, latent_width, _frame_times(num_latent_frames, origin))
     # Every conditioning/reference block precedes the targets in packed order, so "blocks in packed order" is
     # "conditioning first, then target" for both streams.
     return PackedLayout(
@@ -740,17 +673,101 @@ def build_layout(
         latent_width=latent_width,
         num_audio_latents=num_audio_latents,
         patch_size=patch_size,
-        blocks=tuple(blocks),
-        position_ids=position_ids,
-        token_tags=token_tags,
-        video_indices=torch.cat(stream_rows["video"]),
-        audio_indices=torch.cat(stream_rows["audio"]),
-        text_indices=torch.cat(stream_rows["text"]),
-        row_time_kinds=row_time_kinds,
-        row_blocks=row_blocks,
-        row_offsets=row_offsets,
-        canonical_rows=torch.arange(S),
+        **parts.rows(tags),
     )
+
+
+class _Parts:
+    """The blocks of one request in packed order, each (Block fields without start, (rows, 3) float64 positions);
+    `rows` turns them into the layout's blocks and row tables."""
+
+    def __init__(self, patch_size: tuple[int, int, int]):
+        self.patch_size = patch_size
+        self.parts: list[tuple[dict, torch.Tensor]] = []
+
+    def text(self, L: int) -> None:
+        text_pos = torch.zeros(L, 3, dtype=torch.float64)
+        text_pos[:, 0] = torch.arange(L, dtype=torch.float64)
+        self.parts.append((dict(label="text", role="text", stream="text", time_kind=TIME_VIDEO), text_pos))
+
+    def video(self, label: str, role: str, h: int, w: int, times: torch.Tensor) -> None:
+        # times: (frames,) float64 rotary time per latent frame; rows frame-major, then the frame's (h, w) grid.
+        grid, _ = _frame_grid(h, w, self.patch_size)  # (rows_per_frame, 2)
+        pos = torch.empty(times.numel(), grid.shape[0], 3, dtype=torch.float64)
+        pos[:, :, 0] = times[:, None]
+        pos[:, :, 1:] = grid[None]
+        kind = TIME_VIDEO if role == "target" else TIME_CONDITION
+        info = dict(label=label, role=role, stream="video", time_kind=kind, frames=times.numel(),
+                    grid_h=h // self.patch_size[1], grid_w=w // self.patch_size[2])
+        self.parts.append((info, pos.reshape(-1, 3)))
+
+    def audio(self, label: str, role: str, latents: int, origin: float, w_axis: torch.Tensor) -> None:
+        # (2 * latents, 3): channel-major; t = origin + latent index, h = 0, w = an end of the block's width axis.
+        pos = torch.zeros(AUDIO_CHANNELS, latents, 3, dtype=torch.float64)
+        pos[:, :, 0] = origin + torch.arange(latents, dtype=torch.float64)
+        pos[0, :, 2] = float(w_axis[0])  # ch0 on the first width coordinate, ch1 on the last
+        pos[1, :, 2] = float(w_axis[-1])
+        kind = TIME_AUDIO if role == "target" else TIME_REFERENCE_AUDIO
+        info = dict(label=label, role=role, stream="audio", time_kind=kind, audio_latents=latents)
+        self.parts.append((info, pos.reshape(-1, 3)))
+
+    def conditioning(self, origin: float, anchors: tuple[str, ...], references: tuple[Reference, ...],
+                     num_latent_frames: int, latent_height: int, latent_width: int) -> float:
+        """The anchors, then the references in request order, from rotary time `origin`; returns the targets'."""
+        one_frame = lambda t: torch.tensor([t], dtype=torch.float64)  # noqa: E731
+        for i, anchor in enumerate(anchors):
+            t = origin if anchor == "first" else _last_anchor_time(num_latent_frames, origin)
+            self.video(f"anchor{i}:{anchor}", "cond", latent_height, latent_width, one_frame(t))
+        _, target_w_axis = _frame_grid(latent_height, latent_width, self.patch_size)
+        for i, ref in enumerate(references):
+            if ref.kind == "image":
+                self.video(f"ref{i}:image", "ref", ref.latent_height, ref.latent_width, one_frame(origin))
+                origin += 1.0  # an image takes one integer rotary slot
+            elif ref.kind == "audio":
+                self.audio(f"ref{i}:audio", "ref", ref.audio_latents, origin, target_w_axis)
+                origin += float(ref.audio_latents)
+            else:
+                # The soundtrack precedes its video rows, shares their origin and sits on the video's own width axis.
+                if ref.has_audio:
+                    _, ref_w_axis = _frame_grid(ref.latent_height, ref.latent_width, self.patch_size)
+                    self.audio(f"ref{i}:soundtrack", "ref", ref.audio_latents, origin, ref_w_axis)
+                times = _frame_times(ref.latent_frames, origin)
+                self.video(f"ref{i}:video", "ref", ref.latent_height, ref.latent_width, times)
+                origin += max(float(ref.audio_latents), _video_span(ref.latent_frames))
+        return origin
+
+    def rows(self, tags: torch.Tensor) -> dict[str, Any]:
+        """The layout's blocks (rows in list order), positions and per-row tables (tags, time kinds, block, offset,
+        the three streams' packed indices, the identity canonical order)."""
+        blocks, start = [], 0
+        for info, pos in self.parts:
+            blocks.append(Block(start=start, num_rows=pos.shape[0], **info))
+            start += pos.shape[0]
+        S = start
+        token_tags = torch.empty(S, dtype=torch.long)
+        row_time_kinds = torch.empty(S, dtype=torch.long)
+        row_blocks = torch.empty(S, dtype=torch.long)
+        row_offsets = torch.empty(S, dtype=torch.long)
+        stream_rows: dict[str, list[torch.Tensor]] = {"text": [], "video": [], "audio": []}
+        for b_index, b in enumerate(blocks):
+            rows = torch.arange(b.start, b.start + b.num_rows)
+            token_tags[rows] = tags if b.stream == "text" else (VIDEO if b.stream == "video" else AUDIO)
+            row_time_kinds[rows] = b.time_kind
+            row_blocks[rows] = b_index
+            row_offsets[rows] = torch.arange(b.num_rows)
+            stream_rows[b.stream].append(rows)
+        return dict(
+            blocks=tuple(blocks),
+            position_ids=torch.cat([pos for _, pos in self.parts]),
+            token_tags=token_tags,
+            video_indices=torch.cat(stream_rows["video"]),
+            audio_indices=torch.cat(stream_rows["audio"]),
+            text_indices=torch.cat(stream_rows["text"]),
+            row_time_kinds=row_time_kinds,
+            row_blocks=row_blocks,
+            row_offsets=row_offsets,
+            canonical_rows=torch.arange(S),
+        )
 
 
 # ------------------------------------------------------------------------------------ token reduction (pairs)

@@ -3,8 +3,12 @@
 The work is in three places below it: `h3lab.components.store.ComponentStore` (snapshot paths, loading each
 component, the variant switch, pinned injected transformers, residency, load timing), `h3lab.pipeline` (plain
 functions: read the media, encode text and conditions, build the layout, draw the noise in the released order, build
-the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` calls them in order, books the timings,
-holds the caches and serialises requests.
+the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` holds the store, the caches and the lock and
+serialises requests; beside it, one job each: `h3lab.generation` (one request phase by phase, its timings and peak
+memory), `h3lab.results` (`GenerationResult`, `StepInfo`, `PHASES`, `GenerationCancelled`), `h3lab.request_checks`
+(output paths, preset depth, ablation factors), `h3lab.reruns` (drift and verify of sealed specs),
+`h3lab.caches` (the conditioning LRUs) and `h3lab.rollout` (RL rollouts). The names they define that callers import
+from `h3lab.session` stay importable from here.
 
 Contract
 - `Session(path=None, device=None, residency="resident", gpu_memory=None)`. `path=None` is the embedded tiny snapshot
@@ -66,188 +70,25 @@ Contract
 from __future__ import annotations
 
 import os
-import resource
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from . import pipeline
-from .components import streaming
+from . import pipeline, reruns
+from .caches import LRU, entries
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .devices import default_device, resolve_device  # noqa: F401 - re-exported: the session's device check
-from .errors import H3Error, ValidationError
-from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
-from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt, is_blank
+from .errors import ValidationError
+from .generation import run_generation
+from .io_utils import check_output_file
+from .request_checks import ablation_factors, check_ablations, check_outputs, check_preset  # noqa: F401
+from .results import PHASES, GenerationCancelled, GenerationResult, StepInfo  # noqa: F401 - re-exported
+from .reruns import drift_lines as _drift_lines  # noqa: F401 - re-exported (tests)
+from .settings import FPS, GenerationSettings, check_prompt, is_blank
 from .whatran import check_strict_runs
-
-PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
-
-
-class GenerationCancelled(H3Error):
-    """The front end set the cancel event; the generation stopped between two passes."""
-
-
-# ------------------------------------------------------------------------------------------------ results
-@dataclass(frozen=True)
-class StepInfo:
-    step: int  # 1-based pass number just completed
-    total: int
-    video_t: float
-    audio_t: float
-    evaluated: bool  # the model ran (False: reused velocity)
-    seconds: float  # wall time of this pass
-
-
-@dataclass
-class GenerationResult:
-    settings: GenerationSettings
-    seed: int
-    frames: np.ndarray  # uint8 (F, H, W, 3) at the output size
-    audio: torch.Tensor  # float32 (2, S) stereo, in [-1, 1]
-    sample_rate: int
-    layout: Any  # h3lab.layout.PackedLayout
-    latents: torch.Tensor  # final target video latents, normalised, (C, T, h, w) float32 CPU
-    audio_latents: torch.Tensor  # final target audio rows, normalised, (2A, C) float32 CPU
-    trajectory: Any  # the recorder the loop fed
-    trajectory_hash: str
-    timings: dict[str, float]
-    cached: dict[str, bool]
-    peak_memory: int  # bytes
-    memory_kind: str
-    trace: Any = None  # runtime Trace of the last forward
-    outputs: list[Path] = field(default_factory=list)
-    evaluations: int = 0  # transformer forwards run
-    arm: Any = field(default=None, repr=False)  # the `RunSpec` that ran (= trajectory.spec): `Session.drift`
-    streaming: Any = None  # components.streaming.StreamStats of a streamed run (bytes moved, wait not hidden)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.timings.values())
-
-    @property
-    def duration(self) -> float:
-        return self.frames.shape[0] / FPS
-
-    def timing_lines(self) -> list[str]:
-        lines = []
-        for phase in ("load", "cache_lookup") + PHASES:
-            if phase == "cache_lookup" and phase not in self.timings:
-                continue
-            value = self.timings.get(phase, 0.0)
-            note = ""
-            if phase == "text_encode" and self.cached.get("text"):
-                note = " (cached)"
-            if phase == "condition_encode" and self.cached.get("conditions"):
-                note = " (cached)"
-            lines.append(f"  {phase:<16} {value:8.3f} s{note}")
-        lines.append(f"  {'total':<16} {self.total_seconds:8.3f} s")
-        lines.append(f"  peak memory      {self.peak_memory / 2**20:8.1f} MiB ({self.memory_kind})")
-        lines.append(f"  forwards         {self.evaluations:8d}")
-        if self.streaming is not None:
-            lines += self.streaming.lines()
-        return lines
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary (no tensors)."""
-        return {
-            "settings": self.settings.to_dict(),
-            "seed": self.seed,
-            "frames": list(self.frames.shape),
-            "audio": list(self.audio.shape),
-            "sample_rate": self.sample_rate,
-            "trajectory_hash": self.trajectory_hash,
-            "trajectory_format": self.trajectory.manifest.get("format"),
-            "timings": dict(self.timings),
-            "cached": dict(self.cached),
-            "peak_memory_bytes": self.peak_memory,
-            "memory_kind": self.memory_kind,
-            "evaluations": self.evaluations,
-            "outputs": [str(p) for p in self.outputs],
-            "streaming": None if self.streaming is None else self.streaming.to_dict(),
-        }
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def check_outputs(output: Any = None, wav: Any = None, frames_dir: Any = None) -> dict[str, Path | None]:
-    """The output paths of one generation, checked before any work (`io_utils`: suffix, an existing file of the
-    right kind, a folder that accepts new files, three distinct paths). Returns them expanded (None when unset)."""
-    paths = {
-        "output": check_output_file(output, (".mp4",), "output") if output else None,
-        "wav": check_output_file(wav, (".wav",), "wav output") if wav else None,
-        "frames_dir": check_output_dir(frames_dir, "frames folder") if frames_dir else None,
-    }
-    check_distinct([("output", paths["output"]), ("wav output", paths["wav"]), ("frames folder", paths["frames_dir"])])
-    return paths
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class _Timer:
-    """Wall time of one phase, CUDA-synchronised, minus the component loading it triggered (booked as "load")."""
-
-    def __init__(self, session: "Session", timings: dict[str, float], phase: str):
-        self.device, self.session, self.timings, self.phase = session.device, session, timings, phase
-
-    def __enter__(self):
-        self._sync()
-        self.t0 = time.perf_counter()
-        self.load0 = self.session.load_seconds
-        return self
-
-    def __exit__(self, *exc):
-        self._sync()
-        loading = self.session.load_seconds - self.load0
-        self.timings[self.phase] = self.timings.get(self.phase, 0.0) + time.perf_counter() - self.t0 - loading
-        self.timings["load"] = self.timings.get("load", 0.0) + loading
-        return False
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-# ------------------------------------------------------------------------------------------------ session
-class _LRU(dict):
-    """A small insertion-ordered cache: the oldest entry goes when `limit` is exceeded; a hit moves to the end."""
-
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def hit(self, key: str) -> Any:
-        value = self.pop(key, None)
-        if value is not None:
-            self[key] = value
-        return value
-
-    def put(self, key: str, value: Any) -> None:
-        self.pop(key, None)
-        self[key] = value
-        while len(self) > self.limit:
-            self.pop(next(iter(self)))
 
 
 class Session:
@@ -266,8 +107,8 @@ class Session:
         self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
-        self._text_cache = _LRU(self.CACHE_LIMIT)
-        self._cond_cache = _LRU(4 * self.CACHE_LIMIT)
+        self._text_cache = LRU(self.CACHE_LIMIT)
+        self._cond_cache = LRU(4 * self.CACHE_LIMIT)
         self._prompt_bound = None  # components.text_encoder.PromptBound, loaded on the first prompt check
         self.video_shift, self.audio_shift = self.store.read_shifts()
         self.pipeline_config = self.store.read_pipeline_config(pipeline_config or {})
@@ -326,16 +167,8 @@ class Session:
 
     def check_preset(self, s: GenerationSettings) -> None:
         """The speed-preset rules that need the DiT's depth (`h3lab.presets.check_depth`), read from the injected
-        model or the snapshot's config -- no model loads."""
-        from .presets import check_depth
-
-        if s.layers is None and not s.token_reduction:
-            return
-        variant = self.variant_for(s.task)
-        model = self.store.injected.get(variant)
-        config = {} if model is not None else self.store.component_config(variant)
-        depth = len(model.transformer_blocks) if model is not None else config.get("num_layers", 50)  # 50: the default
-        check_depth(s, int(depth))
+        model or the snapshot's config -- no model loads (`request_checks.check_preset`)."""
+        check_preset(self.store, s)
 
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""
@@ -359,9 +192,7 @@ class Session:
         }
 
     def cache_info(self) -> list[dict[str, str]]:
-        out = [{"kind": "text", "key": k, "summary": v.summary} for k, v in self._text_cache.items()]
-        out += [{"kind": "condition", "key": k, "summary": v.summary} for k, v in self._cond_cache.items()]
-        return out
+        return entries(self._text_cache, self._cond_cache)
 
     def clear_cache(self) -> int:
         n = len(self._text_cache) + len(self._cond_cache)
@@ -417,159 +248,20 @@ class Session:
         wav: str | os.PathLike | None = None,
         **overrides: Any,
     ) -> GenerationResult:
-        """Generate one clip with sound (see the module docstring). `output` (MP4), `frames_dir` (PNG per frame)
-        and `wav` are checked before any work (`check_outputs`) and written in the `write` phase as one set: every
-        file is written to a temp file first and all are renamed only when all succeeded (`io_utils.
-        atomic_write_all`), so a failure leaves none of them."""
+        """Generate one clip with sound (see the module docstring; the phases are `h3lab.generation`'s). `output`
+        (MP4), `frames_dir` (PNG per frame) and `wav` are checked before any work (`check_outputs`) and written in
+        the `write` phase as one set: every file is written to a temp file first and all are renamed only when all
+        succeeded (`io_utils.atomic_write_all`), so a failure leaves none of them."""
         s = self.settings(request, **overrides).checked_paths()
         check_prompt(s.prompt)
         check_strict_runs(s.mode, self.device)
         outputs = check_outputs(output, wav, frames_dir)
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
-        if s.ablations:
-            unknown = [n for n in s.ablations if n not in ablation_factors()]
-            if unknown:  # fail before any work
-                raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(ablation_factors())}")
+        check_ablations(s.ablations)  # fail before any work
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
-            return self._generate(s, media, progress, cancel, preview, outputs["output"], outputs["frames_dir"],
-                                  outputs["wav"])
-
-    def _generate(self, s, media, progress, cancel, preview, output, frames_dir, wav) -> GenerationResult:
-        from .sampler import DualSchedule
-
-        timings = {phase: 0.0 for phase in ("load",) + PHASES}
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            _reset_peak_rss()
-        schedule = DualSchedule.from_passes(s.steps, self.video_shift, self.audio_shift)
-        if schedule.num_passes != s.steps:
-            raise ValidationError(
-                f"steps={s.steps}: the shifted sigma grid collapses to {schedule.num_passes} distinct passes"
-            )
-
-        with _Timer(self, timings, "text_encode"):
-            text, text_cached = pipeline.encode_text(s, media, self._text_cache, self._load)
-        _book_cache_hit(timings, "text_encode", text_cached)
-        self._phase_done("text_encoder")
-
-        with _Timer(self, timings, "condition_encode"):
-            cond, cond_cached = pipeline.encode_conditions(media, self._cond_cache, self._load)
-        _book_cache_hit(timings, "condition_encode", cond_cached)
-        self._phase_done("vae", "audio_vae")
-
-        with _Timer(self, timings, "denoise"):
-            loop = self._denoise(s, schedule, media, text, cond, progress, cancel, preview)
-        self._phase_done("transformer", "transformer_ref")
-        if cancel is not None and cancel.is_set():  # set during the last pass: stop before decoding and writing
-            raise GenerationCancelled(
-                f"cancelled after pass {schedule.num_passes} of {schedule.num_passes}, before decoding; the session "
-                "is unchanged"
-            )
-
-        with _Timer(self, timings, "decode_video"):
-            frames = pipeline.decode_video(self._load("vae"), loop["latents"], s)
-        self._phase_done("vae")
-        with _Timer(self, timings, "decode_audio"):
-            audio = self._load("audio_vae").decode(loop["audio_rows"])
-        self._phase_done("audio_vae")
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else _peak_rss()
-        trajectory = loop["trajectory"]
-        result = GenerationResult(
-            settings=s,
-            seed=s.seed,
-            frames=frames,
-            audio=audio,
-            sample_rate=AUDIO_SAMPLE_RATE,
-            layout=loop["layout"],
-            latents=loop["latents"],
-            audio_latents=loop["audio_rows"],
-            trajectory=trajectory,
-            trajectory_hash=trajectory.digest,
-            timings=timings,
-            cached={"text": text_cached, "conditions": cond_cached},
-            peak_memory=int(peak),
-            memory_kind="cuda max allocated" if cuda else "process peak RSS",
-            trace=loop["trace"],
-            evaluations=loop["evaluations"],
-            arm=loop["arm"],
-            streaming=loop["streaming"],
-        )
-        with _Timer(self, timings, "write"):
-            from .components import media as media_io
-
-            items = []  # (path, writer): written together, renamed together (write all, then rename all)
-            if output:
-                items.append(media_io.mp4_writer(output, frames, fps=FPS, audio=audio))
-            if wav:
-                items.append(media_io.wav_writer(wav, audio, AUDIO_SAMPLE_RATE))
-            if frames_dir:
-                items += media_io.png_frame_writers(frames_dir, frames)
-            atomic_write_all(items)
-            result.outputs = [Path(p).resolve() for p in (output, wav, frames_dir) if p]
-        return result
-
-    # -------------------------------------------------------------------------------------- denoise
-    def _denoise(self, s, schedule, media, text, cond, progress, cancel, preview) -> dict[str, Any]:
-        """Layout, the request's noise in the released order, its `RunSpec`, and the one loop (`h3lab.run.denoise`)
-        with a trajectory recorder; the pipeline functions do the work, this wires the callbacks."""
-        from . import trajectory as T
-        from .components.video_vae import unpatchify
-        from .run import DenoiseCancelled, denoise
-
-        variant = self.variant_for(s.task)
-        model = self.store.dit(variant, layers=s.layers)
-        cfg = model.config
-        patch = tuple(cfg.patch_size)
-        layout = pipeline.build_layout(s, media, text, cond, patch)
-        inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
-        spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
-                                   residency=self.store.residency_value(), mesh=self.mesh)
-        if "blocks" in spec.preset:  # a pinned model stays whole
-            self.store.release_blocks(variant, model, spec.preset["blocks"])
-        nv = inputs.num_condition_video_rows
-        recorder = T.TrajectoryRecorder(keep=self.keep, meta={"settings": pipeline.settings_meta(s)})
-
-        state = {"prev": inputs.video, "t0": time.perf_counter(), "evaluations": 0, "trace": None}
-
-        def callback(rec) -> None:
-            now = time.perf_counter()
-            state["evaluations"] += int(rec.evaluated)
-            if rec.trace is not None:
-                state["trace"] = rec.trace
-            if preview is not None:
-                # x0 estimate of the pass: x_t + (1 - t) * v on the target rows (float32).
-                t = torch.tensor(rec.t_video, dtype=torch.float32)
-                x0 = state["prev"][0, nv:] + (1 - t) * rec.velocity_video[0, nv:].float()
-                latents = unpatchify(x0.cpu(), s.num_latent_frames, s.latent_height, s.latent_width, patch)
-                preview(self.preview_frame(latents), rec.index + 1, schedule.num_passes)
-            state["prev"] = rec.video
-            if progress is not None:
-                progress(StepInfo(rec.index + 1, schedule.num_passes, rec.t_video, rec.t_audio, rec.evaluated,
-                                  now - state["t0"]))
-            state["t0"] = time.perf_counter()
-
-        try:
-            video, audio = denoise(spec, model, recorder, callback, cancel,
-                                   models=self.store.models_for(variant, model))
-        except DenoiseCancelled as err:
-            raise GenerationCancelled(f"{err}; the session is unchanged") from None
-        latents, audio_rows = pipeline.final_latents(s, inputs, video, audio, patch)
-        trajectory = recorder.finish()
-        streamed = streaming.last_stats() if spec.residency else None
-        return {
-            "layout": layout,
-            "latents": latents,
-            "audio_rows": audio_rows,
-            "trajectory": trajectory,
-            "trace": state["trace"],
-            "evaluations": state["evaluations"],
-            "arm": trajectory.spec,
-            "streaming": streamed,
-        }
+            return run_generation(self, s, media, progress, cancel, preview, outputs)
 
     # -------------------------------------------------------------------------------------- RL rollouts
     def rollout(self, prompts, *, group: int = 4, stepper: str = "flow_sde", level=0.7, seed: int = 0,
@@ -624,75 +316,18 @@ class Session:
             return media.write_mp4(path, result.frames, fps=FPS, audio=result.audio)
         return media.write_wav(path, result.audio, result.sample_rate)
 
+    # ---------------------------------------------------------------------------------------- re-runs
     def drift(self, a: GenerationResult, b: GenerationResult):
-        """First drift between two generations of this session (`drift.compare`): each result's sealed `RunSpec`
-        re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse -- with every operator boundary
-        hashed."""
-        from . import drift
-        from .presets import needed_blocks
-
-        specs = [r.trajectory.spec for r in (a, b)]
-        variants = {spec.variant for spec in specs}
-        if len(variants) != 1:
-            raise ValidationError(
-                f"drift between a {a.settings.task} and a {b.settings.task} run: they use different transformers "
-                f"({', '.join(sorted(variants))}); compare two runs of one variant"
-            )
-        with self._lock:
-            variant = variants.pop()
-            model = self.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
-            models = self.store.models_for(variant, model)
-            arms = [drift.Execution(spec, model, label=f"{spec.tag}{'+lora' if spec.adapters else ''}:"
-                                                      f"{r.trajectory_hash[:12]}", models=models)
-                    for spec, r in zip(specs, (a, b))]
-            return drift.compare(*arms)
+        """First drift between two generations of this session (`drift.compare`, through `h3lab.reruns.drift`):
+        each result's sealed `RunSpec` re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse
+        -- with every operator boundary hashed."""
+        return reruns.drift(self, a, b)
 
     def drift_lines(self, a: GenerationResult, b: GenerationResult) -> list[str]:
-        return _drift_lines(self.drift(a, b))
+        return reruns.drift_lines(self.drift(a, b))
 
     def verify(self, path: str | os.PathLike):
         """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with this session's DiT of
-        the spec's variant (`trajectory.verify`); a trajectory with custom callables is refused."""
-        from . import trajectory as T
-        from .presets import needed_blocks
-
-        traj = T.load(path)
-        variant = traj.spec.variant
-        if variant not in VARIANTS:
-            raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
-                                  f"{', '.join(VARIANTS)}")
-        with self._lock:
-            model = self.store.dit(variant, *needed_blocks([traj.spec.preset]))
-            return T.verify(traj, model, device=self.device, models=self.store.models_for(variant, model))
-
-
-def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:
-    """A phase served entirely from the cache encoded nothing: it reports 0, and the key hashing it took is booked
-    under "cache_lookup"."""
-    if cached:
-        timings["cache_lookup"] = timings.get("cache_lookup", 0.0) + timings[phase]
-        timings[phase] = 0.0
-
-
-def _drift_lines(report) -> list[str]:
-    lines = [report.summary()]
-    if report.first is not None and report.first_in_block is not None and report.first_in_block != report.first:
-        lines.append(f"first drift inside a block: {report.first_in_block}")
-    if report.a_repeatable is False:
-        lines.append("warning: the reference run did not repeat its own hashes (non-deterministic arithmetic)")
-    from .drift import metadata_line
-
-    for note in report.metadata[:3]:
-        lines.append(f"layout differs: {metadata_line(note)}")
-    return lines
-
-
-def ablation_factors() -> dict[str, str]:
-    """The ablation factors a generation can switch on, name -> "factor: description": the rows of
-    `h3lab.ablation.ROWS` that are transforms of a run spec (`ablation.FACTORS`; expected signature DRIFT, trajectory
-    scope). The other rows compare executions rather than change one (controls, invariance, batch and permutation
-    probes, distributed rows) or need what only the ablation bench keeps (H15 re-noises the anchor rows from their
-    clean latents; a generation's sealed inputs hold the augmented rows only); they run with `h3lab.ablation`."""
-    from . import ablation
-
-    return {name: f"{ablation.ROWS[name].factor}: {ablation.ROWS[name].description}" for name in ablation.FACTORS}
+        the spec's variant (`trajectory.verify`, through `h3lab.reruns.verify`); a trajectory with custom callables
+        is refused."""
+        return reruns.verify(self, path)

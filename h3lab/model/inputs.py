@@ -41,8 +41,15 @@ def check_inputs(
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
             raise ModelInputError(f"{name} is a {type(value).__name__}: must be a torch.Tensor")
+    seq_len = _check_diffusers_rules(position_ids, token_tags, timestep_indices)
+    _check_streams(config, named)
+    _check_timestep(timestep)
+    _check_index_tensors(named)
+    _check_index_ranges(named, seq_len, timestep.numel())
 
-    # Diffusers' checks, Diffusers' wording.
+
+def _check_diffusers_rules(position_ids, token_tags, timestep_indices) -> int:
+    """Diffusers' checks, Diffusers' wording; then a real `position_ids` dtype. Returns seq_len."""
     if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
         raise ModelInputError(f"`position_ids` must be a `(seq_len, 3)` tensor, got {list(position_ids.shape)}.")
     seq_len = position_ids.shape[0]
@@ -53,8 +60,11 @@ def check_inputs(
         )
     if position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise ModelInputError(f"position_ids dtype {position_ids.dtype}: must be a real (float or integer) tensor")
+    return seq_len
 
-    c = config
+
+def _check_streams(c: H3Config, named: dict[str, torch.Tensor]) -> None:
+    """The three row inputs: 3-D, floating point, the config's feature widths, one batch size."""
     p = c.patch_size
     video_rule = f"video_patch_dim = in_channels*prod(patch_size) = {c.in_channels}*{p[0]}*{p[1]}*{p[2]}"
     widths = {
@@ -74,6 +84,8 @@ def check_inputs(
     if len(set(batches.values())) != 1:
         raise ModelInputError(f"batch sizes differ across inputs {batches}: all three must share one batch size")
 
+
+def _check_timestep(timestep: torch.Tensor) -> None:
     if timestep.ndim != 1 or timestep.numel() == 0:
         raise ModelInputError(
             f"timestep has shape {list(timestep.shape)}: must be (num_timesteps,) with at least one value"
@@ -81,28 +93,36 @@ def check_inputs(
     if not timestep.is_floating_point():
         raise ModelInputError(f"timestep dtype {timestep.dtype}: must be a floating-point tensor of values in [0, 1]")
 
-    rows = {
-        "video_indices": ("hidden_states", hidden_states),
-        "audio_indices": ("audio_hidden_states", audio_hidden_states),
-        "text_indices": ("encoder_hidden_states", encoder_hidden_states),
-    }
-    for name in ("timestep_indices", "token_tags", *rows):
+
+_ROW_SOURCES = {  # index tensor -> the row input it holds one packed position per row of
+    "video_indices": "hidden_states",
+    "audio_indices": "audio_hidden_states",
+    "text_indices": "encoder_hidden_states",
+}
+
+
+def _check_index_tensors(named: dict[str, torch.Tensor]) -> None:
+    """Every index tensor int64; the stream indices one per row of their input."""
+    for name in ("timestep_indices", "token_tags", *_ROW_SOURCES):
         t = named[name]
         if t.dtype != torch.int64:
             raise ModelInputError(f"{name} dtype {t.dtype}: index tensors must be int64 (torch.long)")
-    for name, (src_name, src) in rows.items():
-        t = named[name]
+    for name, src_name in _ROW_SOURCES.items():
+        t, src = named[name], named[src_name]
         if t.shape != (src.shape[1],):
             raise ModelInputError(
                 f"{name} has shape {list(t.shape)}: must be ({src.shape[1]},), "
                 f"one packed position per row of {src_name}"
             )
 
+
+def _check_index_ranges(named: dict[str, torch.Tensor], seq_len: int, num_timesteps: int) -> None:
+    """Index values in range (one min/max read back per tensor)."""
     limits = {
         "video_indices": (seq_len, "a packed position in [0, seq_len)"),
         "audio_indices": (seq_len, "a packed position in [0, seq_len)"),
         "text_indices": (seq_len, "a packed position in [0, seq_len)"),
-        "timestep_indices": (timestep.numel(), "an index into timestep, in [0, num_timesteps)"),
+        "timestep_indices": (num_timesteps, "an index into timestep, in [0, num_timesteps)"),
         "token_tags": (NUM_MODALITIES, "a modality tag in {0 video, 1 text, 2 audio}"),
     }
     for name, (limit, rule) in limits.items():

@@ -158,6 +158,38 @@ def drift_heatmaps(
     `row_labels`) above it; more than `max_row_columns` rows are binned within each band (max per bin, the rule in
     the axis label). `first` (a DriftPoint or its dict) is marked in the plotted layer that holds it.
     Axes: [step x layer, layer x row, modality band, colorbar of step x layer, colorbar of layer x row]."""
+    sl, lr, mods = _checked_drift_matrices(step_layer, layer_row, step_labels, layer_labels, row_labels, modalities)
+    norm = _log_norm(sl, lr)
+    cmap = _drift_cmap()
+    shown, bin_mods, spans, k = bin_rows(lr, mods, max_row_columns)
+    layers, passes = len(layer_labels), len(step_labels)
+    fig = new_figure(MAX_WIDTH_IN, min(MAX_HEIGHT_IN, max(4.4, 2.6 + 0.2 * max(layers, passes))))
+    left = min(0.45, max(0.24, 0.06 * layers))  # the step x layer share of the width
+    grid = fig.add_gridspec(2, 2, width_ratios=[left, 1 - left], height_ratios=[0.09, 1.0])
+    ax_sl = fig.add_subplot(grid[1, 0])
+    im = _step_layer_heat(ax_sl, sl, norm, cmap, step_labels, layer_labels, metric)
+    ax_lr = fig.add_subplot(grid[1, 1])
+    im_lr = _layer_row_heat(ax_lr, shown, norm, cmap, layer_labels, len(row_labels), k, spans)
+    bands = _bands(bin_mods)
+    for start, _stop, _m in bands[1:]:
+        ax_lr.axvline(start - 0.5, color="black", linewidth=0.8)
+    ax_band = fig.add_subplot(grid[0, 1], sharex=ax_lr)
+    key = _modality_band(ax_band, bin_mods, row_step, metric)
+    point, col = _mark_first_drift(ax_sl, ax_lr, first, step_labels, layer_labels, row_step, spans)
+    colorbars = [_log_colorbar(fig, im, ax_sl, metric), _log_colorbar(fig, im_lr, ax_lr, metric)]
+    legend = f"white: byte-equal (0), grey: not captured by both runs; band: modality of the rows ({key})"
+    if col is not None:
+        legend += f"; pink square: the first drift ({point}, in layer column {layer_labels[col]})"
+    fig.supxlabel(_wrap(legend, 150), fontsize=FONT_PT)
+    state = drift_state(sl, lr)
+    fig.suptitle(_wrap(title + (f" -- {state}" if state else ""), 130), fontsize=10)
+    _label_to_fit(fig, colorbars, ax_band, bands, len(bin_mods))
+    return finish(fig)
+
+
+def _checked_drift_matrices(step_layer, layer_row, step_labels, layer_labels, row_labels,
+                            modalities) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The two matrices as 2-D arrays whose shapes match their labels, and one modality per packed row."""
     sl = _array(step_layer, "step x layer matrix", 2)
     lr = _array(layer_row, "layer x row matrix", 2)
     if sl.shape != (len(step_labels), len(layer_labels)):
@@ -167,47 +199,51 @@ def drift_heatmaps(
     mods = list(modalities) if modalities is not None else row_modalities(row_labels)
     if len(mods) != lr.shape[1]:
         raise PlotError(f"{len(mods)} row modalities for {lr.shape[1]} packed rows")
-    norm = _log_norm(sl, lr)
-    cmap = _drift_cmap()
-    shown, bin_mods, spans, k = bin_rows(lr, mods, max_row_columns)
-    layers, passes = len(layer_labels), len(step_labels)
-    fig = new_figure(MAX_WIDTH_IN, min(MAX_HEIGHT_IN, max(4.4, 2.6 + 0.2 * max(layers, passes))))
-    left = min(0.45, max(0.24, 0.06 * layers))  # the step x layer share of the width
-    grid = fig.add_gridspec(2, 2, width_ratios=[left, 1 - left], height_ratios=[0.09, 1.0])
-    ax_sl = fig.add_subplot(grid[1, 0])
-    im = _heat(ax_sl, sl, norm, cmap)
-    ax_sl.set_yticks(range(passes), [f"pass {s}" for s in step_labels], fontsize=FONT_PT)
-    ax_sl.set_xticks(range(layers), list(layer_labels), rotation=90, fontsize=FONT_PT)
-    ax_sl.set_xlabel("layer (block output)", fontsize=FONT_PT)
-    ax_sl.set_ylabel("denoising pass", fontsize=FONT_PT)
-    ax_sl.set_title(f"step x layer ({metric})", fontsize=9)
+    return sl, lr, mods
 
-    ax_lr = fig.add_subplot(grid[1, 1])
-    im_lr = _heat(ax_lr, shown, norm, cmap)
-    ax_lr.set_yticks(range(layers), list(layer_labels), fontsize=FONT_PT)
-    ax_lr.set_ylabel("layer", fontsize=FONT_PT)
-    ax_lr.tick_params(axis="x", labelsize=FONT_PT)
+
+def _step_layer_heat(ax, sl: np.ndarray, norm, cmap, step_labels, layer_labels, metric: str):
+    """The step x layer heatmap: one row per pass, one column per layer (block output)."""
+    im = _heat(ax, sl, norm, cmap)
+    ax.set_yticks(range(len(step_labels)), [f"pass {s}" for s in step_labels], fontsize=FONT_PT)
+    ax.set_xticks(range(len(layer_labels)), list(layer_labels), rotation=90, fontsize=FONT_PT)
+    ax.set_xlabel("layer (block output)", fontsize=FONT_PT)
+    ax.set_ylabel("denoising pass", fontsize=FONT_PT)
+    ax.set_title(f"step x layer ({metric})", fontsize=9)
+    return im
+
+
+def _layer_row_heat(ax, shown: np.ndarray, norm, cmap, layer_labels, num_rows: int, k: int, spans):
+    """The layer x packed row heatmap (rows binned by `k` within a band when k > 1, ticks in packed rows)."""
+    im = _heat(ax, shown, norm, cmap)
+    ax.set_yticks(range(len(layer_labels)), list(layer_labels), fontsize=FONT_PT)
+    ax.set_ylabel("layer", fontsize=FONT_PT)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
     binned = f";\nbins of {k} rows within a modality band, max per bin" if k > 1 else ""
-    ax_lr.set_xlabel(f"packed row ({len(row_labels)} rows{binned})", fontsize=FONT_PT)
+    ax.set_xlabel(f"packed row ({num_rows} rows{binned})", fontsize=FONT_PT)
     if k > 1:  # x ticks in packed rows, at bin positions
         ticks = np.linspace(0, len(spans) - 1, min(6, len(spans))).round().astype(int)
-        ax_lr.set_xticks(ticks, [str(spans[t][0]) for t in ticks])
-    bands = _bands(bin_mods)
-    for start, _stop, _m in bands[1:]:
-        ax_lr.axvline(start - 0.5, color="black", linewidth=0.8)
+        ax.set_xticks(ticks, [str(spans[t][0]) for t in ticks])
+    return im
 
-    ax_band = fig.add_subplot(grid[0, 1], sharex=ax_lr)
+
+def _modality_band(ax, bin_mods: Sequence[str], row_step: Any, metric: str) -> str:
+    """The categorical band of the columns' modalities above the layer x row heatmap; returns its colour key."""
     names = sorted(set(bin_mods), key=lambda m: list(MODALITY_COLORS).index(m) if m in MODALITY_COLORS else 99)
     codes = np.array([[names.index(m) for m in bin_mods]])
-    band_im = ax_band.imshow(codes, cmap=ListedColormap([MODALITY_COLORS.get(m, "#000000") for m in names]),
-                             vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
+    band_im = ax.imshow(codes, cmap=ListedColormap([MODALITY_COLORS.get(m, "#000000") for m in names]),
+                        vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
     band_im.set_gid("modality-band")  # a categorical key, explained by the legend below, not a heatmap
-    ax_band.set_yticks([])
-    ax_band.tick_params(labelbottom=False, bottom=False)
+    ax.set_yticks([])
+    ax.tick_params(labelbottom=False, bottom=False)
     where = f" at pass {row_step}" if row_step is not None else ""
-    key = ", ".join(f"{m} {COLOR_NAMES.get(MODALITY_COLORS.get(m, ''), 'black')}" for m in names)
-    ax_band.set_title(f"layer x packed row{where} ({metric})", fontsize=9)
+    ax.set_title(f"layer x packed row{where} ({metric})", fontsize=9)
+    return ", ".join(f"{m} {COLOR_NAMES.get(MODALITY_COLORS.get(m, ''), 'black')}" for m in names)
 
+
+def _mark_first_drift(ax_sl, ax_lr, first: Any, step_labels, layer_labels, row_step: Any,
+                      spans) -> tuple[str | None, int | None]:
+    """A square on the first drift in both heatmaps (the row one only at its pass); returns (point, layer column)."""
     point, step, packed_row = _point_of(first)
     col = first_drift_layer(point, layer_labels)
     if col is not None and step in list(step_labels):
@@ -219,25 +255,21 @@ def drift_heatmaps(
             if b is not None:
                 ax_lr.plot([b], [col], marker="s", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
                            color=FIRST_DRIFT_COLOR, linestyle="none")
-    colorbars = [_log_colorbar(fig, im, ax_sl, metric), _log_colorbar(fig, im_lr, ax_lr, metric)]
-    legend = f"white: byte-equal (0), grey: not captured by both runs; band: modality of the rows ({key})"
-    if col is not None:
-        legend += f"; pink square: the first drift ({point}, in layer column {layer_labels[col]})"
-    fig.supxlabel(_wrap(legend, 150), fontsize=FONT_PT)
-    state = drift_state(sl, lr)
-    fig.suptitle(_wrap(title + (f" -- {state}" if state else ""), 130), fontsize=10)
+    return point, col
 
+
+def _label_to_fit(fig: Figure, colorbars, ax_band, bands, num_columns: int) -> None:
+    """After the final layout: colorbar ticks and band labels sized by what fits on the page."""
     fig.canvas.draw()  # the final layout: band widths and colorbar lengths are known now
     renderer = fig.canvas.get_renderer()
     for cb in colorbars:  # one labelled tick per 0.3 in of colorbar at most
         _set_log_ticks(cb, max(2, int(cb.ax.get_window_extent(renderer).height / DPI / 0.3)))
-    per_col = ax_band.get_window_extent(renderer).width / max(1, len(bin_mods))
+    per_col = ax_band.get_window_extent(renderer).width / max(1, num_columns)
     for start, stop, m in bands:  # a label inside every band wide enough to hold it
         label = ax_band.text((start + stop - 1) / 2, 0, m, ha="center", va="center", fontsize=FONT_PT,
                              color="black", fontweight="bold")
         if label.get_window_extent(renderer).width + 6 > per_col * (stop - start):
             label.remove()
-    return finish(fig)
 
 
 def drift_inputs(report: Any, step: int | None = None, metric: str = "max_abs") -> dict[str, Any]:

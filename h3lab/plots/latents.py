@@ -115,6 +115,38 @@ def latent_strip(
     Axes: [video mosaic, audio mosaic, audio colorbar] (the last two only with audio). `fig.h3lab_rows` lists the
     drawn step indices; `ax.h3lab_tiles[r][c]` is the pixel box (y, x, h, w) of drawn row r, frame c in a mosaic
     axes' image (one column in the audio one); gaps between tiles are transparent (video) or NaN (audio)."""
+    v, aud, labels = _checked_strip(video, audio, step_labels, basis_step)
+    rows, rule = strip_rows(v.shape[0], max_rows, page)
+    _, _, num_frames, h, w = v.shape
+    frames = sorted(set(np.linspace(0, num_frames - 1, min(num_frames, max(1, max_frames))).round().astype(int)))
+    gap = max(1, round(0.1 * max(h, w)))
+    mosaic = _video_mosaic(v, rows, frames, pca_rgb_basis(v[basis_step]), gap)
+
+    # Size: frame tiles of at most 0.9 in, rows of at least 0.32 in (one line of row label), the audio panel ~30 %.
+    audio_w = 3.0 if aud is not None else 0.0
+    tile_w = min(0.9, max(0.3, (MAX_WIDTH_IN - 1.9 - audio_w) / len(frames)))
+    row_h = max(0.32, tile_w * h / w)
+    width = 1.9 + tile_w * len(frames) + audio_w
+    height = 1.3 + row_h * len(rows)
+    fig = new_figure(width, height)
+    if aud is not None:
+        grid = fig.add_gridspec(1, 2, width_ratios=[tile_w * len(frames), audio_w])
+        ax = fig.add_subplot(grid[0, 0])
+    else:
+        ax = fig.add_subplot(1, 1, 1)
+    _draw_video_mosaic(ax, mosaic, [labels[r] for r in rows], frames, num_frames, h, w, gap)
+    if aud is not None:
+        _draw_audio_mosaic(fig, fig.add_subplot(grid[0, 1], sharey=None), aud, rows, basis_step)
+    ax.set_title("video latents (PCA of the channels to RGB)", fontsize=9)
+    fig.h3lab_rows = rows
+    fig.suptitle(f"{title}: {rule}; one PCA basis from {labels[basis_step]}", fontsize=10)
+    return fig  # no `finish`: rows of at least 0.32 in and tiles of at least 0.3 in keep every label apart
+
+
+def _checked_strip(video: Any, audio: Any, step_labels: Sequence[str] | None,
+                   basis_step: int) -> tuple[np.ndarray, np.ndarray | None, list[str]]:
+    """(video (S, C, T, h, w), audio (S, 2A, Ca) or None, S step labels), with at least one step and a basis step
+    among them."""
     v = _array(video, "video latents", 5)
     steps = v.shape[0]
     if steps == 0:
@@ -129,34 +161,24 @@ def latent_strip(
             raise PlotError(f"audio latents have {aud.shape[0]} steps, video latents {steps}")
     if not -steps <= basis_step < steps:
         raise PlotError(f"basis_step={basis_step}: must index one of the {steps} steps")
-    rows, rule = strip_rows(steps, max_rows, page)
-    _, _, num_frames, h, w = v.shape
-    frames = sorted(set(np.linspace(0, num_frames - 1, min(num_frames, max(1, max_frames))).round().astype(int)))
-    basis = pca_rgb_basis(v[basis_step])
-    gap = max(1, round(0.1 * max(h, w)))
+    return v, aud, labels
 
+
+def _video_mosaic(v: np.ndarray, rows: list[int], frames: list[int], basis: PCABasis, gap: int) -> np.ndarray:
+    """The drawn rows x frames as one RGBA image through `basis`; the gaps between tiles are transparent."""
     rgb = {r: pca_rgb(v[r], basis) for r in rows}
     mosaic = _mosaic([[rgb[r][f] for f in frames] for r in rows], gap)
     alpha = np.where(np.isnan(mosaic[..., :1]), 0.0, 1.0)  # gaps transparent (the white figure shows through)
-    mosaic = np.concatenate([np.nan_to_num(mosaic), alpha], axis=-1)
+    return np.concatenate([np.nan_to_num(mosaic), alpha], axis=-1)
 
-    # Size: frame tiles of at most 0.9 in, rows of at least 0.32 in (one line of row label), the audio panel ~30 %.
-    audio_w = 3.0 if aud is not None else 0.0
-    tile_w = min(0.9, max(0.3, (MAX_WIDTH_IN - 1.9 - audio_w) / len(frames)))
-    row_h = max(0.32, tile_w * h / w)
-    width = 1.9 + tile_w * len(frames) + audio_w
-    height = 1.3 + row_h * len(rows)
-    fig = new_figure(width, height)
-    if aud is not None:
-        grid = fig.add_gridspec(1, 2, width_ratios=[tile_w * len(frames), audio_w])
-        ax = fig.add_subplot(grid[0, 0])
-    else:
-        ax = fig.add_subplot(1, 1, 1)
+
+def _draw_video_mosaic(ax, mosaic: np.ndarray, row_labels: list[str], frames: list[int], num_frames: int, h: int,
+                       w: int, gap: int) -> None:
+    """The video mosaic with a step label per row and a latent frame index per column (`ax.h3lab_tiles`)."""
     ax.imshow(mosaic, interpolation="nearest", aspect="auto")
     ax.h3lab_tiles = [[(r_i * (h + gap), c_i * (w + gap), h, w) for c_i in range(len(frames))]
-                      for r_i in range(len(rows))]
-    ax.set_yticks([i * (h + gap) + (h - 1) / 2 for i in range(len(rows))], [labels[r] for r in rows],
-                  fontsize=FONT_PT)
+                      for r_i in range(len(row_labels))]
+    ax.set_yticks([i * (h + gap) + (h - 1) / 2 for i in range(len(row_labels))], row_labels, fontsize=FONT_PT)
     ax.set_xticks([i * (w + gap) + (w - 1) / 2 for i in range(len(frames))], [str(f) for f in frames],
                   fontsize=FONT_PT)
     frames_rule = f"{len(frames)} of {num_frames}, evenly spaced" if len(frames) < num_frames else f"all {num_frames}"
@@ -165,33 +187,31 @@ def latent_strip(
     for spine in ax.spines.values():
         spine.set_visible(False)
 
-    if aud is not None:
-        imgs = [audio_image(aud[r]) for r in rows]
-        vmax = float(np.percentile(np.abs(audio_image(aud[basis_step])), 99)) or 1.0  # one scale for every row
-        a_gap = max(1, round(0.1 * imgs[0].shape[0]))
-        a_mosaic = _mosaic([[im[..., None]] for im in imgs], a_gap)[..., 0]
-        ax_a = fig.add_subplot(grid[0, 1], sharey=None)
-        import matplotlib
 
-        cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
-        im = ax_a.imshow(np.ma.masked_invalid(a_mosaic), cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto",
-                         interpolation="nearest")
-        ca = imgs[0].shape[0]
-        ax_a.h3lab_tiles = [[(i * (ca + a_gap), 0, ca, imgs[0].shape[1])] for i in range(len(rows))]
-        ax_a.set_yticks([i * (ca + a_gap) + (ca - 1) / 2 for i in range(len(rows))], [""] * len(rows))
-        for i in range(len(rows)):  # the ch0 | ch1 boundary inside every row
-            ax_a.axhline(i * (ca + a_gap) + ca / 2 - 0.5, color="black", linewidth=0.5, linestyle=":")
-        ax_a.set_xlabel(f"audio latent index ({imgs[0].shape[1]} per row, 40 per second)", fontsize=FONT_PT)
-        ax_a.set_ylabel("ch0 features | ch1 features, per row", fontsize=FONT_PT)
-        ax_a.tick_params(labelsize=FONT_PT, length=2)
-        cb = fig.colorbar(im, ax=ax_a, fraction=0.08, pad=0.02)
-        cb.set_label("audio latent value", fontsize=FONT_PT)
-        cb.ax.tick_params(labelsize=FONT_PT)
-        ax_a.set_title("audio latents", fontsize=9)
-    ax.set_title("video latents (PCA of the channels to RGB)", fontsize=9)
-    fig.h3lab_rows = rows
-    fig.suptitle(f"{title}: {rule}; one PCA basis from {labels[basis_step]}", fontsize=10)
-    return fig  # no `finish`: rows of at least 0.32 in and tiles of at least 0.3 in keep every label apart
+def _draw_audio_mosaic(fig: Figure, ax_a, aud: np.ndarray, rows: list[int], basis_step: int) -> None:
+    """The drawn rows' audio latents (ch0 features above ch1, one diverging scale from the basis step) and their
+    colorbar (`ax_a.h3lab_tiles`: one column per row)."""
+    imgs = [audio_image(aud[r]) for r in rows]
+    vmax = float(np.percentile(np.abs(audio_image(aud[basis_step])), 99)) or 1.0  # one scale for every row
+    a_gap = max(1, round(0.1 * imgs[0].shape[0]))
+    a_mosaic = _mosaic([[im[..., None]] for im in imgs], a_gap)[..., 0]
+    import matplotlib
+
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
+    im = ax_a.imshow(np.ma.masked_invalid(a_mosaic), cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto",
+                     interpolation="nearest")
+    ca = imgs[0].shape[0]
+    ax_a.h3lab_tiles = [[(i * (ca + a_gap), 0, ca, imgs[0].shape[1])] for i in range(len(rows))]
+    ax_a.set_yticks([i * (ca + a_gap) + (ca - 1) / 2 for i in range(len(rows))], [""] * len(rows))
+    for i in range(len(rows)):  # the ch0 | ch1 boundary inside every row
+        ax_a.axhline(i * (ca + a_gap) + ca / 2 - 0.5, color="black", linewidth=0.5, linestyle=":")
+    ax_a.set_xlabel(f"audio latent index ({imgs[0].shape[1]} per row, 40 per second)", fontsize=FONT_PT)
+    ax_a.set_ylabel("ch0 features | ch1 features, per row", fontsize=FONT_PT)
+    ax_a.tick_params(labelsize=FONT_PT, length=2)
+    cb = fig.colorbar(im, ax=ax_a, fraction=0.08, pad=0.02)
+    cb.set_label("audio latent value", fontsize=FONT_PT)
+    cb.ax.tick_params(labelsize=FONT_PT)
+    ax_a.set_title("audio latents", fontsize=9)
 
 # ==================================================================================================== norms
 def norm_curves(

@@ -270,8 +270,8 @@ def test_the_check_sees_function_level_lazy_and_relative_imports(tmp_path):
     assert find_cycles(import_graph(tmp_path, "pkg")) == []
 
 
-FRONT_ENDS = ("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.plots", "h3lab.commands", "h3lab.replay",
-              "prompt_toolkit", "ipywidgets", "matplotlib")
+FRONT_ENDS = ("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.plots", "h3lab.commands",
+              "h3lab.replay", "prompt_toolkit", "ipywidgets", "matplotlib")
 
 
 def test_importing_the_session_loads_no_front_end():
@@ -314,11 +314,12 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "plots": (("h3lab.plots",), ("base", "components", "sampler", "settings")),
     "preview": (("h3lab.preview",), ("base",)),
     "shapes": (("h3lab.shapes",), ("base",)),
-    "session": (("h3lab.session", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
+    "session": (("h3lab.session", "h3lab.generation", "h3lab.results", "h3lab.request_checks", "h3lab.reruns",
+                 "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
                  "h3lab.rollout"),
                 ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
                  "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training")),
-    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.train", "h3lab.__main__"),
+    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.__main__"),
                    ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
                     "session", "settings", "stochastic", "training")),
 }
