@@ -571,6 +571,14 @@ class Session:
             "streaming": streamed,
         }
 
+    def encode_clip(self, video: str | os.PathLike, prompt: str, **options: Any):
+        """An MP4 and its prompt -> one encoded t2va `ClipRequest` for `training.save_dataset` (its VAEs and text
+        encoder; every rule checked first -- rate, length, size, audio track: `h3lab.clips_in`)."""
+        from .clips_in import encode_clip
+
+        with self._lock:
+            return encode_clip(self, video, prompt, **options)
+
     # -------------------------------------------------------------------------------------- RL rollouts
     def rollout(self, prompts, *, group: int = 4, stepper: str = "flow_sde", level=0.7, seed: int = 0,
                 window=None, decode: bool = False, batched: bool = True, keep=("latents",), **overrides: Any):
