@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="h3lab",
         description="MiniMax-H3 research workbench: generate video with sound, strict deterministic execution, "
-        "sealed trajectories. Without -p (and without --replay/--info) an interactive session starts.",
+        "sealed trajectories. Without -p (and without --replay/--info) an interactive session starts. "
+        "Subcommands (each with --help): `h3lab encode` (MP4s -> a clip dataset), `h3lab train`.",
     )
     p.add_argument("-d", "--model", dest="model", metavar="PATH", help="snapshot directory (default: embedded tiny)")
     p.add_argument("-p", "--prompt", help="prompt; generates once and exits")
@@ -457,6 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["encode"]:  # `h3lab encode ...`: MP4s + a manifest -> a sealed clip dataset
+        from .encode import main as encode_main
+
+        quiet_libraries()
+        return encode_main(argv[1:])
     as_json = "--json" in argv  # known before parsing, so a usage error is JSON too
     try:
         args = build_parser().parse_args(argv)

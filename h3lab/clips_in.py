@@ -140,7 +140,7 @@ def check_clip(session: Any, video: str | os.PathLike, prompt: Any, width: Any =
     if info.audio is None:
         if not allow_silent:
             raise ValidationError(f"{where}: has no audio track; H3 learns picture and sound together (give clips "
-                                  "with a soundtrack, or allow silent clips to train them on silence)")
+                                  "with a soundtrack, or --allow-silent / allow_silent=True to encode silence)")
         return ClipPlan(path, source, float(stream.fps), int(info.frame_count), settings, "silence", 0)
     samples = media.read_audio(path, max_seconds=need / AUDIO_SAMPLE_RATE + 1.0).shape[1]
     if samples < need - HOP:
