@@ -50,7 +50,8 @@ Contract
   and applied by the loop; `drift` and `verify` re-run a result's or a sealed trajectory's spec exactly.
 - Every pass goes to a `trajectory.TrajectoryRecorder`; `result.trajectory` is the recorded `Trajectory` (sealed
   inputs, per-pass hashes, provenance) and `result.trajectory_hash` its digest, which replays' `# expect` lines
-  check. `Session.keep` picks the per-pass tensors kept in memory (default none: hashes only).
+  check. `Session.keep` (`keep=` at construction, `--keep`) picks the per-pass tensors kept in memory and sealed with
+  the trajectory (default none: hashes only; "latents" is what `h3lab train --rollout` needs).
 - `rollout(prompts, group=G, stepper=..., level=..., seed=...)`: G stochastic requests per prompt on an SDE
   stepper, per-pass log-densities sealed in the trajectories (`h3lab.rollout` does the work).
 - `progress(StepInfo)` is called after every pass; `cancel` (a `threading.Event`) is checked before every pass and
@@ -83,6 +84,7 @@ from .devices import default_device, resolve_device  # noqa: F401 - re-exported:
 from .errors import H3Error, ValidationError
 from .io_utils import atomic_write_all, check_distinct, check_output_dir, check_output_file
 from .settings import AUDIO_SAMPLE_RATE, FPS, GenerationSettings, check_prompt, is_blank
+from .trajectory import check_keep, check_seal_target  # noqa: F401 - re-exported: the front ends' --keep checks
 from .whatran import check_strict_runs
 
 PHASES = ("text_encode", "condition_encode", "denoise", "decode_video", "decode_audio", "write")
@@ -257,13 +259,14 @@ class Session:
 
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
-                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None):
+                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None,
+                 keep: Any = ()):
         check_residency(residency, gpu_memory)
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
         self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
         self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
-        self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
+        self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = _LRU(self.CACHE_LIMIT)

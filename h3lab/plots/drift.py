@@ -6,6 +6,7 @@ The package docstring (`h3lab.plots`) is the contract of every figure."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -176,7 +177,9 @@ def drift_heatmaps(
     grid = fig.add_gridspec(2, 2, width_ratios=[left, 1 - left], height_ratios=[0.09, 1.0])
     ax_sl = fig.add_subplot(grid[1, 0])
     im = _heat(ax_sl, sl, norm, cmap)
-    ax_sl.set_yticks(range(passes), [f"pass {s}" for s in step_labels], fontsize=FONT_PT)
+    # Labels number passes from 1 (the progress bar's count); the step indices themselves are 0-based.
+    ax_sl.set_yticks(range(passes), [f"pass {s + 1}" if isinstance(s, numbers.Integral) else str(s)
+                                      for s in step_labels], fontsize=FONT_PT)
     ax_sl.set_xticks(range(layers), list(layer_labels), rotation=90, fontsize=FONT_PT)
     ax_sl.set_xlabel("layer (block output)", fontsize=FONT_PT)
     ax_sl.set_ylabel("denoising pass", fontsize=FONT_PT)
@@ -204,7 +207,7 @@ def drift_heatmaps(
     band_im.set_gid("modality-band")  # a categorical key, explained by the legend below, not a heatmap
     ax_band.set_yticks([])
     ax_band.tick_params(labelbottom=False, bottom=False)
-    where = f" at pass {row_step}" if row_step is not None else ""
+    where = f" at pass {row_step + 1}" if isinstance(row_step, numbers.Integral) else ""
     key = ", ".join(f"{m} {COLOR_NAMES.get(MODALITY_COLORS.get(m, ''), 'black')}" for m in names)
     ax_band.set_title(f"layer x packed row{where} ({metric})", fontsize=9)
 
@@ -248,7 +251,8 @@ def drift_inputs(report: Any, step: int | None = None, metric: str = "max_abs") 
     if isinstance(report, Mapping):
         s = report.get("matrix_step", 0)
         if step is not None and step != s:
-            raise PlotError(f"step={step}: a drift report dict holds the layer x row matrix of pass {s} only")
+            raise PlotError(f"step={step}: a drift report dict holds the layer x row matrix of step {s} (pass {s + 1}) "
+                            "only")
         nan = lambda x: np.array(x, dtype=np.float64)  # noqa: E731 - None (JSON NaN) -> nan
         first = report.get("first")
         summary = (f"{report['label_a']} vs {report['label_b']}: " + (

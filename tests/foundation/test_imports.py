@@ -315,7 +315,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "preview": (("h3lab.preview",), ("base",)),
     "shapes": (("h3lab.shapes",), ("base",)),
     "session": (("h3lab.session", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
-                 "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest"),
+                 "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest", "h3lab.keep"),
                 ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
                  "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training")),
     "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.train", "h3lab.encode",
