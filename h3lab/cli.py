@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="h3lab",
         description="MiniMax-H3 research workbench: generate video with sound, strict deterministic execution, "
-        "sealed trajectories. Without -p (and without --replay/--info) an interactive session starts.",
+        "sealed trajectories. Without -p (and without --replay/--info) an interactive session starts. "
+        "Subcommands (each with --help): `h3lab encode` (MP4s -> a clip dataset), `h3lab train`.",
     )
     p.add_argument("-d", "--model", dest="model", metavar="PATH", help="snapshot directory (default: embedded tiny)")
     p.add_argument("-p", "--prompt", help="prompt; generates once and exits")
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standalone audio reference (needs an image or video reference)")
     p.add_argument("--frames-dir", metavar="DIR", default=None, help="also write every frame as PNG")
     p.add_argument("--wav", metavar="OUT.wav", default=None, help="also write the soundtrack as float32 WAV")
+    p.add_argument("--trajectory", metavar="DIR", default=None,
+                   help="also seal the generation's trajectory in DIR (with --keep latents: a rollout for "
+                        "`h3lab train --rollout`)")
     p.add_argument("--show", action="store_true", help="preview the middle frame after every denoising pass")
     p.add_argument("--zoom", type=int, default=None, help="--show display factor (default 2 for Retina; 1-8)")
     p.add_argument("--profile", action="store_true", help="print phase timings and peak memory")
@@ -218,7 +222,7 @@ def session_from_args(args: argparse.Namespace):
 # Flags by what they are for (argparse dest -> flag as typed). A flag the chosen action would ignore is an error.
 # The declared settings' flags (h3lab.schema) join them: `settings_flags()`, `allowed()`.
 CONDITIONING_FLAGS = {"first_frame": "--first-frame", "last_frame": "--last-frame", "references": "--ref-*"}
-OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir"}
+OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir", "trajectory": "--trajectory"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "allow_unchecked": "--allow-unchecked", "session_dir": "--session-dir",
                "residency": "--residency",
@@ -255,9 +259,9 @@ WHY = {
     "info": "--info only reports the snapshot (it takes -d, --device, --json)",
     "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
               "--gpu-memory, --session-dir, --profile, --update, --allow-unchecked)",
-    "one-shot": "-p generates once and writes -o/--wav/--frames-dir; --session-dir only goes with --show",
-    "repl": "the interactive session (no -p) numbers its videos in --session-dir; -o/--wav/--frames-dir/--json go "
-            "with -p",
+    "one-shot": "-p generates once and writes -o/--wav/--frames-dir/--trajectory; --session-dir only goes with --show",
+    "repl": "the interactive session (no -p) numbers its videos in --session-dir; -o/--wav/--frames-dir/--trajectory/"
+            "--json go with -p (the REPL seals with !trajectory save PATH)",
 }
 
 
@@ -328,10 +332,15 @@ def preflight(args: argparse.Namespace, action: str) -> None:
         check_prompt(args.prompt)
         output = "h3lab.mp4" if args.output is None else args.output
         check_outputs(output or None, args.wav, args.frames_dir)
+        _check_trajectory_flags(args)
         if args.show:
             check_output_dir(Path(args.session_dir or "h3lab-session") / "previews", "--session-dir (--show previews)")
         _check_ffmpeg()
     elif action == "repl":
+        if args.keep is not None:
+            from .session import check_keep
+
+            check_keep(args.keep, "--keep")
         check_output_dir(args.session_dir or "h3lab-session", "--session-dir")
         _check_ffmpeg()
     elif action == "replay":
@@ -340,6 +349,23 @@ def preflight(args: argparse.Namespace, action: str) -> None:
         if args.update:
             check_output_file(args.replay, (), "--replay --update")
         _check_ffmpeg()
+
+
+def _check_trajectory_flags(args: argparse.Namespace) -> None:
+    """--keep names tensors the trajectory keeps, which a one-shot run writes only into --trajectory DIR."""
+    from .session import check_keep, check_seal_target
+
+    if args.keep is not None:
+        check_keep(args.keep, "--keep")
+        if args.trajectory is None:
+            raise CliError(f"--keep {args.keep} with -p: the kept tensors go into the sealed trajectory; give "
+                           "--trajectory DIR to write it")
+    if args.trajectory is not None:
+        target = Path(args.trajectory).expanduser()
+        check_seal_target(target, f"--trajectory {args.trajectory!r}", "--trajectory")
+        for flag, other in (("-o", args.output), ("--wav", args.wav), ("--frames-dir", args.frames_dir)):
+            if other and Path(other).expanduser().resolve() == target.resolve():
+                raise CliError(f"--trajectory {args.trajectory!r} and {flag} name the same path")
 
 
 def _check_cache_dir() -> None:
@@ -414,11 +440,17 @@ def _one_shot(args) -> int:
         cancel.set()
         print("h3lab: cancelled", file=sys.stderr)
         return 130
+    sealed = result.trajectory.seal(Path(args.trajectory).expanduser()) if args.trajectory else None
     if args.json:
         report = {**result.to_dict(), "ran": commands.what_ran(result)}
+        if sealed is not None:
+            report["trajectory_dir"] = str(sealed)
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         _print_lines(commands.generation_lines(result, profile=args.profile))
+        if sealed is not None:
+            kept = f" with its {','.join(session.keep)}" if session.keep else ""
+            print(f"trajectory {result.trajectory_hash} sealed in {sealed}{kept}")
     return 0
 
 
@@ -457,6 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["encode"]:  # `h3lab encode ...`: MP4s + a manifest -> a sealed clip dataset
+        from .encode import main as encode_main
+
+        quiet_libraries()
+        return encode_main(argv[1:])
     as_json = "--json" in argv  # known before parsing, so a usage error is JSON too
     try:
         args = build_parser().parse_args(argv)

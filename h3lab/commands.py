@@ -285,9 +285,19 @@ def _p_ablate(name, args):
 
 
 def _p_trajectory(name, args):
+    keep = None
+    if len(args) == 4 and args[0] == "save" and args[2] == "--keep":
+        keep, args = args[3], args[:2]
     if len(args) != 2:
-        raise CommandError(f"!{name} expects save|verify PATH, got {' '.join(args)!r}")
-    return (_choice(name, args[0], ("save", "verify")), args[1])
+        raise CommandError(f"!{name} expects save|verify PATH (save PATH --keep latents), got {' '.join(args)!r}")
+    if keep is not None:
+        from .trajectory import TrajectoryError, check_keep
+
+        try:
+            keep = check_keep(keep, f"!{name} save --keep")
+        except TrajectoryError as err:
+            raise CommandError(str(err)) from None
+    return (_choice(name, args[0], ("save", "verify")), args[1]) + ((keep,) if keep is not None else ())
 
 
 def _plot_kinds() -> tuple[str, ...]:
@@ -579,32 +589,34 @@ def _h_save(state, path):
 
 
 def _trajectory_target(state, path: str) -> Path:
-    """Where `!trajectory save PATH` may seal: a folder name (a sealed trajectory is a folder of manifest.json and
-    safetensors), not an existing file, and an existing folder only when it is empty or a sealed trajectory -- sealing
-    replaces the folder whole, which must never swallow a folder of other files."""
-    target = state.resolve(path)
-    if target.suffix and not target.is_dir():
-        raise CommandError(
-            f"!trajectory save {path}: a sealed trajectory is a folder (manifest.json + safetensors); give a folder "
-            f"name without the {target.suffix!r} ending"
-        )
-    check_output_dir(target, "!trajectory save")
-    if target.is_dir() and any(target.iterdir()) and not (target / "manifest.json").is_file():
-        raise CommandError(
-            f"!trajectory save {path}: {str(target)!r} is a folder that is not a sealed trajectory; sealing replaces "
-            "the folder, so give a new or empty folder"
-        )
-    return target
+    """Where `!trajectory save PATH` may seal (`trajectory.check_seal_target`: a new or empty folder, or a sealed
+    trajectory, which is replaced whole)."""
+    from .trajectory import TrajectoryError, check_seal_target
+
+    try:
+        return check_seal_target(state.resolve(path), f"!trajectory save {path}", "!trajectory save")
+    except TrajectoryError as err:
+        raise CommandError(str(err)) from None
 
 
-@command("trajectory", "!trajectory save|verify PATH",
-         "seal the last trajectory in PATH / replay a sealed one and compare", parse=_p_trajectory,
-         args=(Arg(("save", "verify")), PATH), drain=True)
-def _h_trajectory(state, action, path):
+@command("trajectory", "!trajectory save|verify PATH [--keep latents]",
+         "seal the last trajectory in PATH (--keep: with those per-pass tensors, re-recorded when the generation "
+         "kept none) / replay a sealed one and compare", parse=_p_trajectory,
+         args=(Arg(("save", "verify")), PATH, Arg(("--keep",)), Arg(("latents", "velocities", "noise"))), drain=True)
+def _h_trajectory(state, action, path, keep=None):
     if action == "save":
         result = state.last
-        written = result.trajectory.seal(_trajectory_target(state, path))
-        return [f"trajectory {result.trajectory_hash} sealed in {written}"]
+        target = _trajectory_target(state, path)
+        lines = []
+        if keep:
+            from .keep import kept_trajectory
+
+            trajectory, rerun = kept_trajectory(state.get_session(), result, keep)
+            if rerun:
+                result.trajectory = trajectory  # the same run (digest checked), now with its tensors
+                lines.append(f"re-ran the last generation's run spec to keep {','.join(keep)} (same digest)")
+        written = result.trajectory.seal(target)
+        return lines + [f"trajectory {result.trajectory_hash} sealed in {written}"]
     target = state.resolve(path)
     if not target.is_dir():
         raise CommandError(f"!trajectory verify {path}: not a sealed trajectory directory")

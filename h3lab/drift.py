@@ -43,7 +43,8 @@ operator boundary.
 
 Matrices (numpy float64, NaN where a point was not captured by both arms): `step_layer_max_abs` /
 `step_layer_rel_l2` (passes x layers) and `row_max_abs` / `row_rel_l2` (passes x layers x packed rows, canonical
-order); `layer_row(step)` slices the latter at one pass (default: the pass of the first drift). Labels:
+order); `layer_row(step)` slices the latter at one pass (default: the pass of the first drift). Steps are 0-based
+indices everywhere in the API and the JSON; printed text and plot labels number passes from 1 (`pass_label`). Labels:
 `step_labels`, `layer_labels` (`pack`, `blocks.0`, ..., `final_modulate`), `row_labels` (`"12:video"`).
 """
 
@@ -434,7 +435,7 @@ class DriftPoint:
 
     def __str__(self) -> str:
         layer = f"layer {self.layer}, " if self.layer is not None else ""
-        where = f"pass {self.step} {self.point} ({layer}op {self.op})"
+        where = f"{pass_label(self.step)} {self.point} ({layer}op {self.op})"
         row = ""
         if self.packed_row is not None:
             row = f", packed row {self.packed_row} ({self.modality})"
@@ -668,10 +669,16 @@ def _metadata(a: Capture, b: Capture) -> list[dict]:
     return out
 
 
+def pass_label(step: int) -> str:
+    """A 0-based step index as users read it: "pass 1" is the first pass (the progress bar counts from 1 too), and
+    step -1 is the scheduler's construction. Only what is printed counts from 1; reports and JSON keep the index."""
+    return "scheduler construction" if step < 0 else f"pass {step + 1}"
+
+
 def metadata_line(note: dict) -> str:
     """One readable line for a `DriftReport.metadata` entry (what a front end prints; never the raw dict)."""
     name = note.get("name", "?")
-    where = f"{name} (pass {note['step']})" if note.get("step") is not None else name
+    where = f"{name} ({pass_label(note['step'])})" if note.get("step") is not None else name
     if "shape_a" in note:
         return f"{where}: shape {tuple(note['shape_a'])} vs {tuple(note['shape_b'])}"
     if "rows" in note:

@@ -54,7 +54,8 @@ Contract
   and applied by the loop; `drift` and `verify` re-run a result's or a sealed trajectory's spec exactly.
 - Every pass goes to a `trajectory.TrajectoryRecorder`; `result.trajectory` is the recorded `Trajectory` (sealed
   inputs, per-pass hashes, provenance) and `result.trajectory_hash` its digest, which replays' `# expect` lines
-  check. `Session.keep` picks the per-pass tensors kept in memory (default none: hashes only).
+  check. `Session.keep` (`keep=` at construction, `--keep`) picks the per-pass tensors kept in memory and sealed with
+  the trajectory (default none: hashes only; "latents" is what `h3lab train --rollout` needs).
 - `rollout(prompts, group=G, stepper=..., level=..., seed=...)`: G stochastic requests per prompt on an SDE
   stepper, per-pass log-densities sealed in the trajectories (`h3lab.rollout` does the work).
 - `progress(StepInfo)` is called after every pass; `cancel` (a `threading.Event`) is checked before every pass and
@@ -88,6 +89,7 @@ from .request_checks import ablation_factors, check_ablations, check_outputs, ch
 from .results import PHASES, GenerationCancelled, GenerationResult, StepInfo  # noqa: F401 - re-exported
 from .reruns import drift_lines as _drift_lines  # noqa: F401 - re-exported (tests)
 from .settings import FPS, GenerationSettings, check_prompt, is_blank
+from .trajectory import check_keep, check_seal_target  # noqa: F401 - re-exported: the front ends' --keep checks
 from .whatran import check_strict_runs
 
 
@@ -98,13 +100,14 @@ class Session:
 
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
-                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None):
+                 pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None,
+                 keep: Any = ()):
         check_residency(residency, gpu_memory)
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
         self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
         self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
-        self.keep: tuple[str, ...] = ()  # trajectory tensors to keep in memory ("latents", "velocities")
+        self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = LRU(self.CACHE_LIMIT)
@@ -262,6 +265,14 @@ class Session:
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
             return run_generation(self, s, media, progress, cancel, preview, outputs)
+
+    def encode_clip(self, video: str | os.PathLike, prompt: str, **options: Any):
+        """An MP4 and its prompt -> one encoded t2va `ClipRequest` for `training.save_dataset` (its VAEs and text
+        encoder; every rule checked first -- rate, length, size, audio track: `h3lab.clips_in`)."""
+        from .clips_in import encode_clip
+
+        with self._lock:
+            return encode_clip(self, video, prompt, **options)
 
     # -------------------------------------------------------------------------------------- RL rollouts
     def rollout(self, prompts, *, group: int = 4, stepper: str = "flow_sde", level=0.7, seed: int = 0,

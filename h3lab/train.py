@@ -206,23 +206,30 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def __call__(self, step: int, total: int, record: dict) -> None:
+        self.draw("train", step, total, f"loss {record['loss']:.4g} {self.rate(step):.2f} s/step")
+
+    def rate(self, done: int) -> float:
+        """Seconds per item so far."""
+        return (time.perf_counter() - self.t0) / max(done, 1)
+
+    def draw(self, label: str, done: int, total: int, text: str) -> None:
+        """`label [####....] done/total text`, redrawn; a newline after the last item (`h3lab encode` draws too)."""
         if not self.enabled:
             return
-        done = int(self.width * step / total)
-        rate = (time.perf_counter() - self.t0) / max(step, 1)
-        self.stream.write(f"\rtrain [{'#' * done}{'.' * (self.width - done)}] {step}/{total} loss "
-                          f"{record['loss']:.4g} {rate:.2f} s/step   ")
-        if step == total:
+        bar = int(self.width * done / total)
+        self.stream.write(f"\r{label} [{'#' * bar}{'.' * (self.width - bar)}] {done}/{total} {text}   ")
+        if done == total:
             self.stream.write("\n")
         self.stream.flush()
 
 
-def _guarded(prog: str, work: Callable[[], dict]) -> tuple[int, dict | None]:
+def _guarded(prog: str, work: Callable[[], dict], interrupted: str = "interrupted; continue with the same command "
+             "and --resume") -> tuple[int, dict | None]:
     """(0, work()), or the exit status after one stderr line: 130 on Ctrl-C, 2 on any error (H3LAB_DEBUG=1 raises)."""
     try:
         return 0, work()
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; continue with the same command and --resume", file=sys.stderr)
+        print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130, None
     except Exception as err:  # noqa: BLE001 - one line, exit 2
         if os.environ.get("H3LAB_DEBUG"):

@@ -78,6 +78,43 @@ class TrajectoryError(H3Error):
     """A sealed trajectory is missing, malformed or tampered with, or cannot be replayed as it ran."""
 
 
+def check_keep(value: Any, what: str = "keep") -> tuple[str, ...]:
+    """`value` -- a comma-separated string ("latents,velocities") or an iterable of names -- as a tuple of
+    `KEEP_CHOICES` in their order; one-line `TrajectoryError` naming the value otherwise."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    if [k for k in items if k not in KEEP_CHOICES] or (isinstance(value, str) and not items):
+        raise TrajectoryError(f"{what} {value!r}: must be {', '.join(KEEP_CHOICES)} or several of them, "
+                              "comma-separated (latents: what `h3lab train --rollout` needs)")
+    return tuple(k for k in KEEP_CHOICES if k in items)
+
+
+def kept_kinds(trajectory: "Trajectory") -> tuple[str, ...]:
+    """Which `KEEP_CHOICES` a trajectory holds for every pass (noise: any, it exists on stochastic passes only)."""
+    passes = range(len(trajectory.steps))
+    out = [kind for kind, key in (("latents", "video"), ("velocities", "velocity_video"))
+           if all(f"{key}.{i:04d}" in trajectory.kept for i in passes)]
+    if any(k.startswith("noise_") for k in trajectory.kept):
+        out.append("noise")
+    return tuple(out)
+
+
+def check_seal_target(target: Path, what: str, label: str) -> Path:
+    """Where a trajectory may be sealed: a folder name (a sealed trajectory is a folder of manifest.json and
+    safetensors), not an existing file, and an existing folder only when it is empty or a sealed trajectory -- sealing
+    replaces the folder whole, which must never swallow a folder of other files. `what` starts the messages,
+    `label` names the folder for `io_utils.check_output_dir`."""
+    from .io_utils import check_output_dir
+
+    if target.suffix and not target.is_dir():
+        raise TrajectoryError(f"{what}: a sealed trajectory is a folder (manifest.json + safetensors); give a folder "
+                              f"name without the {target.suffix!r} ending")
+    check_output_dir(target, label)
+    if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
+        raise TrajectoryError(f"{what}: {str(target)!r} is a folder that is not a sealed trajectory; sealing replaces "
+                              "the folder, so give a new or empty folder")
+    return target
+
+
 def digest_lines(steps: Sequence[dict]) -> str:
     """`Trajectory.digest`: SHA-256 over one line `i:vv:va:xv:xa[:tr]` per pass, in pass order (`tr`: the pass's
     `transition_sha256`, only on a pass that has one)."""

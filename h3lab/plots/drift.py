@@ -6,6 +6,7 @@ The package docstring (`h3lab.plots`) is the contract of every figure."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -205,7 +206,9 @@ def _checked_drift_matrices(step_layer, layer_row, step_labels, layer_labels, ro
 def _step_layer_heat(ax, sl: np.ndarray, norm, cmap, step_labels, layer_labels, metric: str):
     """The step x layer heatmap: one row per pass, one column per layer (block output)."""
     im = _heat(ax, sl, norm, cmap)
-    ax.set_yticks(range(len(step_labels)), [f"pass {s}" for s in step_labels], fontsize=FONT_PT)
+    # Labels number passes from 1 (the progress bar's count); the step indices themselves are 0-based.
+    ax.set_yticks(range(len(step_labels)), [f"pass {s + 1}" if isinstance(s, numbers.Integral) else str(s)
+                                            for s in step_labels], fontsize=FONT_PT)
     ax.set_xticks(range(len(layer_labels)), list(layer_labels), rotation=90, fontsize=FONT_PT)
     ax.set_xlabel("layer (block output)", fontsize=FONT_PT)
     ax.set_ylabel("denoising pass", fontsize=FONT_PT)
@@ -236,7 +239,7 @@ def _modality_band(ax, bin_mods: Sequence[str], row_step: Any, metric: str) -> s
     band_im.set_gid("modality-band")  # a categorical key, explained by the legend below, not a heatmap
     ax.set_yticks([])
     ax.tick_params(labelbottom=False, bottom=False)
-    where = f" at pass {row_step}" if row_step is not None else ""
+    where = f" at pass {row_step + 1}" if isinstance(row_step, numbers.Integral) else ""
     ax.set_title(f"layer x packed row{where} ({metric})", fontsize=9)
     return ", ".join(f"{m} {COLOR_NAMES.get(MODALITY_COLORS.get(m, ''), 'black')}" for m in names)
 
@@ -280,7 +283,8 @@ def drift_inputs(report: Any, step: int | None = None, metric: str = "max_abs") 
     if isinstance(report, Mapping):
         s = report.get("matrix_step", 0)
         if step is not None and step != s:
-            raise PlotError(f"step={step}: a drift report dict holds the layer x row matrix of pass {s} only")
+            raise PlotError(f"step={step}: a drift report dict holds the layer x row matrix of step {s} (pass {s + 1}) "
+                            "only")
         nan = lambda x: np.array(x, dtype=np.float64)  # noqa: E731 - None (JSON NaN) -> nan
         first = report.get("first")
         summary = (f"{report['label_a']} vs {report['label_b']}: " + (

@@ -31,7 +31,9 @@ def _first_drift_text(fd: Any) -> str:
     if isinstance(fd, str):
         return fd
     if isinstance(fd, Mapping):
-        where = f"pass {fd.get('step')} {fd.get('point')}"
+        step = fd.get("step")  # 0-based; shown from 1 like the progress bar, -1 is the scheduler's construction
+        shown = (f"pass {step + 1}" if step >= 0 else "scheduler construction") if isinstance(step, int) else "pass ?"
+        where = f"{shown} {fd.get('point')}"
         if fd.get("packed_row") is not None:
             where += f" row {fd['packed_row']} ({fd.get('modality')})"
         elif fd.get("table_row") is not None:

@@ -110,3 +110,9 @@ for _setting in (
             control=Control("mode", kind="dropdown", row="run", width="200px")),
 ):
     declare(_setting)
+
+# Session options (`Session(...)` keywords, passed on by `cli.session_from_args` when the flag is given).
+declare(Setting("keep", str, None, "per-pass tensors the trajectory keeps (with -p: sealed in --trajectory DIR): latents "
+                "(what `h3lab train --rollout` needs), velocities, noise; comma-separated", target="session",
+                metavar="WHAT", actions=("one-shot", "repl"), order=900,
+                maps="Session.keep, the trajectory recorder's keep (the digest does not change)"))

@@ -316,10 +316,11 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "shapes": (("h3lab.shapes",), ("base",)),
     "session": (("h3lab.session", "h3lab.generation", "h3lab.results", "h3lab.request_checks", "h3lab.reruns",
                  "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
-                 "h3lab.rollout"),
+                 "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest", "h3lab.keep"),
                 ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
                  "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training")),
-    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.__main__"),
+    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.encode",
+                    "h3lab.__main__"),
                    ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
                     "session", "settings", "stochastic", "training")),
 }

@@ -211,7 +211,7 @@ def test_drift_heatmaps_colours_bands_and_arrays():
     assert tuple(im_lr.to_rgba(im_lr.get_array())[2, 0]) == pytest.approx(to_rgba(plots.EQUAL_COLOR))
     assert im_sl.norm is im_lr.norm or (im_sl.norm.vmin, im_sl.norm.vmax) == (im_lr.norm.vmin, im_lr.norm.vmax)
     assert im_sl.norm.vmin == pytest.approx(min(sl[sl > 0].min(), lr[lr > 0].min()))
-    assert [t.get_text() for t in ax_sl.get_yticklabels()] == ["pass 0", "pass 1"]
+    assert [t.get_text() for t in ax_sl.get_yticklabels()] == ["pass 1", "pass 2"]  # passes shown from 1
     assert [t.get_text() for t in ax_sl.get_xticklabels()] == layers
     assert [t.get_text() for t in ax_lr.get_yticklabels()] == layers
     # Modality bands: one code per packed row, one label per contiguous run, a line at each boundary.
@@ -219,7 +219,7 @@ def test_drift_heatmaps_colours_bands_and_arrays():
     assert codes.tolist() == [0, 0, 2, 2, 2, 1, 1]  # text, video, audio in MODALITY_COLORS order
     assert [t.get_text() for t in ax_band.texts] == ["text", "audio", "video"]
     assert sorted(ln.get_xdata()[0] for ln in ax_lr.get_lines() if ln.get_marker() in ("None", "")) == [1.5, 4.5]
-    assert "pass 1" in ax_band.get_title()
+    assert "pass 2" in ax_band.get_title()  # row_step=1: the second pass
     # A colorbar per heatmap, on the shared scale.
     assert im_sl.colorbar.ax is ax_cb_sl and im_lr.colorbar.ax is ax_cb_lr
     assert ax_cb_sl.get_ylabel() == ax_cb_lr.get_ylabel() == "max |a-b|"
@@ -333,7 +333,7 @@ def test_ablation_table_cells_and_pass_fail_colours():
         assert cells[i, 5].get_text().get_text() == {True: "PASS", False: "FAIL", None: "not run"}[row["passed"]]
         for c in range(6):
             assert cells[i, c].get_facecolor() == pytest.approx(to_rgba(colours[row["passed"]]))
-    assert cells[1, 4].get_text().get_text() == "pass 0 rope_cos row 15\n(video)"
+    assert cells[1, 4].get_text().get_text() == "pass 1 rope_cos row 15\n(video)"
     assert cells[2, 4].get_text().get_text() == "-"
     assert "1 passed, 1 failed, 1 not run" in fig._suptitle.get_text()
     assert table.get_celld()[1, 3].get_text().get_fontsize() == plots.FONT_PT

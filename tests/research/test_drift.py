@@ -192,3 +192,17 @@ def test_layout_differences_read_as_lines_not_dicts():
             return "summary"
 
     assert _drift_lines(Report()) == ["summary", "layout differs: video_indices: differs at canonical row 4"]
+
+
+def test_printed_pass_numbers_count_from_one():
+    """Issue 23 item 6: the progress bar counts passes from 1, so every printed drift location does too (the step
+    index of the API and the JSON stays 0-based; -1 is the scheduler's construction)."""
+    point = D.DriftPoint(step=0, point="blocks.0.q_rope", layer=0, op="rope", rows="packed", packed_row=3,
+                         modality="video")
+    assert str(point).startswith("pass 1 blocks.0.q_rope (layer 0, op rope), packed row 3 (video)")
+    assert point.to_dict()["step"] == 0
+    schedule = D.DriftPoint(step=-1, point="schedule.video_sigmas", layer=None, op="sigma_schedule", rows="sigma")
+    assert str(schedule).startswith("scheduler construction schedule.video_sigmas")
+    assert D.metadata_line({"name": "row_timestep", "step": 2, "rows": [4]}) == \
+        "row_timestep (pass 3): differs at canonical row 4"
+    assert [D.pass_label(s) for s in (-1, 0, 9)] == ["scheduler construction", "pass 1", "pass 10"]

@@ -311,6 +311,18 @@ CASES = [
     ("replay-no-generation", ["--replay", "M/no-generation.h3"], "no-generation.h3", "no generation line"),
     ("allow-unchecked-without-replay", ["-p", "x", "--allow-unchecked"], "--allow-unchecked",
      "only goes with --replay"),
+    # --keep / --trajectory (issue 23 item 1: rollouts from the CLI); `h3lab encode`'s table is test_encode_cli.py
+    ("keep-unknown", ["-p", "x", "--keep", "latent", "--trajectory", "t"], "--keep 'latent'",
+     "must be latents, velocities, noise or several of them"),
+    ("keep-empty-entry", ["-p", "x", "--keep", "latents,", "--trajectory", "t"], "--keep 'latents,'", "must be"),
+    ("keep-without-trajectory", ["-p", "x", "--keep", "latents"], "--keep latents", "give --trajectory DIR"),
+    ("trajectory-suffix", ["-p", "x", "--trajectory", "t.json"], "--trajectory 't.json'",
+     "a sealed trajectory is a folder"),
+    ("trajectory-is-output", ["-p", "x", "--trajectory", "same", "--frames-dir", "same"], "--trajectory 'same'",
+     "name the same path"),
+    ("trajectory-in-repl", ["--trajectory", "t"], "--trajectory", "the REPL seals with !trajectory save PATH"),
+    ("keep-with-replay", ["--replay", "missing.h3", "--keep", "latents"], "--keep", "a replay takes"),
+    ("keep-unknown-repl", ["--keep", "all"], "--keep 'all'", "must be latents"),
 ]
 JSON_CASES = ["width-multiple", "mp4-proc", "prompt-blank", "ref-video-truncated", "bogus-flag", "device-cuda"]
 

@@ -200,14 +200,14 @@ def test_commands_that_need_generations(state, tmp_path):
     commands.run_line(state, "!seed 43")
     commands.run_line(state, "a fox for saving")
     lines = commands.run_line(state, "!drift")
-    assert "first drift at pass 0 input.video" in lines[0]
+    assert "first drift at pass 1 input.video" in lines[0]
     commands.run_line(state, "!seed 42")
     commands.run_line(state, "a fox for saving")
     assert commands.run_line(state, "!drift")[0].count("byte-equal") == 0  # seed 43 vs 42 again differ
     commands.run_line(state, "!ablate H9 on")
     commands.run_line(state, "a fox for saving")
     lines = commands.run_line(state, "!drift")  # plain seed 42 vs seed 42 with the velocity sign flipped
-    assert "first drift at pass 0 scheduler.video" in lines[0]
+    assert "first drift at pass 1 scheduler.video" in lines[0]
 
 
 def test_ablation_factor_changes_the_run_where_the_matrix_says(session):

@@ -52,10 +52,10 @@ def test_shipped_replay_passes(path, replay_state):
         assert again.hashes == report.hashes
     text = "\n".join(out)
     if path.stem == "ablation":
-        assert re.search(r"off:\w{12} vs off\+H9:\w{12}: first drift at pass 0 scheduler\.video", text)
-        assert re.search(r"off:\w{12} vs off\+H5:\w{12}: first drift at pass 0 blocks\.0\.q_rope", text)
+        assert re.search(r"off:\w{12} vs off\+H9:\w{12}: first drift at pass 1 scheduler\.video", text)
+        assert re.search(r"off:\w{12} vs off\+H5:\w{12}: first drift at pass 1 blocks\.0\.q_rope", text)
     if path.stem == "strict_vs_off":
-        assert re.search(r"off:\w{12} vs strict:\w{12}: first drift at pass 0 ", text)
+        assert re.search(r"off:\w{12} vs strict:\w{12}: first drift at pass 1 ", text)
     if path.stem == "t2va":
         assert "text_encode         0.000 s (cached)" in text  # the second seed encoded no text
 
