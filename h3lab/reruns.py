@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from .components.store import VARIANTS
+from .drift import pass_label  # noqa: F401 - re-exported: the front ends print pass numbers as drift does
 from .errors import ValidationError
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import ipywidgets as W
 
 from .. import plots, whatran
+from ..reruns import pass_label
 from .controls import one_line
 from .layout import PanelLayout
 
@@ -125,7 +126,7 @@ class MediaView:
             if v.drift_image not in v.results_box.children:
                 v.results_box.children = v.results_box.children + (v.drift_image,)
             first = ("byte-equal" if report.equal else "differs" if report.first is None
-                     else f"first drift at pass {report.first.step} {report.first.point}")
+                     else f"first drift at {pass_label(report.first.step)} {report.first.point}")
             v.say(f"{v.status_text}; drift vs previous run: {first}")
 
     def show_timing(self, t: dict) -> None:
