@@ -84,7 +84,7 @@ def test_seal_load_verify_round_trip(bench, tmp_path):
     assert m["trace"]["forwards"] == 2 and m["trace"]["ops"]["attention"] == {"torch": 8}
     assert sorted(m["kept"]) == ["audio.0001", "velocity_audio.0001", "velocity_video.0001", "video.0001"]
     assert m["digest"] == T.digest_lines(m["steps"]) == traj.digest
-    assert m["spec_sha256"] == bench.spec("off").sha256 and m["spec"]["factors"] == [] and m["spec"]["sealable"]
+    assert m["result_sha256"] == bench.spec("off").sha256 and m["spec"]["factors"] == [] and m["spec"]["sealable"]
     assert m["run"] == {"stepper": "euler", "reuse": 1, "reuse_mode": "linear"}
 
     loaded = T.load(path)
