@@ -527,7 +527,7 @@ class Session:
         layout = pipeline.build_layout(s, media, text, cond, patch)
         inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, self.device)
         spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=self.adapters,
-                                   residency=self.store.residency_value(), mesh=self.mesh)
+                                   execution=self.store.plan)
         if "blocks" in spec.preset:  # a pinned model stays whole
             self.store.release_blocks(variant, model, spec.preset["blocks"])
         nv = inputs.num_condition_video_rows
@@ -663,7 +663,8 @@ class Session:
                                   f"{', '.join(VARIANTS)}")
         with self._lock:
             model = self.store.dit(variant, *needed_blocks([traj.spec.preset]))
-            return T.verify(traj, model, device=self.device, models=self.store.models_for(variant, model))
+            return T.verify(traj, model, device=self.device, models=self.store.models_for(variant, model),
+                            execution={**self.store.plan.spec_fields(), "adapters": list(self.adapters)})
 
 
 def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:

@@ -418,8 +418,9 @@ def run_record_of(traj: "Trajectory") -> dict[str, Any]:
 
 def load(path: str | os.PathLike) -> Trajectory:
     """Read a sealed trajectory and check it: format, every sealed tensor and kept tensor against its recorded
-    SHA-256, the run spec against its `spec_sha256`, and the digest against the per-pass hashes. Any mismatch
-    raises `TrajectoryError` naming it."""
+    SHA-256, the run spec against its `result_sha256` and `run_record` (or, sealed before the split, its
+    `spec_sha256`: `_check_identity`), and the digest against the per-pass hashes. Any mismatch raises
+    `TrajectoryError` naming it."""
     root = Path(path)
     manifest_path = root / MANIFEST
     manifest = Trajectory.read_manifest(root, ("steps", "inputs", "schedule", "digest", "mode", "kept"))
