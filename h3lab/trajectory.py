@@ -35,7 +35,8 @@ rename, so a reader sees the old artifact or the new one, never a mix.
 
 `Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`, plus `:tr` -- the
 `transition_sha256` -- on a pass that has one); replays' `# expect` lines check it. `load(path)` re-hashes the
-sealed tensors and kept tensors against the manifest (`artifact.SealedArtifact`), rebuilds the `RunSpec` and checks
+sealed tensors and kept tensors against the manifest (`artifact.SealedArtifact`) and each kept latent / velocity
+against its pass's sealed hash (the `kept` digests are outside `digest`, the per-pass hashes are not), rebuilds the `RunSpec` and checks
 its result hash against `result_sha256` and its run-record fields against `run_record` -- a manifest sealed before
 the split holds one `spec_sha256` over the whole description instead, checked as it was
 (`RunSpec.description_sha256`) -- checks every `transition` against its `transition_sha256`, and recomputes the
@@ -407,6 +408,19 @@ def _check_identity(manifest_path: Path, manifest: dict[str, Any], spec: RunSpec
                               f"records {str(manifest.get('spec_sha256'))[:16]}: the spec was edited")
 
 
+def _check_kept_against_steps(where: Path, manifest: dict[str, Any]) -> None:
+    """A kept latent or velocity (`video.0003`, `velocity_audio.0001`, ...) must be the tensor its pass's sealed hash
+    names: the `kept` digests are not under `digest`, the per-pass hashes are (noise draws have no per-pass hash)."""
+    steps = {s.get("index"): s for s in manifest["steps"]}
+    for name, digest in manifest["kept"].items():
+        field, _, index = name.rpartition(".")
+        if field in STEP_FIELDS and index.isdigit():
+            sealed = steps.get(int(index), {}).get(field)
+            if sealed != digest:
+                raise TrajectoryError(f"{where}: kept tensor {name!r} is not the pass-{int(index)} {field} its sealed "
+                                      "step hash names: the tensors file and its manifest entry were edited")
+
+
 def run_record_of(traj: "Trajectory") -> dict[str, Any]:
     """The run record of a trajectory: the manifest's (current form), or the spec's fields and the manifest's device
     (a manifest sealed before the result hash / run record split)."""
@@ -437,6 +451,7 @@ def load(path: str | os.PathLike) -> Trajectory:
                                   f"{TRANSITION}: the manifest was edited")
     tensors = Trajectory.read_tensors(root / INPUTS_FILE, manifest["inputs"]["sha256"], "sealed input ")
     kept = Trajectory.read_tensors(root / TENSORS_FILE, manifest["kept"], "kept ") if manifest["kept"] else {}
+    _check_kept_against_steps(root / TENSORS_FILE, manifest)
     try:
         if "spec" not in manifest:
             spec = _legacy_spec(manifest, tensors)

@@ -134,6 +134,22 @@ def test_verify_reports_the_first_tampered_pass(bench, tmp_path):
         T.load(path)
 
 
+def test_a_kept_tensor_changed_with_its_manifest_entry_is_refused(bench, tmp_path):
+    """Issue 26, item 4: the `kept` digests are outside `digest`; each kept latent / velocity must still be the
+    tensor its pass's sealed hash names."""
+    from h3lab.hashing import tensor_digest
+
+    path = T.record(bench.spec("off"), bench.model, keep=("latents",), keep_steps=[1]).seal(tmp_path / "run")
+    manifest = json.loads((path / T.MANIFEST).read_text())
+    kept = load_file(str(path / T.TENSORS_FILE))
+    kept["video.0001"] = kept["video.0001"] + 1e-3
+    save_file(kept, str(path / T.TENSORS_FILE))
+    manifest["kept"]["video.0001"] = tensor_digest(kept["video.0001"], "sha256")
+    (path / T.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(T.TrajectoryError, match="kept tensor 'video.0001' is not the pass-1 video"):
+        T.load(path)
+
+
 def test_verify_names_the_first_pass_a_different_model_changes(bench, tmp_path):
     path = T.record(bench.spec("off"), bench.model).seal(tmp_path / "run")
     report = T.verify(path, bench.variant)
