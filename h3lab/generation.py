@@ -118,7 +118,7 @@ def _denoise(session: Any, s, schedule, media, text, cond, progress, cancel, pre
     layout = pipeline.build_layout(s, media, text, cond, patch)
     inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, session.device)
     spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=session.adapters,
-                               residency=session.store.residency_value(), mesh=session.mesh)
+                               execution=session.store.plan)
     if "blocks" in spec.preset:  # a pinned model stays whole
         session.store.release_blocks(variant, model, spec.preset["blocks"])
     recorder = T.TrajectoryRecorder(keep=session.keep, meta={"settings": pipeline.settings_meta(s)})

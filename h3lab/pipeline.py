@@ -15,10 +15,10 @@ Contract
 - `draw_inputs(settings, layout, schedule, text, cond, config, device) -> DenoiseInputs`: the noise on one CPU
   generator seeded with the request seed in the released order -- one draw per visual condition (augmentation), the
   video noise as a latent tensor, the audio noise in row layout -- then the sealed inputs on `device`.
-- `build_spec(settings, model, layout, schedule, inputs, adapters=(), residency=None, mesh=None) -> RunSpec`: mode,
+- `build_spec(settings, model, layout, schedule, inputs, adapters=(), execution=None) -> RunSpec`: mode,
   variant, fingerprint, layout, ablation factors by name (checked here), reuse, the speed presets
-  (`presets.preset_for`), adapters, where the DiT's blocks live (`RunSpec.residency`) and the device mesh's topology
-  (`RunSpec.placement`).
+  (`presets.preset_for`), adapters, and from the execution plan (`components.execution.ExecutionPlan`) where the
+  DiT's blocks live (`RunSpec.residency`) and the device mesh's topology (`RunSpec.placement`).
 - `final_latents(settings, inputs, video, audio, patch)`: the target rows after the loop as (C, T, h, w) video
   latents and (2A, C) audio rows, float32 CPU. `decode_video(vae, latents, settings)` -> uint8 frames at the output
   size (`upscale_frames` from the render canvas); `preview_frame(vae, latents)` -> the middle frame of the smallest
@@ -224,24 +224,21 @@ def draw_inputs(s: GenerationSettings, layout, schedule, text: TextEntry, cond: 
     ).to(device)
 
 
-def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=(), residency: dict | None = None,
-               mesh=None):
+def build_spec(s: GenerationSettings, model, layout, schedule, inputs, adapters=(), execution=None):
     """The request's `RunSpec`: its sealed inputs, schedule and layout, its mode, the transformer partition and
     its fingerprint, the ablation factors by name (`h3lab.ablation` applies them inside the loop, the same way
     each time the spec runs), the reuse interval and the LoRA adapters (`Session.load_lora` entries, applied by the
-    spec's `adapters` field). Factor names are checked here (known factors, H1 alone, no two that change one thing)."""
+    spec's `adapters` field), and the execution plan's placement and residency (`components.execution.ExecutionPlan
+    .spec_fields()`, the run record; None: one process, resident). Factor names are checked here (known factors, H1
+    alone, no two that change one thing)."""
     from .hashing import model_fingerprint
     from .presets import preset_for
     from .run import RunSpec
     from .schema import SETTINGS
 
-    placement = {}
-    if mesh is not None:  # the topology the run is parallelized on (h3lab.distributed; verify replays on it)
-        t = mesh.topology
-        placement = {"tp": t.tp, "cp": t.cp, "sp": t.sp, "row_parallel": t.row_parallel}
     fields = dict(mode=s.mode, variant=variant_for(s.task), fingerprint=model_fingerprint(model), layout=layout,
                   factors=tuple(s.ablations), reuse=s.reuse, preset=preset_for(s, model, layout),
-                  adapters=list(adapters), residency=residency, placement=placement)
+                  adapters=list(adapters), **(execution.spec_fields() if execution is not None else {}))
     declared = SETTINGS.spec_fields(s)  # what settings declared in h3lab.schema add to the run (`Setting.spec`)
     taken = sorted(set(declared) & set(fields))
     if taken:

@@ -69,4 +69,5 @@ def verify(session: Any, path: str | os.PathLike):
                               f"{', '.join(VARIANTS)}")
     with session._lock:
         model = session.store.dit(variant, *needed_blocks([traj.spec.preset]))
-        return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model))
+        return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model),
+                        execution={**session.store.plan.spec_fields(), "adapters": list(session.adapters)})

@@ -146,7 +146,7 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
                 audio=torch.cat([drawn[g].audio for g in members]),
                 seeds={**first.seeds, "request": [seeds[g] for g in members], "rollout": int(seed)})
             spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=session.adapters,
-                                       residency=session.store.residency_value(), mesh=session.mesh)
+                                       execution=session.store.plan)
             spec = spec.replace(stepper=stepper, stepper_params={**params, "requests": [ids[g] for g in members]})
             recorder = T.TrajectoryRecorder(keep=keep, meta={"settings": pipeline.settings_meta(s), "rollout": {
                 "seed": int(seed), "group": int(group), "prompt_index": p, "members": members}})

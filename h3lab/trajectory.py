@@ -11,8 +11,11 @@ A sealed trajectory is a directory:
 
 - `manifest.json`   format, checkpoint fingerprint, code revision, mode, hash scheme, layout hash, seeds, both sigma
                     grids with their SHA-256, the SHA-256 of every sealed input, the run settings (`run`: stepper,
-                    reuse), the run spec (`spec`: `RunSpec.to_dict()`, and `spec_sha256`), per pass the SHA-256 of the
-                    video and audio velocities and latents, the provenance trace summary, the kept tensors, `digest`;
+                    reuse), the run spec (`spec`: `RunSpec.to_dict()`), its result hash (`result_sha256`:
+                    `RunSpec.sha256`) and its run record (`run_record`: `RunSpec.run_record()` -- placement, residency,
+                    adapter names and paths -- and `machine`: device, CPU capability, GPU name), per pass the SHA-256
+                    of the video and audio velocities and latents, the provenance trace summary, the kept tensors,
+                    `digest`;
 - `inputs.safetensors`  the spec's sealed tensors: the `DenoiseInputs` and the layout's (`layout.<name>`);
 - `tensors.safetensors` the tensors the user asked to keep (`keep=("latents", "velocities", "noise")`, optionally
                     only some passes), keys `video.0003`, `velocity_video.0003`, `noise_audio.0003`, ...
@@ -32,11 +35,16 @@ rename, so a reader sees the old artifact or the new one, never a mix.
 
 `Trajectory.digest` is one SHA-256 over the per-pass hashes in order (lines `i:vv:va:xv:xa`, plus `:tr` -- the
 `transition_sha256` -- on a pass that has one); replays' `# expect` lines check it. `load(path)` re-hashes the
-sealed tensors and kept tensors against the manifest, rebuilds the `RunSpec` and checks its `sha256`, checks every
-`transition` against its `transition_sha256`, and recomputes the digest (a tampered file raises `TrajectoryError`).
-`verify(path, model)` replays exactly the sealed spec (mode, factors, stepper and its parameters, reuse, preset,
-placement, adapters, residency) and reports the first pass (and tensor, or transition entry: the recomputed
-log-densities, means, stds, sigmas) that differs, or OK. A spec with custom callables cannot be replayed
+sealed tensors and kept tensors against the manifest (`artifact.SealedArtifact`) and each kept latent / velocity
+against its pass's sealed hash (the `kept` digests are outside `digest`, the per-pass hashes are not), rebuilds the `RunSpec` and checks
+its result hash against `result_sha256` and its run-record fields against `run_record` -- a manifest sealed before
+the split holds one `spec_sha256` over the whole description instead, checked as it was
+(`RunSpec.description_sha256`) -- checks every `transition` against its `transition_sha256`, and recomputes the
+digest (a tampered file raises `TrajectoryError`). `verify(path, model, execution=None)` replays the sealed spec
+(mode, factors, stepper and its parameters, reuse, preset, adapters; placement and residency as sealed, or as the
+verifier's `execution` says: another run record, the same result hash) and reports the first pass (and tensor, or
+transition entry: the recomputed log-densities, means, stds, sigmas) that differs, or OK, with the result hash and
+the recorded and replayed run records (`record_differences` names the fields that differ). A spec with custom callables cannot be replayed
 from its description: `verify` refuses it. A manifest written before run specs existed (no `spec`) is read as a
 plain spec of its mode, stepper and reuse; one that recorded ablation factors is refused (its factors were not sealed
 by name).
@@ -48,7 +56,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,17 +63,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import __version__, runtime
+from . import runtime
+from .artifact import MANIFEST, SealedArtifact, code_provenance
 from .errors import H3Error
-from .hashing import digest_mismatch, json_sha256, model_fingerprint, tensor_digest
-from .io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from .hashing import json_sha256, model_fingerprint, tensor_digest
 from .run import Custom, DenoiseInputs, ResolvedRun, RunSpec, StepRecord, denoise
 from .run.fields import thaw
 from .run.spec import schedule_from_dict
 from .sampler import DualSchedule
 
 FORMAT = "h3lab-trajectory/1"
-MANIFEST = "manifest.json"
 INPUTS_FILE = "inputs.safetensors"
 TENSORS_FILE = "tensors.safetensors"
 STEP_FIELDS = ("velocity_video", "velocity_audio", "video", "audio")  # per-pass hashed tensors, in digest order
@@ -143,22 +149,6 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
 
 
 # ================================================================================================ provenance
-def code_revision() -> str:
-    """`git:<sha>[+dirty]` of the h3lab checkout when it is a git work tree, else `h3lab-<version>`."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
-            timeout=10, check=True,
-        ).stdout.strip()
-        return f"git:{rev}{'+dirty' if dirty else ''}"
-    except (OSError, subprocess.SubprocessError):
-        return f"h3lab-{__version__}"
-
-
 class TraceSummary:
     """Accumulates the per-forward traces of a run into the manifest's provenance summary."""
 
@@ -321,14 +311,15 @@ class TrajectoryRecorder:
             "format": FORMAT,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **self.header,
-            "code": {"revision": code_revision(), "h3lab": __version__, "versions": runtime.versions()},
+            "code": code_provenance(),
             "hash_scheme": "sha256",
             "layout": {"sha256": inputs.layout_sha256, "task": inputs.task, "seq_len": inputs.seq_len},
             "seeds": inputs.seeds,
             "schedule": spec.schedule.to_dict(),
             "inputs": {"meta": inputs.meta(), "sha256": dict(spec.tensor_hashes)},
             "spec": spec.to_dict(),
-            "spec_sha256": spec.sha256,
+            "result_sha256": spec.sha256,
+            "run_record": {**spec.run_record(), "machine": machine_record(inputs.video.device)},
             "steps": self.steps,
             "trace": self.trace.to_dict(),
             "kept": {k: tensor_digest(v, "sha256") for k, v in self.kept.items()},
@@ -336,6 +327,15 @@ class TrajectoryRecorder:
             "digest": digest_lines(self.steps),
         }
         return Trajectory(manifest=manifest, spec=spec, kept=dict(self.kept))
+
+
+def machine_record(device: torch.device | str) -> dict[str, Any]:
+    """Where a run ran, for its run record: the device, torch's CPU capability, and the GPU's name on CUDA."""
+    device = torch.device(device)
+    out: dict[str, Any] = {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
 
 
 def _config_of(model: Any) -> dict[str, Any]:
@@ -349,8 +349,13 @@ def _config_of(model: Any) -> dict[str, Any]:
 
 # ================================================================================================ trajectory
 @dataclass
-class Trajectory:
-    """A recorded run: the manifest (JSON-ready dict), the sealed `RunSpec`, and the kept tensors (host)."""
+class Trajectory(SealedArtifact):
+    """A recorded run: the manifest (JSON-ready dict), the sealed `RunSpec`, and the kept tensors (host). Sealed,
+    read and checked through `artifact.SealedArtifact` (`seal(path)` writes the directory atomically)."""
+
+    FORMAT = FORMAT
+    WHAT = "a sealed trajectory"
+    ERROR = TrajectoryError
 
     manifest: dict[str, Any]
     spec: RunSpec
@@ -377,21 +382,9 @@ class Trajectory:
     def mode(self) -> str:
         return self.spec.mode
 
-    def seal(self, path: str | os.PathLike) -> Path:
-        """Write the trajectory directory atomically (`io_utils.atomic_write_dir`, see the module docstring); returns
-        its path."""
-        target = Path(path)
-        if target.exists() and not target.is_dir():
-            raise TrajectoryError(f"trajectory path {str(target)!r} exists and is not a directory")
-
-        def write(tmp: Path) -> None:
-            atomic_save_safetensors(tmp / INPUTS_FILE, self.spec.tensors(), metadata={"format": FORMAT})
-            if self.kept:
-                atomic_save_safetensors(tmp / TENSORS_FILE, self.kept, metadata={"format": FORMAT})
-            atomic_write_json(tmp / MANIFEST, self.manifest)  # last: a directory with a manifest is complete
-
-        self.path = atomic_write_dir(target, write)
-        return self.path
+    def tensor_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What `seal` writes (`artifact.SealedArtifact`): the spec's sealed tensors and the kept ones (if any)."""
+        return {INPUTS_FILE: self.spec.tensors(), TENSORS_FILE: self.kept}
 
 
 def record(
@@ -412,16 +405,6 @@ def record(
 
 
 # ======================================================================================================= load
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise TrajectoryError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
 _LEGACY_STEPPERS = {"ScheduleStepper": "euler", "DiffusersStepper": "diffusers"}
 
 
@@ -442,24 +425,56 @@ def _legacy_spec(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
     )
 
 
+def _check_identity(manifest_path: Path, manifest: dict[str, Any], spec: RunSpec) -> None:
+    """The sealed spec against the identity its manifest records. Current form: the result hash (`result_sha256`)
+    and the run record's spec fields (placement, residency, adapter names and paths). The form sealed before the
+    split (issue 26, item 3) holds one `spec_sha256` over the whole description: checked as it was
+    (`RunSpec.description_sha256`), its result hash derived from the spec."""
+    if "result_sha256" in manifest:
+        if spec.sha256 != manifest["result_sha256"]:
+            raise TrajectoryError(f"{manifest_path}: run spec's result hash is {spec.sha256[:16]}, the manifest "
+                                  f"records {str(manifest['result_sha256'])[:16]}: the spec was edited")
+        record = manifest.get("run_record")
+        ours = spec.run_record()
+        if not isinstance(record, dict) or any(record.get(k) != v for k, v in ours.items()):
+            raise TrajectoryError(f"{manifest_path}: run record {json.dumps(record, sort_keys=True)[:120]} disagrees "
+                                  "with its run spec's placement, residency or adapter paths: the manifest was edited")
+        return
+    if spec.description_sha256 != manifest.get("spec_sha256"):
+        raise TrajectoryError(f"{manifest_path}: run spec hashes to {spec.description_sha256[:16]}, the manifest "
+                              f"records {str(manifest.get('spec_sha256'))[:16]}: the spec was edited")
+
+
+def _check_kept_against_steps(where: Path, manifest: dict[str, Any]) -> None:
+    """A kept latent or velocity (`video.0003`, `velocity_audio.0001`, ...) must be the tensor its pass's sealed hash
+    names: the `kept` digests are not under `digest`, the per-pass hashes are (noise draws have no per-pass hash)."""
+    steps = {s.get("index"): s for s in manifest["steps"]}
+    for name, digest in manifest["kept"].items():
+        field, _, index = name.rpartition(".")
+        if field in STEP_FIELDS and index.isdigit():
+            sealed = steps.get(int(index), {}).get(field)
+            if sealed != digest:
+                raise TrajectoryError(f"{where}: kept tensor {name!r} is not the pass-{int(index)} {field} its sealed "
+                                      "step hash names: the tensors file and its manifest entry were edited")
+
+
+def run_record_of(traj: "Trajectory") -> dict[str, Any]:
+    """The run record of a trajectory: the manifest's (current form), or the spec's fields and the manifest's device
+    (a manifest sealed before the result hash / run record split)."""
+    record = traj.manifest.get("run_record")
+    if isinstance(record, dict):
+        return record
+    return {**traj.spec.run_record(), "machine": {"device": traj.manifest.get("device", "")}}
+
+
 def load(path: str | os.PathLike) -> Trajectory:
     """Read a sealed trajectory and check it: format, every sealed tensor and kept tensor against its recorded
-    SHA-256, the run spec against its `spec_sha256`, and the digest against the per-pass hashes. Any mismatch
-    raises `TrajectoryError` naming it."""
+    SHA-256, the run spec against its `result_sha256` and `run_record` (or, sealed before the split, its
+    `spec_sha256`: `_check_identity`), and the digest against the per-pass hashes. Any mismatch raises
+    `TrajectoryError` naming it."""
     root = Path(path)
     manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        raise TrajectoryError(f"{str(root)!r} is not a sealed trajectory: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TrajectoryError(f"{manifest_path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise TrajectoryError(f"{manifest_path}: format {got!r} is not {FORMAT!r}")
-    for key in ("steps", "inputs", "schedule", "digest", "mode", "kept"):
-        if key not in manifest:
-            raise TrajectoryError(f"{manifest_path}: manifest lacks {key!r}")
+    manifest = Trajectory.read_manifest(root, ("steps", "inputs", "schedule", "digest", "mode", "kept"))
     recomputed = digest_lines(manifest["steps"])
     if recomputed != manifest["digest"]:
         raise TrajectoryError(
@@ -471,24 +486,15 @@ def load(path: str | os.PathLike) -> Trajectory:
                 "transition" in step and json_sha256(step["transition"]) != step[TRANSITION]):
             raise TrajectoryError(f"{manifest_path}: pass {step.get('index')}'s transition record does not match its "
                                   f"{TRANSITION}: the manifest was edited")
-    tensors = _read_safetensors(root / INPUTS_FILE)
-    problem = digest_mismatch(tensors, manifest["inputs"]["sha256"])
-    if problem is not None:
-        raise TrajectoryError(f"{root / INPUTS_FILE}: sealed input {problem} (manifest)")
-    kept: dict[str, torch.Tensor] = {}
-    if manifest["kept"]:
-        kept = _read_safetensors(root / TENSORS_FILE)
-        problem = digest_mismatch(kept, manifest["kept"])
-        if problem is not None:
-            raise TrajectoryError(f"{root / TENSORS_FILE}: kept {problem} (manifest)")
+    tensors = Trajectory.read_tensors(root / INPUTS_FILE, manifest["inputs"]["sha256"], "sealed input ")
+    kept = Trajectory.read_tensors(root / TENSORS_FILE, manifest["kept"], "kept ") if manifest["kept"] else {}
+    _check_kept_against_steps(root / TENSORS_FILE, manifest)
     try:
         if "spec" not in manifest:
             spec = _legacy_spec(manifest, tensors)
         else:
             spec = RunSpec.from_dict(manifest["spec"], tensors)
-            if spec.sha256 != manifest.get("spec_sha256"):
-                raise TrajectoryError(f"{manifest_path}: run spec hashes to {spec.sha256[:16]}, the manifest records "
-                                      f"{str(manifest.get('spec_sha256'))[:16]}: the spec was edited")
+            _check_identity(manifest_path, manifest, spec)
     except TrajectoryError:
         raise
     except H3Error as exc:  # RunSpecError, and the schedule's and layout's own errors
@@ -516,18 +522,72 @@ class VerifyReport:
     fingerprint_match: bool = True
     mode: str = ""
     note: str = ""
+    result_sha256: str = ""  # the sealed spec's result hash (what must come out the same)
+    run_record: dict[str, Any] = dataclasses.field(default_factory=dict)  # where and how it was recorded
+    replay_record: dict[str, Any] = dataclasses.field(default_factory=dict)  # where and how it was replayed
+    record_differences: list[str] = dataclasses.field(default_factory=list)  # "residency", "machine.device", ...
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def record_note(self) -> str:
+        """" (recorded ... , replayed ...)" for each run-record field that differs; "" when none does."""
+        if not self.record_differences:
+            return ""
+        parts = [f"{k} {_short(k, _lookup(self.run_record, k))} -> {_short(k, _lookup(self.replay_record, k))}"
+                 for k in self.record_differences]
+        return f" (same result hash {self.result_sha256[:16]}, another run record: {'; '.join(parts)})"
+
     def __str__(self) -> str:
         if self.ok:
             note = f" ({self.note})" if self.note else ""
-            return f"OK: {self.passes_checked}/{self.num_passes} passes byte-equal (digest {self.digest[:16]}){note}"
+            return (f"OK: {self.passes_checked}/{self.num_passes} passes byte-equal (digest {self.digest[:16]}){note}"
+                    f"{self.record_note()}")
         note = "" if self.fingerprint_match else " (checkpoint fingerprint differs from the recorded one)"
         note += f" ({self.note})" if self.note else ""
+        note += self.record_note()
         return (f"DRIFT at pass {self.first_step}: {self.field} hash {str(self.got)[:16]} != recorded "
                 f"{str(self.expected)[:16]}{note}")
+
+
+def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        record = record.get(part) if isinstance(record, Mapping) else None
+    return record
+
+
+_DEFAULT_WORDS = {"placement": "one process", "residency": "resident", "adapters": "none"}
+
+
+def _short(key: str, value: Any) -> str:
+    if value in ({}, [], None, ""):
+        return _DEFAULT_WORDS.get(key, "unknown")
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def record_differences(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
+    """The run-record fields two records disagree on (the spec's fields, then the machine's device)."""
+    out = [k for k in ("placement", "residency", "adapters") if recorded.get(k) != replayed.get(k)]
+    if _lookup(recorded, "machine.device") not in (None, _lookup(replayed, "machine.device")):
+        out.append("machine.device")
+    return out
+
+
+def _replay_spec(spec: RunSpec, execution: Mapping[str, Any] | None) -> RunSpec:
+    """The sealed spec in the verifier's run record (`execution`: placement, residency, adapters, e.g. an
+    `ExecutionPlan.spec_fields()`), the result hash unchanged. Adapters are taken only when they are the sealed
+    ones by content (another adapter is another result: the sealed entry stays)."""
+    if not execution:
+        return spec
+    fields = {k: v for k, v in execution.items() if k != "adapters"}
+    moved = spec.with_record(**fields)
+    adapters = execution.get("adapters")
+    if adapters is not None:
+        try:
+            moved = moved.with_record(adapters=list(adapters))
+        except H3Error:  # not the sealed adapter: replay the sealed entry
+            pass
+    return moved
 
 
 def verify(
@@ -538,11 +598,15 @@ def verify(
     device: torch.device | str | None = None,
     stop_at_first: bool = True,
     models: Mapping[str, Any] | Callable[[str], Any] | None = None,
+    execution: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Replay a sealed trajectory's run spec exactly (in another runtime mode only if `mode` is given; on `device`
     if given) and compare every pass's four hashes; the report names the first differing pass and tensor, or says
-    OK. `models`: the other variants, for a spec whose factors swap the transformer (H16). A spec with custom
-    callables raises `TrajectoryError` instead of replaying something else."""
+    OK. `models`: the other variants, for a spec whose factors swap the transformer (H16). `execution`: the
+    verifier's run record (placement, residency, adapters at their paths now -- a session's execution plan): the
+    replay runs there, its result hash the sealed one; the report holds the recorded and the replayed run records
+    and names the fields that differ. A spec with custom callables raises `TrajectoryError` instead of replaying
+    something else."""
     traj = path if isinstance(path, Trajectory) else load(path)
     spec = traj.spec
     if not spec.sealable:
@@ -551,6 +615,10 @@ def verify(
             "manifest names them but cannot re-create them, so it cannot be verified as it ran (attach the same "
             "callables and compare with h3lab.drift instead)"
         )
+    try:
+        spec = _replay_spec(spec, execution)
+    except H3Error as exc:
+        raise TrajectoryError(f"verify execution={dict(execution or {})!r}: {exc}") from None
     note = ""
     if mode is not None and mode != spec.mode:
         note = f"replayed in mode {mode}, recorded in {spec.mode}"
@@ -590,7 +658,11 @@ def verify(
         pass
     recorded_fp = traj.manifest.get("checkpoint", {}).get("fingerprint", "")
     fp_match = (not recorded_fp) or recorded_fp == model_fingerprint(model)
-    common = dict(digest=traj.digest, fingerprint_match=fp_match, mode=spec.mode, note=note)
+    recorded = run_record_of(traj)
+    replayed = {**spec.run_record(), "machine": machine_record(spec.inputs.video.device)}
+    common = dict(digest=traj.digest, fingerprint_match=fp_match, mode=spec.mode, note=note,
+                  result_sha256=traj.spec.sha256, run_record=recorded, replay_record=replayed,
+                  record_differences=record_differences(recorded, replayed))
     if first:
         return VerifyReport(ok=False, passes_checked=len(replay), num_passes=len(expected), first_step=first["step"],
                             field=first["field"], expected=first["expected"] or "", got=first["got"] or "", **common)

@@ -36,6 +36,7 @@ _EXPORTS = {
     "encode_references": "conditioning",
     "augment_conditions": "conditioning",
     "MediaError": "media",
+    "ExecutionPlan": "execution",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,7 +15,8 @@ Contract
   packed block by block, never whole on the GPU. `gpu_memory` (GiB, streamed only) is a budget for the DiT's tensors
   on the GPU: the blocks that fit stay resident, the rest stream (refused at construction when even streaming every
   block does not fit). `set_residency(residency, gpu_memory)` switches the policy and re-places the loaded DiTs in
-  place (`!streaming on|off`). `residency_value()` is what a run records in `RunSpec.residency`.
+  place (`!streaming on|off`). Device, mesh, residency and budget are one `ExecutionPlan` (`execution.py`, `plan`):
+  it places every DiT and hands each run spec its placement and residency (`plan.spec_fields()`).
   `release(*names)` drops components (all without names); they reload on next use.
 - Pinned transformers: `set_transformer(model, variant)` serves `variant` with an already-built `H3Transformer`
   instead of the snapshot's weights, after `check_interface` (text_dim = the text encoder's hidden width,
@@ -48,9 +49,9 @@ import torch
 from ..errors import CheckpointError, ValidationError
 from ..run import FieldProvider, register_field
 from . import streaming
+from .execution import RESIDENCIES, ExecutionPlan, check_plan  # noqa: F401 - RESIDENCIES re-exported
 
 VARIANTS = ("transformer", "transformer_ref")
-RESIDENCIES = ("resident", "phased", "streamed")
 
 register_field("residency", FieldProvider(validate=streaming.check_residency_value, apply=streaming.apply_residency),
                replace=True)
@@ -72,14 +73,8 @@ def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def check_residency(residency: str, gpu_memory: float | None = None) -> str:
-    if residency not in RESIDENCIES:
-        raise ValidationError(f"residency={residency!r}: must be one of {', '.join(RESIDENCIES)}")
-    if gpu_memory is not None:
-        if residency != "streamed":
-            raise ValidationError(f"gpu_memory={gpu_memory!r}: a GPU memory budget needs residency='streamed' (the "
-                                  f"blocks that do not fit stream), not {residency!r}")
-        streaming.check_gpu_memory(gpu_memory)
-    return residency
+    """The residency rules of an `ExecutionPlan` (`execution.check_plan`), before anything is built."""
+    return check_plan(residency, gpu_memory)
 
 
 def check_variant(variant: str) -> str:
@@ -94,19 +89,31 @@ class ComponentStore:
     def __init__(self, path: str | os.PathLike, device: torch.device, residency: str = "resident",
                  dtype_policy: str = "released", gpu_memory: float | None = None, mesh: Any = None):
         self.path = Path(path)
-        self.device = device
-        self.residency = check_residency(residency, gpu_memory)
-        if mesh is not None and self.residency == "streamed":
-            raise ValidationError("residency='streamed' with a device mesh: streamed blocks are not sharded (run "
-                                  "streamed on one process, or tensor/context parallel resident)")
-        self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it in place
-        self.gpu_memory = None if gpu_memory is None else streaming.check_gpu_memory(gpu_memory)
+        # the one owner of device, mesh, residency and budget: it places every DiT and hands specs their fields
+        self.plan = ExecutionPlan(device, residency, gpu_memory, mesh)
         self.dtype_policy = dtype_policy
         self.components: dict[str, Any] = {}
         self.injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
         self.load_seconds = 0.0  # cumulative component loading time
         if self.gpu_memory is not None:
             self.plan_for("transformer")  # an impossible budget fails here, before anything loads
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def residency(self) -> str:
+        return self.plan.residency
+
+    @property
+    def gpu_memory(self) -> float | None:
+        return self.plan.gpu_memory
+
+    @property
+    def mesh(self) -> Any:
+        """The `h3lab.distributed` Mesh every transformer is parallelized on in place (None: one process)."""
+        return self.plan.mesh
 
     # -------------------------------------------------------------------------------------- snapshot
     def read_shifts(self) -> tuple[float, float]:
@@ -246,22 +253,8 @@ class ComponentStore:
 
     # -------------------------------------------------------------------------------------- residency
     def _place(self, model, variant: str):
-        """Make a DiT's placement the policy's: parallelized on the store's mesh (`h3lab.distributed.parallelize`,
-        once per model, named by its variant), streamed with the store's budget, or resident on the device."""
-        if self.mesh is not None:
-            from ..distributed import parallelize, placement_of
-
-            if placement_of(model) is None:
-                parallelize(model, self.mesh, name=variant)
-            return model
-        current = streaming.streamer_of(model)
-        if self.residency == "streamed":
-            plan = self.plan_for(model)
-            if current is None or current.plan != plan or current.device != self.device:
-                streaming.stream_blocks(model, self.device, gpu_memory_gib=self.gpu_memory)
-        elif current is not None:
-            current.remove(restore=True)
-        return model
+        """Make a DiT's placement the execution plan's (`ExecutionPlan.place`)."""
+        return self.plan.place(model, variant)
 
     def plan_for(self, model_or_variant):
         """The streaming plan of a model (or of a snapshot variant, read on the meta device) under the store's
@@ -273,16 +266,15 @@ class ComponentStore:
 
             with torch.device("meta"):
                 model = H3Transformer(H3Config.from_dict(self.component_config(model)), dtype_policy=self.dtype_policy)
-        return streaming.plan_for_model(model, self.gpu_memory)
+        return self.plan.streaming_plan(model)
 
     def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
         """Switch the policy and re-place every loaded DiT in place; returns what each now does. The refusals (an
         unknown policy, a budget that cannot hold the streamed DiT, blocks that do not fit back on the GPU) are
         checked before any block moves."""
-        check_residency(residency, gpu_memory)
         dits = [(v, self.components[v]) for v in VARIANTS if v in self.components]
-        before = (self.residency, self.gpu_memory)
-        self.residency, self.gpu_memory = residency, None if gpu_memory is None else float(gpu_memory)
+        before = self.plan
+        self.plan = self.plan.replace(residency=residency, gpu_memory=gpu_memory)  # checks the rules first
         try:
             if residency == "streamed":
                 for _, model in dits:
@@ -290,27 +282,13 @@ class ComponentStore:
             for variant, model in dits:
                 self._place(model, variant)
         except Exception:
-            self.residency, self.gpu_memory = before
+            self.plan = before
             raise
         return self.describe()
 
-    def residency_value(self) -> dict:
-        """`RunSpec.residency` of a run on this store's DiT: {} unless streamed."""
-        if self.residency != "streamed":
-            return {}
-        return streaming.residency_value("streamed", self.gpu_memory)
-
     def describe(self) -> list[str]:
         """The policy, and per loaded DiT what stays on the GPU."""
-        budget = f", budget {self.gpu_memory:g} GiB" if self.gpu_memory is not None else ""
-        lines = [f"residency {self.residency}{budget}"]
-        for variant in VARIANTS:
-            streamer = streaming.streamer_of(self.components[variant]) if variant in self.components else None
-            if streamer is not None and streamer.plan is not None:
-                lines.append(f"  {variant}: {streamer.plan.describe()}")
-        if self.residency == "streamed" and len(lines) == 1:
-            lines.append("  the DiT's blocks stream from host memory once it loads")
-        return lines
+        return self.plan.describe({v: self.components[v] for v in VARIANTS if v in self.components})
 
     def transformer(self, variant: str = "transformer"):
         """The DiT of a variant ("transformer" for t2va/fl2va, "transformer_ref" for ref2va), loaded on first use."""

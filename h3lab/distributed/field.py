@@ -13,7 +13,8 @@ placement. In lead mode (`follow.lead`, a torchrun front end) the run is announc
 resolve the same spec; a spec carrying custom callables cannot be announced and is refused there.
 
 The bytes do not depend on the topology: the trajectory digest of a distributed run equals the one-process strict
-digest of the same spec without placement (the spec's own sha256 differs: the placement is part of what ran).
+digest of the same spec without placement, and so is the spec's result hash (`RunSpec.sha256`): the placement is
+in its run record (`RunSpec.run_record`), where it ran, not what came out.
 """
 
 from __future__ import annotations

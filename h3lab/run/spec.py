@@ -24,8 +24,9 @@ custom=None, label="")`
   preset, placement, adapters, residency   extension fields (speed presets, device topology, LoRA adapters, where
                the DiT's blocks live): JSON values with empty defaults, validated and applied by the rooms that
                register them (`fields.py`); a non-default value nobody provides fails closed when the spec is built.
-               `residency` (streamed blocks, `h3lab.components.streaming`) never changes a result byte; it is in the
-               JSON description only when it is not the default, so specs sealed before it existed keep their sha256
+               `residency` (streamed blocks, `h3lab.components.streaming`) and `placement` never change a result byte:
+               they are the run record, not the result hash (see "Identity"); `residency` is in the JSON description
+               only when it is not the default, so descriptions sealed before it existed are unchanged
   custom       `Custom` research callables (op overrides, hooks, a stepper object); a spec carrying them is not
                sealable by name (`sealable` is False): its JSON records what was attached but cannot re-create it,
                and `verify` refuses to replay such a trajectory
@@ -33,9 +34,26 @@ custom=None, label="")`
 
 Everything but `inputs`, `layout` tensors and `custom` callables is JSON. `to_dict()` is the JSON description: the
 scalar fields, the schedule's sigmas and hashes, the layout's description, and the SHA-256 of every sealed tensor
-(`tensors()`: the inputs' and `layout.<name>`); `sha256` is the SHA-256 of that description without the label --
-stable across processes and devices (bytes, not addresses). `from_dict(data, tensors)` rebuilds a spec from the
-description and its sealed tensors and checks each tensor's hash.
+(`tensors()`: the inputs' and `layout.<name>`). `from_dict(data, tensors)` rebuilds a spec from the description and
+its sealed tensors and checks each tensor's hash.
+
+Identity
+--------
+The description splits in two (issue 26, item 3):
+
+  result hash  `sha256` (= `result_sha256`): SHA-256 of `result_identity()`, everything that can change a result
+               byte -- weights (variant, fingerprint), inputs (every sealed tensor's SHA-256, the layout), schedule,
+               mode, stepper and its parameters, reuse, factors, preset, custom callables, and each LoRA adapter by
+               its CONTENT (`sha256`) and `scale`. Stable across processes and devices (bytes, not addresses).
+  run record   `run_record()`: where and how it ran -- `placement` (topology: strict forwards are byte-equal on every
+               topology), `residency` (streamed blocks never change a byte), each adapter's `name` and `path`.
+               The execution plan (`h3lab.components.execution`) hands these values to the spec; a trajectory
+               records them beside the result hash, and `verify` reports them.
+
+So moving an adapter file, streaming the blocks or sharding the model keeps the result hash; changing the mode, the
+steps or the adapter's bytes changes it. `description_sha256` is the SHA-256 of the whole description without the
+label: the single identity of specs sealed before the split (a trajectory's `spec_sha256`, which `load` still
+checks on old manifests).
 
 A spec carries factor names, not their effects: `loop.resolve` re-derives a factor's overrides, hooks, stepper,
 inputs, schedule or model each time the spec runs, so a replay applies exactly the perturbation that ran.
@@ -61,6 +79,8 @@ from .steppers import check_stepper_params, make_stepper
 
 FORMAT = "h3lab-runspec/1"
 LAYOUT_PREFIX = "layout."
+RECORD_FIELDS = ("placement", "residency")  # where and how it ran: the run record, never the result hash
+ADAPTER_RESULT_KEYS = ("sha256", "scale")  # an adapter's content and strength; its name and path are the record's
 
 
 @dataclass(frozen=True)
@@ -195,6 +215,19 @@ class RunSpec:
         """The same spec with its inputs on `device` (the identity does not change: it hashes bytes)."""
         return self.replace(inputs=self.inputs.to(device))
 
+    def with_record(self, **record: Any) -> "RunSpec":
+        """The same result in another run record: `placement`, `residency` and `adapters` (the same adapters by
+        content and scale, at other paths or names) replaced; the result hash does not change (an adapters value of
+        other content raises `RunSpecError`)."""
+        unknown = sorted(set(record) - set(RECORD_FIELDS) - {"adapters"})
+        if unknown:
+            raise RunSpecError(f"run record field {unknown[0]!r}: the record holds {', '.join(RECORD_FIELDS)}, adapters")
+        moved = self.replace(**record)
+        if moved.sha256 != self.sha256:
+            raise RunSpecError("adapters: another adapter content or scale is another result, not another run record "
+                               f"(result hash {moved.sha256[:16]} != {self.sha256[:16]})")
+        return moved
+
     def with_factors(self, *names: str) -> "RunSpec":
         return self.replace(factors=tuple(self.factors) + tuple(names))
 
@@ -252,9 +285,39 @@ class RunSpec:
             **({"stepper_params": thaw(self.stepper_params)} if self.stepper_params else {}),
         }
 
+    def result_identity(self) -> dict[str, Any]:
+        """What can change a result byte (see "Identity" in the module docstring): the JSON description without the
+        label and the run record's fields, each adapter by its content (sha256) and scale only."""
+        identity = self.to_dict()
+        identity.pop("label")
+        for name in RECORD_FIELDS:
+            identity.pop(name, None)
+        identity["adapters"] = [{k: a[k] for k in ADAPTER_RESULT_KEYS if k in a} for a in identity["adapters"]]
+        return identity
+
     @functools.cached_property
     def sha256(self) -> str:
-        """SHA-256 of the JSON description without the label."""
+        """The result hash: SHA-256 of `result_identity()`. Equal for two specs that must produce the same bytes
+        wherever and however they run (another residency, topology or adapter path)."""
+        return json_sha256(self.result_identity())
+
+    @property
+    def result_sha256(self) -> str:
+        """`sha256`, by the name a manifest records it under."""
+        return self.sha256
+
+    def run_record(self) -> dict[str, Any]:
+        """Where and how the spec runs, beside the result hash and never inside it: the placement (topology), the
+        residency (where the DiT's blocks live) and each adapter's name and path (JSON)."""
+        record = {name: thaw(getattr(self, name)) for name in RECORD_FIELDS}
+        record["adapters"] = [{k: v for k, v in a.items() if k not in ADAPTER_RESULT_KEYS}
+                              for a in thaw(self.adapters)]
+        return record
+
+    @functools.cached_property
+    def description_sha256(self) -> str:
+        """SHA-256 of the whole JSON description without the label: the single identity specs were sealed under
+        before the result hash / run record split (a trajectory's `spec_sha256`); `load` checks old manifests by it."""
         identity = self.to_dict()
         identity.pop("label")
         return json_sha256(identity)

@@ -18,18 +18,34 @@ import json
 import math
 import numbers
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
+from ..artifact import MANIFEST, SealedArtifact
 from .objective import ClipRequest, SampleRequest, TrainingError, rollout_requests
-from .run import _check_hashes, _dataset_entry, _named_digests, _read, _request_from, read_manifest
+from .run import _dataset_entry, _named_digests, _request_from
 
 FORMAT = "h3lab-dataset/1"
-MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
+
+
+@dataclass
+class _SealedDataset(SealedArtifact):
+    """The dataset folder as a sealed artifact (`artifact.SealedArtifact`: atomic seal, checked read)."""
+
+    FORMAT = FORMAT
+    WHAT = "a sealed clip dataset"
+    ERROR = TrainingError
+
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    path: Path | None = None
+
+    def tensor_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {INPUTS: self.tensors}
 
 
 def dataset_digest(entries: Sequence[dict]) -> str:
@@ -55,27 +71,18 @@ def save_dataset(path: str | os.PathLike, requests: Sequence[Any]) -> Path:
         raise TrainingError("save_dataset: no requests")
     entries, tensors = describe(requests)
     manifest = {"format": FORMAT, "requests": entries, "digest": dataset_digest(entries)}
-
-    def write(tmp: Path) -> None:
-        atomic_save_safetensors(tmp / INPUTS, tensors, metadata={"format": FORMAT})
-        atomic_write_json(tmp / MANIFEST, manifest)
-
-    try:
-        return atomic_write_dir(path, write)
-    except FileExistsError as exc:
-        raise TrainingError(str(exc)) from None
+    return _SealedDataset(manifest, tensors).seal(path)
 
 
 def load_dataset(path: str | os.PathLike) -> tuple[list[Any], str]:
     """(requests, digest) of a sealed dataset folder; any mismatch raises `TrainingError` naming it."""
     root = Path(path)
     manifest_path = root / MANIFEST
-    manifest = read_manifest(root, FORMAT, "a sealed clip dataset")
+    manifest = _SealedDataset.read_manifest(root)
     entries = manifest.get("requests") or []
     if not entries or dataset_digest(entries) != manifest.get("digest"):
         raise TrainingError(f"{manifest_path}: the digest does not match its requests (edited or empty)")
-    tensors = _read(root / INPUTS)
-    _check_hashes(root / INPUTS, tensors, {k: v for e in entries for k, v in e["sha256"].items()})
+    tensors = _SealedDataset.read_tensors(root / INPUTS, {k: v for e in entries for k, v in e["sha256"].items()})
     requests = []
     for e in entries:
         prefix = f"{e['index']:04d}."

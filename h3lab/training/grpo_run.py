@@ -37,20 +37,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import __version__, runtime
+from ..artifact import MANIFEST, SealedArtifact, code_provenance
 from ..hashing import tensor_digest
-from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
-from ..trajectory import TraceSummary, code_revision
+from ..trajectory import TraceSummary
 from .grpo_step import GrpoConfig, RolloutBatch, Transition, grpo_iteration
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import TrainingError
-from .run import _check_hashes, _read, _scheme, read_manifest
+from .run import _scheme, check_stored_weights, check_trainable
 from .step import model_device, trainable_parameters
 
 FORMAT = "h3lab-grpo/1"
 INPUTS_FILE = "inputs.safetensors"
 WEIGHTS_FILE = "weights.safetensors"
-MANIFEST = "manifest.json"
 
 
 def records_digest(iterations: list[dict]) -> str:
@@ -73,8 +71,13 @@ def _batch_tensors(k: int, batch: RolloutBatch) -> tuple[list[dict], dict[str, t
 
 
 @dataclass
-class GrpoRun:
-    """A run: the manifest, per iteration its `RolloutBatch`, the weights tensors, and its path once sealed."""
+class GrpoRun(SealedArtifact):
+    """A run: the manifest, per iteration its `RolloutBatch`, the weights tensors, and its path once sealed. Sealed
+    and read through `artifact.SealedArtifact`."""
+
+    FORMAT = FORMAT
+    WHAT = "a sealed GRPO run"
+    ERROR = TrainingError
 
     manifest: dict[str, Any]
     batches: list[RolloutBatch]
@@ -93,21 +96,12 @@ class GrpoRun:
     def iterations(self) -> list[dict]:
         return self.manifest["iterations"]
 
-    def seal(self, path: str | os.PathLike) -> Path:
+    def tensor_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What `seal` writes: every iteration's transitions and the weights."""
         tensors: dict[str, torch.Tensor] = {}
         for k, batch in enumerate(self.batches):
             tensors.update(_batch_tensors(k, batch)[1])
-
-        def write(tmp: Path) -> None:
-            atomic_save_safetensors(tmp / INPUTS_FILE, tensors, metadata={"format": FORMAT})
-            atomic_save_safetensors(tmp / WEIGHTS_FILE, self.weights, metadata={"format": FORMAT})
-            atomic_write_json(tmp / MANIFEST, self.manifest)
-
-        try:
-            self.path = atomic_write_dir(path, write)
-        except FileExistsError as exc:
-            raise TrainingError(str(exc)) from None
-        return self.path
+        return {INPUTS_FILE: tensors, WEIGHTS_FILE: self.weights}
 
 
 def grpo_train(model: nn.Module, rollout: Callable[[int, nn.Module], RolloutBatch], config: GrpoConfig,
@@ -173,7 +167,7 @@ def _assemble(model, config, params, optimizer, header, records, batches, transi
     manifest = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "code": {"revision": code_revision(), "h3lab": __version__, "versions": runtime.versions()},
+        "code": code_provenance(),
         "device": str(model_device(model)),
         "hash_scheme": scheme,
         "config": config.to_dict(),
@@ -197,17 +191,13 @@ def _assemble(model, config, params, optimizer, header, records, batches, transi
 def load(path: str | os.PathLike) -> GrpoRun:
     """Read a sealed GRPO run and check every tensor and the digest against the manifest."""
     root = Path(path)
-    manifest = read_manifest(root, FORMAT, "a sealed GRPO run")
-    for key in ("iterations", "transitions", "config", "trainable", "weights_file", "digest"):
-        if key not in manifest:
-            raise TrainingError(f"{root / MANIFEST}: manifest lacks {key!r}")
+    manifest = GrpoRun.read_manifest(root, ("iterations", "transitions", "config", "trainable", "weights_file",
+                                            "digest"))
     if records_digest(manifest["iterations"]) != manifest["digest"]:
         raise TrainingError(f"{root / MANIFEST}: digest does not match its iteration records: the manifest was edited")
-    inputs = _read(root / INPUTS_FILE)
-    _check_hashes(root / INPUTS_FILE, inputs, {n: d for it in manifest["transitions"] for e in it
-                                               for n, d in e["sha256"].items()})
-    weights = _read(root / WEIGHTS_FILE)
-    _check_hashes(root / WEIGHTS_FILE, weights, manifest["weights_file"])
+    inputs = GrpoRun.read_tensors(root / INPUTS_FILE, {n: d for it in manifest["transitions"] for e in it
+                                                       for n, d in e["sha256"].items()})
+    weights = GrpoRun.read_tensors(root / WEIGHTS_FILE, manifest["weights_file"])
     batches = []
     for k, (entries, record) in enumerate(zip(manifest["transitions"], manifest["iterations"])):
         requests = len(record["rewards"])
@@ -266,15 +256,16 @@ def verify(run: str | os.PathLike | GrpoRun, model: nn.Module) -> GrpoVerifyRepo
     """Re-run every iteration of a sealed run on `model` and compare (module docstring)."""
     run = run if isinstance(run, GrpoRun) else load(run)
     manifest, config = run.manifest, run.config
-    params = trainable_parameters(model)
-    recorded = [(t["name"], t["shape"], t["dtype"]) for t in manifest["trainable"]]
-    have = [(n, list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params]
-    if recorded != have:
-        diff = next(((a, b) for a, b in zip(recorded, have) if a != b), (len(recorded), len(have)))
-        raise TrainingError(f"the model's trainable parameters differ from the run's (first: {diff[0]} vs {diff[1]})")
+    params = check_trainable(manifest, model)
     if _scheme(model) != manifest["hash_scheme"]:
         raise TrainingError(f"the run was hashed with {manifest['hash_scheme']!r}: verify on a {manifest['device']} "
                             "model")
+    if not run.iterations:
+        raise TrainingError(f"{run.path or 'the run'}: the run records no iteration")
+    last = run.iterations[-1]["epochs"][-1]
+    check_stored_weights(run.weights, run.path / WEIGHTS_FILE if run.path is not None else "the run's weights", params,
+                         manifest["hash_scheme"], config.optimizer(params), last, int(manifest["optimizer_steps"]),
+                         f"iteration {len(run.iterations) - 1}")
     saved = {n: p.detach().clone() for n, p in params}
     optimizer = config.optimizer(params)
     done, found = 0, None

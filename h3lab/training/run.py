@@ -61,11 +61,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .. import __version__, runtime
+from .. import runtime
+from ..artifact import MANIFEST, SealedArtifact, code_provenance, stored_mismatch
 from ..hashing import tensor_digest
-from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
 from ..layout import PackedLayout
-from ..trajectory import TraceSummary, code_revision
+from ..trajectory import TraceSummary
 from .data_parallel import data_parallel_gradients
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample, checked_int
@@ -73,7 +73,6 @@ from .optim import StrictAdamW
 from .step import StepResult, compute_gradients, model_device, split_flat, trainable_parameters
 
 FORMAT = "h3lab-training/1"
-MANIFEST = "manifest.json"
 INPUTS_FILE = "inputs.safetensors"
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -170,9 +169,14 @@ def steps_digest(steps: Sequence[dict]) -> str:
 
 # ==================================================================================================== run
 @dataclass
-class TrainingRun:
+class TrainingRun(SealedArtifact):
     """A run: the manifest (JSON-ready), the dataset requests, the weights tensors (`initial.*`, `final.*`,
-    `optimizer.*`, host copies) and, once sealed or loaded, its path."""
+    `optimizer.*`, host copies) and, once sealed or loaded, its path. Sealed and read through
+    `artifact.SealedArtifact`."""
+
+    FORMAT = FORMAT
+    WHAT = "a sealed training run"
+    ERROR = TrainingError
 
     manifest: dict[str, Any]
     dataset: list[Any]
@@ -195,22 +199,12 @@ class TrainingRun:
         out = {k[len("initial."):]: v for k, v in self.weights.items() if k.startswith("initial.")}
         return out or None
 
-    def seal(self, path: str | os.PathLike) -> Path:
-        """Write the run directory atomically (module docstring); returns its path."""
+    def tensor_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What `seal` writes: the dataset tensors and the weights."""
         tensors: dict[str, torch.Tensor] = {}
         for i, request in enumerate(self.dataset):  # copies: requests may share tensors (one layout, one text)
             tensors.update({k: v.detach().cpu().clone() for k, v in _dataset_entry(i, request)[1].items()})
-
-        def write(tmp: Path) -> None:
-            atomic_save_safetensors(tmp / INPUTS_FILE, tensors, metadata={"format": FORMAT})
-            atomic_save_safetensors(tmp / WEIGHTS_FILE, self.weights, metadata={"format": FORMAT})
-            atomic_write_json(tmp / MANIFEST, self.manifest)
-
-        try:
-            self.path = atomic_write_dir(path, write)
-        except FileExistsError as exc:
-            raise TrainingError(str(exc)) from None
-        return self.path
+        return {INPUTS_FILE: tensors, WEIGHTS_FILE: self.weights}
 
 
 def _step_record(step: int, indices: list[int], seeds: list[int | None], result: StepResult,
@@ -346,7 +340,7 @@ def train(
     header = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "code": {"revision": code_revision(), "h3lab": __version__, "versions": runtime.versions()},
+        "code": code_provenance(),
         "mode": config.mode,
         "device": str(model_device(model)),
         "hash_scheme": scheme,
@@ -384,57 +378,15 @@ def train(
 
 
 # =================================================================================================== load
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise TrainingError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
-def _check_hashes(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, str]) -> None:
-    if set(tensors) != set(expected):
-        odd = sorted(set(tensors) ^ set(expected))
-        raise TrainingError(f"{path}: tensors {odd[:4]} do not match the manifest")
-    for name, digest in expected.items():
-        if tensor_digest(tensors[name], "sha256") != digest:
-            raise TrainingError(f"{path}: tensor {name!r} does not match its recorded sha256")
-
-
-def read_manifest(root: Path, fmt: str, what: str) -> dict[str, Any]:
-    """`root/manifest.json` as a dict of format `fmt`; a missing, unreadable or other-format manifest raises
-    `TrainingError` saying `root` is not `what`."""
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        raise TrainingError(f"{str(root)!r} is not {what}: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TrainingError(f"{manifest_path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise TrainingError(f"{manifest_path}: format {got!r} is not {fmt!r}")
-    return manifest
-
-
 def load(path: str | os.PathLike) -> TrainingRun:
     """Read a sealed run and check it: format, the steps digest, every dataset and weights tensor against the
     manifest. Any mismatch raises `TrainingError` naming it."""
     root = Path(path)
-    manifest_path = root / MANIFEST
-    manifest = read_manifest(root, FORMAT, "a sealed training run")
-    for key in ("steps", "dataset", "config", "trainable", "weights_file", "digest"):
-        if key not in manifest:
-            raise TrainingError(f"{manifest_path}: manifest lacks {key!r}")
+    manifest = TrainingRun.read_manifest(root, ("steps", "dataset", "config", "trainable", "weights_file", "digest"))
     if steps_digest(manifest["steps"]) != manifest["digest"]:
-        raise TrainingError(f"{manifest_path}: digest does not match its step records: the manifest was edited")
-    inputs = _read(root / INPUTS_FILE)
-    expected = {k: v for e in manifest["dataset"] for k, v in e["sha256"].items()}
-    _check_hashes(root / INPUTS_FILE, inputs, expected)
-    weights = _read(root / WEIGHTS_FILE)
-    _check_hashes(root / WEIGHTS_FILE, weights, manifest["weights_file"])
+        raise TrainingError(f"{root / MANIFEST}: digest does not match its step records: the manifest was edited")
+    inputs = TrainingRun.read_tensors(root / INPUTS_FILE, {k: v for e in manifest["dataset"] for k, v in e["sha256"].items()})
+    weights = TrainingRun.read_tensors(root / WEIGHTS_FILE, manifest["weights_file"])
     dataset = []
     for e in manifest["dataset"]:
         prefix = f"{e['index']:04d}."
@@ -486,6 +438,17 @@ def _first_difference(want: dict, got: dict) -> tuple[str, str, str] | None:
     return None
 
 
+def check_trainable(manifest: dict[str, Any], model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable parameters, refused unless they are the sealed run's (name, shape, dtype, in order)."""
+    params = trainable_parameters(model)
+    recorded = [(t["name"], t["shape"], t["dtype"]) for t in manifest["trainable"]]
+    have = [(n, list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params]
+    if recorded != have:
+        diff = next(((a, b) for a, b in zip(recorded, have) if a != b), (len(recorded), len(have)))
+        raise TrainingError(f"the model's trainable parameters differ from the run's (first: {diff[0]} vs {diff[1]})")
+    return params
+
+
 def check_stored(run: TrainingRun, config: TrainConfig, params: Sequence[tuple[str, nn.Parameter]],
                  scheme: str) -> None:
     """Refuse a run whose stored final weights or optimiser state are not what its last step record sealed (module
@@ -494,19 +457,28 @@ def check_stored(run: TrainingRun, config: TrainConfig, params: Sequence[tuple[s
     where = run.path / WEIGHTS_FILE if run.path is not None else "the run's weights"
     if last is None:
         raise TrainingError(f"{where}: the run records no step")
-    for name, p in params:
-        stored = run.weights.get(f"final.{name}")
-        if stored is None:
-            raise TrainingError(f"{where}: final.{name} is missing")
-        if tensor_digest(stored.to(p.device), scheme) != last["weights"].get(name):
-            raise TrainingError(f"{where}: stored tensor 'final.{name}' does not match the weights digest sealed with "
-                                f"step {last['step']}")
-    optimizer = config.optimizer(params)
-    stored = {k[len("optimizer."):]: v for k, v in run.weights.items() if k.startswith("optimizer.")}
-    optimizer.load_state_tensors(stored, len(run.manifest["steps"]))
+    check_stored_weights(run.weights, where, params, scheme, config.optimizer(params), last, len(run.steps),
+                         f"step {last['step']}")
+
+
+def check_stored_weights(weights: dict[str, torch.Tensor], where: Any, params: Sequence[tuple[str, nn.Parameter]],
+                         scheme: str, optimizer: StrictAdamW, last: dict, optimizer_steps: int, sealed_with: str,
+                         ) -> None:
+    """The stored `final.<param>` tensors must hash to the `weights` digests of the `last` record and the stored
+    `optimizer.*` tensors (loaded into `optimizer` after `optimizer_steps` steps) to its `optimizer` digest (the
+    verify half of a sealed training or GRPO run, `artifact.stored_mismatch`); else a `TrainingError` naming it."""
+    if not params:
+        raise TrainingError(f"{where}: the model has no trainable parameters to check the stored weights on")
+    bad = stored_mismatch({n: weights.get(f"final.{n}") for n, _ in params}, last["weights"], scheme,
+                          params[0][1].device)
+    if bad is not None:
+        raise TrainingError(f"{where}: stored tensor 'final.{bad}' does not match the weights digest sealed with "
+                            f"{sealed_with}")
+    stored = {k[len("optimizer."):]: v for k, v in weights.items() if k.startswith("optimizer.")}
+    optimizer.load_state_tensors(stored, optimizer_steps)
     if optimizer.state_digest() != last["optimizer"]:
         raise TrainingError(f"{where}: the stored optimizer.* tensors do not match the optimiser digest sealed with "
-                            f"step {last['step']}")
+                            f"{sealed_with}")
 
 
 def verify(
@@ -520,12 +492,7 @@ def verify(
     """Re-run the first `steps` (default all) steps of a sealed run on `model` and compare (module docstring)."""
     run = run if isinstance(run, TrainingRun) else load(run)
     manifest, config = run.manifest, run.config
-    params = trainable_parameters(model)
-    recorded = [(t["name"], t["shape"], t["dtype"]) for t in manifest["trainable"]]
-    have = [(n, list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params]
-    if recorded != have:
-        diff = next(((a, b) for a, b in zip(recorded, have) if a != b), (len(recorded), len(have)))
-        raise TrainingError(f"the model's trainable parameters differ from the run's (first: {diff[0]} vs {diff[1]})")
+    params = check_trainable(manifest, model)
     n_steps = len(manifest["steps"]) if steps is None else steps
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or not 1 <= n_steps <= len(manifest["steps"]):
         raise TrainingError(f"steps={steps!r}: must be an integer in [1, {len(manifest['steps'])}]")

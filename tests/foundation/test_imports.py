@@ -302,7 +302,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "settings": (("h3lab.settings", "h3lab.schema.builtin", "h3lab.schema.argv"), ("base", "presets", "runtime",
                                                                                     "schema")),
     "distributed": (("h3lab.distributed",), ("base", "checkpoint", "model", "run", "runtime")),
-    "research": (("h3lab.trajectory", "h3lab.drift", "h3lab.arms"), ("base", "model", "run", "runtime", "sampler")),
+    "research": (("h3lab.trajectory", "h3lab.drift", "h3lab.arms", "h3lab.artifact"), ("base", "model", "run", "runtime", "sampler")),
     "training": (("h3lab.training",), ("base", "checkpoint", "layout", "model", "research", "run", "runtime",
                                        "sampler", "settings", "stochastic")),
     "ablation": (("h3lab.ablation",), ("base", "checkpoint", "distributed", "layout", "model", "research", "run",

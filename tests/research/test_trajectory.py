@@ -84,7 +84,7 @@ def test_seal_load_verify_round_trip(bench, tmp_path):
     assert m["trace"]["forwards"] == 2 and m["trace"]["ops"]["attention"] == {"torch": 8}
     assert sorted(m["kept"]) == ["audio.0001", "velocity_audio.0001", "velocity_video.0001", "video.0001"]
     assert m["digest"] == T.digest_lines(m["steps"]) == traj.digest
-    assert m["spec_sha256"] == bench.spec("off").sha256 and m["spec"]["factors"] == [] and m["spec"]["sealable"]
+    assert m["result_sha256"] == bench.spec("off").sha256 and m["spec"]["factors"] == [] and m["spec"]["sealable"]
     assert m["run"] == {"stepper": "euler", "reuse": 1, "reuse_mode": "linear"}
 
     loaded = T.load(path)
@@ -131,6 +131,22 @@ def test_verify_reports_the_first_tampered_pass(bench, tmp_path):
     tensors["audio"].view(-1)[3] += 1e-3
     save_file(tensors, str(path / T.INPUTS_FILE))
     with pytest.raises(T.TrajectoryError, match="'audio'"):
+        T.load(path)
+
+
+def test_a_kept_tensor_changed_with_its_manifest_entry_is_refused(bench, tmp_path):
+    """Issue 26, item 4: the `kept` digests are outside `digest`; each kept latent / velocity must still be the
+    tensor its pass's sealed hash names."""
+    from h3lab.hashing import tensor_digest
+
+    path = T.record(bench.spec("off"), bench.model, keep=("latents",), keep_steps=[1]).seal(tmp_path / "run")
+    manifest = json.loads((path / T.MANIFEST).read_text())
+    kept = load_file(str(path / T.TENSORS_FILE))
+    kept["video.0001"] = kept["video.0001"] + 1e-3
+    save_file(kept, str(path / T.TENSORS_FILE))
+    manifest["kept"]["video.0001"] = tensor_digest(kept["video.0001"], "sha256")
+    (path / T.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(T.TrajectoryError, match="kept tensor 'video.0001' is not the pass-1 video"):
         T.load(path)
 
 

@@ -53,8 +53,6 @@ def test_verify_replays_an_ablated_generation_byte_for_byte(session, tmp_path, f
 
 
 def test_a_tampered_factor_list_is_refused_or_reported(session, tmp_path):
-    from h3lab.hashing import json_sha256
-
     r = session.generate("tampered factors", ablations=("A2", "H5"), **SMALL)
     path = r.trajectory.seal(tmp_path / "run")
     assert session.verify(path).ok
@@ -63,8 +61,12 @@ def test_a_tampered_factor_list_is_refused_or_reported(session, tmp_path):
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(TrajectoryError, match="the spec was edited"):
         session.verify(path)
-    identity = {k: v for k, v in manifest["spec"].items() if k != "label"}
-    manifest["spec_sha256"] = json_sha256(identity)  # a forged, self-consistent spec: replayed, and it drifts
+    from safetensors.torch import load_file
+
+    from h3lab.run import RunSpec
+
+    forged = RunSpec.from_dict(manifest["spec"], load_file(str(path / "inputs.safetensors")))
+    manifest["result_sha256"] = forged.sha256  # a forged, self-consistent spec: replayed, and it drifts
     (path / MANIFEST).write_text(json.dumps(manifest))
     report = session.verify(path)
     assert not report.ok and report.first_step == 0 and report.field == "velocity_video"

@@ -33,10 +33,15 @@ def test_streamed_generation_equals_resident(session, streamed_session, tmp_path
     assert streaming.streamer_of(model) is not None and streaming.streamer_of(session.transformer()) is None
     st = streamed_session.status()
     assert st["residency"] == "streamed" and "DiT blocks streamed" in st["streaming"][0]
-    # verify replays the streamed run in a resident session (streamed for the run, resident after) and vice versa.
+    # verify replays the streamed run in a resident session (resident: the session's execution plan) and vice versa:
+    # one result hash, the run record's residency reported as the difference.
+    assert b.trajectory.spec.sha256 == a.trajectory.spec.sha256
     path = b.trajectory.seal(tmp_path / "streamed")
-    assert session.verify(path).ok and streaming.streamer_of(session.transformer()) is None
-    assert streamed_session.verify(a.trajectory.seal(tmp_path / "resident")).ok
+    report = session.verify(path)
+    assert report.ok and report.record_differences == ["residency"] and "-> resident" in str(report)
+    assert streaming.streamer_of(session.transformer()) is None
+    report = streamed_session.verify(a.trajectory.seal(tmp_path / "resident"))
+    assert report.ok and report.record_differences == ["residency"]
 
 
 def test_switching_in_place(snapshot, assets):

@@ -113,6 +113,18 @@ def test_sealed_run_verifies_and_names_a_tampered_record(off_run, tmp_path):
         load(tmp_path / "run")
 
 
+@pytest.mark.parametrize("key", ["final", "optimizer"])
+def test_verify_refuses_stored_tensors_that_are_not_the_sealed_ones(off_run, tmp_path, key):
+    """Issue 26, item 4 (the artifact base): a stored final weight or optimiser tensor that is not what the last
+    epoch record sealed is refused before anything re-runs, naming it."""
+    model, run = off_run
+    loaded = load(run.seal(tmp_path / "run"))
+    name = next(k for k in loaded.weights if k.startswith(key + "."))
+    loaded.weights[name] = loaded.weights[name] + 1e-3
+    with pytest.raises(TrainingError, match="stored tensor 'final." if key == "final" else "optimizer.. tensors"):
+        verify(loaded, model)
+
+
 def test_config_refusals():
     for kw, msg in ((dict(kind="sde"), "GrpoConfig.kind='sde'"), (dict(group=1), "group=1"),
                     (dict(clip_range=0.0), "clip_range=0.0"), (dict(beta=-1.0), "beta=-1.0"),
