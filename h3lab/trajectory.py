@@ -590,6 +590,28 @@ def _replay_spec(spec: RunSpec, execution: Mapping[str, Any] | None) -> RunSpec:
     return moved
 
 
+def _verify_spec(traj: Trajectory, mode: str | None, device: Any, execution: Mapping[str, Any] | None):
+    """The spec `verify` replays (in `execution`'s run record, `mode`, on `device`) and the note saying so."""
+    spec = traj.spec
+    if not spec.sealable:
+        raise TrajectoryError(
+            f"trajectory {traj.digest[:16]} was recorded with custom callables {spec.custom.describe()}: its "
+            "manifest names them but cannot re-create them, so it cannot be verified as it ran (attach the same "
+            "callables and compare with h3lab.drift instead)"
+        )
+    try:
+        spec = _replay_spec(spec, execution)
+    except H3Error as exc:
+        raise TrajectoryError(f"verify execution={dict(execution or {})!r}: {exc}") from None
+    note = ""
+    if mode is not None and mode != spec.mode:
+        note = f"replayed in mode {mode}, recorded in {spec.mode}"
+        spec = spec.replace(mode=mode)
+    if device is not None:
+        spec = spec.to(device)
+    return spec, note
+
+
 def verify(
     path: str | os.PathLike | Trajectory,
     model: Any,
@@ -608,23 +630,7 @@ def verify(
     and names the fields that differ. A spec with custom callables raises `TrajectoryError` instead of replaying
     something else."""
     traj = path if isinstance(path, Trajectory) else load(path)
-    spec = traj.spec
-    if not spec.sealable:
-        raise TrajectoryError(
-            f"trajectory {traj.digest[:16]} was recorded with custom callables {spec.custom.describe()}: its "
-            "manifest names them but cannot re-create them, so it cannot be verified as it ran (attach the same "
-            "callables and compare with h3lab.drift instead)"
-        )
-    try:
-        spec = _replay_spec(spec, execution)
-    except H3Error as exc:
-        raise TrajectoryError(f"verify execution={dict(execution or {})!r}: {exc}") from None
-    note = ""
-    if mode is not None and mode != spec.mode:
-        note = f"replayed in mode {mode}, recorded in {spec.mode}"
-        spec = spec.replace(mode=mode)
-    if device is not None:
-        spec = spec.to(device)
+    spec, note = _verify_spec(traj, mode, device, execution)
     expected = traj.steps
     replay: list[dict] = []
     first: dict[str, Any] = {}
