@@ -321,7 +321,7 @@ class Placement:
             "coords": dict(self.mesh.coords),
         }
         records: list = [None] * self.world
-        dist.all_gather_object(records, record)
+        dist.all_gather_object(records, record, group=self.mesh.replica_group)  # data-parallel replicas differ
         verdict, error = _verdict(records, self.topology, frame)
         if verdict:
             raise error(verdict)
@@ -449,7 +449,7 @@ class Placement:
             return replaced
         flag = torch.tensor([int(replaced)], dtype=torch.int32, device="cpu" if self.mesh.staged else self.mesh.device)
         flags = [torch.empty_like(flag) for _ in range(self.world)]
-        dist.all_gather(flags, flag)
+        dist.all_gather(flags, flag, group=self.mesh.replica_group)
         got = [int(f.item()) for f in flags]
         if len(set(got)) > 1:
             did = [r for r, f in enumerate(got) if f]

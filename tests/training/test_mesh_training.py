@@ -3,7 +3,8 @@ under the interpreter.
 
 - A LoRA step (every attention and FFN projection, in the block and the token refiner) on a 4-head config the other
   tests do not use, over a 15-row layout (CP2 shards 8 + 7): the loss and every LoRA gradient on both ranks are
-  byte-equal to the one-process strict step.
+  byte-equal to the one-process strict step; and DP2 x CP2 (4 ranks, one request per replica, the data-parallel
+  tree over the DP group): the batch loss, the batch gradient and every request's digest equal one process's.
 - The weight-gradient rule at tensor level: the gathered-rows form equals the one-process kernel's dW / dB / dX; the
   rank-partials form (each rank's own rows, summed in rank order) does not -- the test that can fail.
 - Refusals: a trainable parameter whose gradient reduces over the split rows outside a block projection, and
@@ -75,6 +76,29 @@ def test_cp2_lora_step_equals_one_process(one):
         assert "gather_rows: blocks.0.q.lora_a (weight gradient)" in backward
 
 
+def _dp_cp_step(rank: int, world: int) -> dict:
+    from h3lab.distributed import init_mesh, parallelize
+    from h3lab.training import data_parallel_gradients
+
+    model = lora_model(config=CONFIG)
+    mesh = init_mesh(cp=2, dp=2, config=CONFIG)
+    parallelize(model, mesh)
+    result = data_parallel_gradients(model, [_request(s) for s in SEEDS], OBJECTIVE, group=mesh.dp_group,
+                                     mode="strict")
+    return {"gradient": result.gradient, "loss": result.loss, "digests": "|".join(result.request_digests),
+            "groups": f"{mesh.group_ranks('cp')} dp {mesh.dp_rank}"}
+
+
+def test_dp2_x_cp2_lora_step_equals_one_process(one):
+    ranks = spawn(_dp_cp_step, 4, timeout=1200)
+    _, batch = one
+    for r, out in enumerate(ranks):
+        assert out["groups"] == f"{[0, 1] if r < 2 else [2, 3]} dp {r // 2}"
+        assert out["digests"] == "|".join(batch.request_digests), f"rank {r}: a request's gradient differs"
+        assert torch.equal(out["loss"], batch.loss), f"rank {r}: batch loss differs from one process"
+        assert torch.equal(out["gradient"], batch.gradient), f"rank {r}: batch gradient differs from one process"
+
+
 # --------------------------------------------------------------------------------------- tensor-level rule
 ROWS, K, N = 203, 40, 16  # 203 rows: CP2 shards 102 + 101, several 32-row dW tiles on each side
 
@@ -136,3 +160,12 @@ def test_weight_gradient_gathers_rows_and_rank_partials_differ():
         assert "gradient checkpointing recomputes blocks outside the sharded forward" in out["checkpointing"]
         for case in ("norm", "checkpointing"):
             assert out[case] == ranks[0][case] and "\n" not in out[case]
+
+
+def test_data_parallel_degree_is_checked_with_one_line():
+    from h3lab.distributed import TopologyError, init_mesh
+
+    for dp, said in ((2, "world size 1 != dp * tp * cp = 2 * 1 * 1 = 2"), (0, "dp=0: must be a positive integer")):
+        with pytest.raises(TopologyError) as exc:
+            init_mesh(cp=1, dp=dp)
+        assert str(exc.value) == said
