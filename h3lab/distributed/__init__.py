@@ -5,7 +5,7 @@ rows. Three things make that true here, and each file holds one:
 
 - `mesh.py`         `init_mesh(tp, cp, sp, device, config)` -> `Mesh` over a (cp, tp) `DeviceMesh` (NCCL on CUDA,
                     gloo on CPU; no process group at world size 1); topology rules that fail closed, identically on
-                    every rank, with one-line `TopologyError`s.
+                    every rank, with one-line `TopologyError`s; `dp=` data-parallel replicas of it (training).
 - `shards.py`       who owns what: contiguous uneven row shards (`RowShards`, no padding rows), grouped channel
                     splits that keep the `[value; gate]` and 6 x 3 AdaLN layouts, the row-parallel strategy per TP
                     degree (`tree_strategy`: "k_chunks" for 1/2/4/8, "n_split" otherwise).
