@@ -256,6 +256,9 @@ def mesh_for(args: argparse.Namespace, job):
     if topology.tp > 1:
         raise TrainArgError(f"--tp {topology.tp}: training on a mesh is defined for context parallelism only "
                             "(--cp C, --tp 1): TP's backward is not implemented")
+    if args.gradient_checkpointing:
+        raise TrainArgError(f"--gradient-checkpointing with --cp {topology.cp}: it recomputes blocks outside the "
+                            "sharded forward; train on a mesh without it (it is byte-neutral)")
     from .training.adapters import snapshot_config
 
     check_config(topology, snapshot_config(Path(job.snapshot), job.variant))

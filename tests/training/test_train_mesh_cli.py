@@ -37,6 +37,7 @@ def _argv(clips, out, *extra) -> list[str]:
 @pytest.mark.parametrize("extra, said", [
     (("--tp", "2"), "--tp 2: training on a mesh is defined for context parallelism only (--cp C, --tp 1)"),
     (("--cp", "0"), "cp=0: must be a positive integer"),
+    (("--cp", "2", "--gradient-checkpointing"), "--gradient-checkpointing with --cp 2: it recomputes blocks"),
     (("--cp", "3"), "cp=3: must divide the 2 heads of one tp rank"),
     (("--cp", "2"), "--tp 1 --cp 2 needs 2 rank(s), this launch has 1: run torchrun --nproc-per-node 2"),
 ])
