@@ -46,9 +46,10 @@ What it costs (per backward; S packed rows, cp ranks; a projection x (S, K) -> (
 - communication per trainable projection: each rank receives (cp - 1) / cp * S * (K + N) elements of X and dY in
   the factor's dtype (LoRA: float32), e.g. a rank-16 LoRA on to_q at full width (K 5376, N 7168 of the factor pair:
   A's X (S, 5376) and dY (S, 16), B's X (S, 16) and dY (S, 7168): 50.3 KB per row in all) at CP2: 25.2 KB per
-  row, 2.7 GB at 109,205 rows on each rank for that projection; the block-0 cut (cp - 1) / cp * S * hidden * 2 B once; Ulysses' backward moves
-  what its forward moves (dO in, dQ/dK/dV out).
-- memory: the gathered X and dY of one factor at a time (transient; at 109,205 rows A's X 2.3 GB, B's dY 3.1 GB), on top of the per-rank activations (S / cp rows, attention all S rows of H / cp heads).
+  row, 2.7 GB at 109,205 rows on each rank for that projection; the block-0 cut (cp - 1) / cp * S * hidden * 2 B
+  once; Ulysses' backward moves what its forward moves (dO in, dQ/dK/dV out).
+- memory: the gathered X and dY of one factor at a time (transient; at 109,205 rows A's X 2.3 GB, B's dY 3.1 GB),
+  on top of the per-rank activations (S / cp rows, attention all S rows of H / cp heads).
 - compute: dX is split over ranks; each trainable dW is computed on every rank over all rows (for LoRA factors,
   S * K * r multiply-adds: small beside the frozen projections' dX). Refinements left open: gather X in its bf16
   (the LoRA input is an exact bf16 -> float32 cast) to halve its bytes, and compute layer l's dW on rank l mod cp
