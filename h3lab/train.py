@@ -4,12 +4,20 @@ update over sealed rollouts, with a progress bar, periodic atomic checkpoints an
     h3lab train --clips data/ --out runs/fox --rank 16 --steps 200 --batch-size 2 --lr 1e-4
     h3lab train --rollout traj/a 0.8 --rollout traj/b -0.8 --out runs/rl --steps 4 --mode strict
     h3lab train ... --resume                # continue the newest checkpoint of --out (same arguments)
+    torchrun --nproc-per-node 2 -m h3lab train --clips data/ --out runs/fox --cp 2 --device cpu   # a CP2 mesh
     h3lab train grpo --prompts prompts.txt --group 4 --reward brightness --out runs/grpo --iterations 10
     h3lab train grpo ... --reward mypkg.rewards:score --beta 0.04 --inner-epochs 2 --passes fraction:0.6
 
 A front end: it parses, checks and prints; the job is `h3lab.training.job` (`TrainJob.check`, `run_job`). Every bad
 argument, path or data file fails before any model loads with one line on stderr and exit status 2; Ctrl-C stops
 after the running step (exit 130), keeping the newest checkpoint. Output: see `h3lab.training.job`.
+
+On a mesh (`--cp C`, `--tp T`, under torchrun; `mesh_for`): every rank checks the job, builds the mesh
+(`h3lab.distributed.init_mesh`; strict only), loads the model on its device, adds the LoRA and parallelizes it, and
+trains the same steps (`h3lab.distributed.autograd`: the loss, every gradient and the weights are byte-equal to one
+process, so the sealed run's digest and the adapter are the one-process run's); rank 0 alone writes the job folder and
+prints. Training is defined on CP meshes (tp 1, no SP): `--tp` > 1 is refused with one line, like every bad value
+(exit 2 on every rank). A rank failing mid-run leaves its peers to the process group's timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from .errors import H3Error, user_message
@@ -60,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audio-weight", type=float, default=1.0)
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree, under torchrun")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (training: 1 only)")
     return p
 
 
@@ -238,19 +249,66 @@ def _guarded(prog: str, work: Callable[[], dict], interrupted: str = "interrupte
         return 2, None
 
 
+def mesh_for(args: argparse.Namespace, job):
+    """The training mesh the flags (or torchrun's WORLD_SIZE) ask for, built on every rank; None for one process.
+    Every value is checked before the process group starts: degrees, tp 1, strict mode, the snapshot's heads."""
+    from types import SimpleNamespace
+
+    from .distributed.frontend import mesh_request
+    from .distributed.mesh import check_config, check_degrees
+
+    if args.tp is None and args.cp is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    topology = check_degrees(1 if args.tp is None else args.tp, 1 if args.cp is None else args.cp, False)
+    if topology.tp > 1:
+        raise TrainArgError(f"--tp {topology.tp}: training on a mesh is defined for context parallelism only "
+                            "(--cp C, --tp 1): TP's backward is not implemented")
+    if args.gradient_checkpointing:
+        raise TrainArgError(f"--gradient-checkpointing with --cp {topology.cp}: it recomputes blocks outside the "
+                            "sharded forward; train on a mesh without it (it is byte-neutral)")
+    from .training.adapters import snapshot_config
+
+    check_config(topology, snapshot_config(Path(job.snapshot), job.variant))
+    request = SimpleNamespace(tp=topology.tp, cp=topology.cp, sp=False, row_parallel=None, share_device=False,
+                              device=args.device, mode=None if args.mode == "strict" else args.mode)
+    return mesh_request(request)
+
+
+def _placer(mesh):
+    """`run_job`'s `place`: parallelize the adapted model on `mesh`; the mesh record the manifest keeps."""
+    def place(model) -> dict:
+        from .distributed import parallelize
+
+        parallelize(model, mesh)
+        return mesh.to_dict()
+
+    return place
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grpo"]:
         return grpo_main(argv[1:])
+    lead = [True]
+
     def work() -> dict:
         args = build_parser().parse_args(argv)
         job = job_from_args(args)
+        mesh = mesh_for(args, job)
         from .training.job import load_model, run_job
 
-        return run_job(job, load_model(job), resume=args.resume, progress=Progress())
+        if mesh is None:
+            return run_job(job, load_model(job), resume=args.resume, progress=Progress())
+        from .distributed.frontend import close_mesh
+
+        lead[0] = mesh.rank == 0
+        summary = run_job(job, load_model(job, mesh.device), resume=args.resume,
+                          progress=Progress() if lead[0] else None, place=_placer(mesh), lead=lead[0])
+        close_mesh()
+        return summary
 
     code, summary = _guarded("h3lab train", work)
-    if code:
+    if code or not lead[0]:
         return code
     print(f"trained {summary['steps']} steps, last loss {summary['loss']:.6g}; run digest {summary['digest']}")
     print(f"adapter {summary['adapter_sha256']} in {summary['adapter']}")

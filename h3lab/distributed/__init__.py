@@ -5,7 +5,7 @@ rows. Three things make that true here, and each file holds one:
 
 - `mesh.py`         `init_mesh(tp, cp, sp, device, config)` -> `Mesh` over a (cp, tp) `DeviceMesh` (NCCL on CUDA,
                     gloo on CPU; no process group at world size 1); topology rules that fail closed, identically on
-                    every rank, with one-line `TopologyError`s.
+                    every rank, with one-line `TopologyError`s; `dp=` data-parallel replicas of it (training).
 - `shards.py`       who owns what: contiguous uneven row shards (`RowShards`, no padding rows), grouped channel
                     splits that keep the `[value; gate]` and 6 x 3 AdaLN layouts, the row-parallel strategy per TP
                     degree (`tree_strategy`: "k_chunks" for 1/2/4/8, "n_split" otherwise).
@@ -25,9 +25,12 @@ rows. Three things make that true here, and each file holds one:
 - `launch.py`       `spawn(fn, n, *args)`: n local gloo CPU processes (the ablation rows, the tests).
 - `shard_load.py`   ranks that hold only their TP shard: slices read from the safetensors files (`get_slice`), or a
                     counter-random init whose rank slice equals the full tensor's.
+- `autograd.py`     the backward of the strict collectives (gather/slice, inverse all_to_all, never a reduce-scatter
+                    sum) and weight gradients over the rows gathered in packed order: training on a CP mesh,
+                    byte-equal to one process.
 
-The model never imports this package; a plan is applied to a built model from outside. Forward only: a sharded
-forward runs under no_grad, in mode strict on more than one rank. `init_mesh(share_device=True)` puts every rank on
+The model never imports this package; a plan is applied to a built model from outside. A sharded forward runs in
+mode strict on more than one rank; with grad only on CP meshes (tp 1, no SP: `autograd.py`), else under no_grad. `init_mesh(share_device=True)` puts every rank on
 one GPU over gloo (host-staged collectives) to prove a topology's bytes there; its timings are bytes only.
 """
 

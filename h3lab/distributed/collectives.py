@@ -53,9 +53,8 @@ Shared-device ranks (`init_mesh(share_device=True)`, gloo serving CUDA tensors):
 send buffer to the host, runs the gloo call on host tensors and copies the result back (`Mesh.staged`); bytes are
 moved, never changed, and the record's `transport` says "gloo (host-staged cuda)". Timed on the host clock.
 
-Forward only: the collectives refuse inputs that require grad while grad is enabled (the backward of TP/CP needs its
-own declared reduction trees — weight gradients over row shards, input gradients over output shards — that are not
-defined yet). Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
+Forward only: the collectives refuse inputs that require grad while grad is enabled. Their declared backward lives in
+`autograd.py` (torch.autograd.Functions calling these functions: CP training); TP's backward is not defined. Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
 """
 
 from __future__ import annotations

@@ -22,6 +22,12 @@ Topology rules (strict fails closed; every message is one line naming the value 
   `share_device`), and the process group's backend serves that device type;
 - every rank asks for the same topology (and the same `share_device`).
 
+Data-parallel replicas (`dp` > 1, training: `training.data_parallel_gradients(..., group=mesh.dp_group)`): the world
+is dp replicas of the (cp, tp) mesh, DeviceMesh (dp, cp, tp), global rank = dp_index * tp * cp + the replica rank.
+Everything above applies per replica (`group_ranks` and the collectives stay inside it; `replica_group` is the
+process group of this rank's replica, which a placement's per-forward agreement uses: replicas run other requests);
+`dp_group` joins the ranks of equal (cp, tp) coordinates. dp 1 is the mesh above, unchanged.
+
 Shared-device ranks (`share_device=True`, a verification mode for bytes, not speed): every rank may sit on one CUDA
 device (device None -> cuda:0 on every rank), the process group is gloo, and the collectives stage CUDA tensors
 through host memory (`Mesh.staged`: a copy to the host, the gloo call, a copy back -- bytes are moved, never
@@ -117,14 +123,22 @@ class Mesh:
     """One rank's view of the (cp, tp) mesh. Build with `init_mesh`."""
 
     def __init__(self, topology: Topology, rank: int, device: torch.device, device_mesh=None, backend: str = "",
-                 share_device: bool = False):
+                 share_device: bool = False, dp: int = 1, replica_group=None):
         self.topology = topology
         self.rank = rank
         self.device = device
         self.device_mesh = device_mesh
         self.backend = backend
         self.share_device = share_device
-        self.coords = {"cp": rank // topology.tp, "tp": rank % topology.tp}
+        self.dp = dp
+        self.dp_rank, local = divmod(rank, topology.world_size)
+        self.replica_group = replica_group  # None: the default group (dp 1)
+        self.coords = {"cp": local // topology.tp, "tp": local % topology.tp}
+
+    @property
+    def dp_group(self):
+        """The process group of the data-parallel ranks with this rank's (cp, tp) coordinates (None at dp 1)."""
+        return None if self.dp == 1 else self.device_mesh.get_group("dp")
 
     @property
     def staged(self) -> bool:
@@ -163,9 +177,10 @@ class Mesh:
         """Global ranks of this rank's group along `dim`, in group-rank order."""
         self._check_dim(dim)
         tp, cp = self.topology.tp, self.topology.cp
+        base = self.dp_rank * tp * cp
         if dim == "tp":
-            return [self.coords["cp"] * tp + j for j in range(tp)]
-        return [i * tp + self.coords["tp"] for i in range(cp)]
+            return [base + self.coords["cp"] * tp + j for j in range(tp)]
+        return [base + i * tp + self.coords["tp"] for i in range(cp)]
 
     def row_shards(self, seq_len: int) -> RowShards:
         """The packed rows' partition over the CP group (refuses cp > seq_len)."""
@@ -181,11 +196,14 @@ class Mesh:
         check_config(self.topology, config)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "topology": self.topology.to_dict(), "rank": self.rank, "coords": dict(self.coords),
             "device": str(self.device), "backend": self.backend or "none (world size 1, no process group)",
             "transport": self.transport, "share_device": self.share_device, "timings": self.timing_label,
         }
+        if self.dp > 1:
+            out["data_parallel"] = {"dp": self.dp, "dp_rank": self.dp_rank}
+        return out
 
     def __repr__(self) -> str:
         c = self.coords
@@ -199,20 +217,23 @@ class Mesh:
 
 # --------------------------------------------------------------------------------------------------- building
 def init_mesh(tp: int = 1, cp: int = 1, sp: bool = False, device=None, config=None,
-              row_parallel: str = "auto", share_device: bool = False) -> Mesh:
+              row_parallel: str = "auto", share_device: bool = False, dp: int = 1) -> Mesh:
     """Build this rank's `Mesh` (see the module docstring for the rules). `device`: None picks cuda:LOCAL_RANK when
     CUDA is available (cuda:0 with `share_device`), else cpu. `config`: an `H3Config` to check the degrees against
     (`parallelize` checks too). `row_parallel`: the row-parallel strategy ("auto", "k_chunks", "n_split"; see
-    `shards.tree_strategy`). `share_device`: shared-device ranks over gloo, host-staged (module docstring)."""
+    `shards.tree_strategy`). `share_device`: shared-device ranks over gloo, host-staged (module docstring). `dp`:
+    data-parallel replicas of the (cp, tp) mesh (module docstring)."""
     problem = _topology_problem(tp, cp, sp, row_parallel, config)
     if not problem and not isinstance(share_device, bool):
         problem = f"share_device={share_device!r}: must be True or False"
+    if not problem and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
+        problem = f"dp={dp!r}: must be a positive integer"
     topology = Topology(tp, cp, sp, row_parallel) if not problem else None
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         if problem:
             raise TopologyError(problem)
         device, device_problem = _resolve_device(device, 0, share_device)
-        problem = _world_problem(topology, 1) or device_problem
+        problem = _world_problem(topology, 1, dp) or device_problem
         if problem:
             raise TopologyError(problem)
         return Mesh(topology, 0, device, share_device=share_device)
@@ -228,17 +249,27 @@ def init_mesh(tp: int = 1, cp: int = 1, sp: bool = False, device=None, config=No
         torch.cuda.set_device(device)
     world = dist.get_world_size()
     asked = {"tp": tp, "cp": cp, "sp": sp, "row_parallel": row_parallel, "share_device": share_device}
+    if dp != 1:
+        asked["dp"] = dp
     report = {"asked": asked, "device": str(device), "problem": problem, "device_problem": device_problem}
     reports: list = [None] * world
     dist.all_gather_object(reports, report)
-    problem = _decide(reports, topology, world, dist.get_backend())
+    problem = _decide(reports, topology, world, dist.get_backend(), dp if isinstance(dp, int) else 1)
     if problem:
         raise TopologyError(problem)
     from torch.distributed.device_mesh import init_device_mesh
 
     # DeviceMesh's device type names where its groups' collectives run; host-staged ranks move CPU tensors
-    device_mesh = init_device_mesh("cpu" if share_device else device.type, (cp, tp), mesh_dim_names=DIMS)
-    mesh = Mesh(topology, rank, device, device_mesh, dist.get_backend(), share_device=share_device)
+    mesh_type = "cpu" if share_device else device.type
+    if dp == 1:
+        device_mesh, replica = init_device_mesh(mesh_type, (cp, tp), mesh_dim_names=DIMS), None
+    else:
+        device_mesh = init_device_mesh(mesh_type, (dp, cp, tp), mesh_dim_names=("dp", *DIMS))
+        width = tp * cp
+        replicas = [dist.new_group(list(range(d * width, (d + 1) * width))) for d in range(dp)]  # every rank, in order
+        replica = replicas[rank // width]
+    mesh = Mesh(topology, rank, device, device_mesh, dist.get_backend(), share_device=share_device, dp=dp,
+                replica_group=replica)
     for dim in DIMS:  # the arithmetic layout above is DeviceMesh's row-major one; check it once
         ranks = dist.get_process_group_ranks(mesh.group(dim))
         if ranks != mesh.group_ranks(dim):
@@ -256,9 +287,12 @@ def _topology_problem(tp, cp, sp, row_parallel, config) -> str:
     return ""
 
 
-def _world_problem(topology: Topology, world: int) -> str:
-    if world != topology.world_size:
+def _world_problem(topology: Topology, world: int, dp: int = 1) -> str:
+    if dp == 1 and world != topology.world_size:
         return f"world size {world} != tp * cp = {topology.tp} * {topology.cp} = {topology.world_size}"
+    if world != dp * topology.world_size:
+        return (f"world size {world} != dp * tp * cp = {dp} * {topology.tp} * {topology.cp} = "
+                f"{dp * topology.world_size}")
     return ""
 
 
@@ -292,7 +326,7 @@ def _resolve_device(device, rank: int, share_device: bool = False) -> tuple[torc
     return device, ""
 
 
-def _decide(reports: list[dict], topology: Topology | None, world: int, backend: str) -> str:
+def _decide(reports: list[dict], topology: Topology | None, world: int, backend: str, dp: int = 1) -> str:
     """The one verdict every rank reaches from the same gathered reports ("" = accepted)."""
     asked = [r["asked"] for r in reports]
     if any(a != asked[0] for a in asked):
@@ -302,7 +336,7 @@ def _decide(reports: list[dict], topology: Topology | None, world: int, backend:
         return f"ranks disagree on the topology: {names}"
     if reports[0]["problem"]:
         return reports[0]["problem"]
-    problem = _world_problem(topology, world)
+    problem = _world_problem(topology, world, dp)
     if problem:
         return problem
     devices = [r["device"] for r in reports]

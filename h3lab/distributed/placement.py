@@ -32,7 +32,9 @@ What `parallelize` does (in place, once per model):
   algorithm, fallback state: strict collectives never fall back).
 
 Strict rules: a forward on more than one rank runs in mode strict only (the row-parallel layers exist only as the
-declared tree; there is no production multi-rank path) and is forward-only (no grad). A rank whose rows are not
+declared tree; there is no production multi-rank path). With grad it runs on CP meshes only (tp 1, no SP; `autograd.py`:
+the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block projections with
+a trainable weight compute it over the gathered rows); TP / SP forwards are forward-only. A rank whose rows are not
 the plan's (`OwnershipError`) makes the run non-comparable: every rank refuses it before computing.
 
 Hooks: a hook registered on the model sees, at every point it selects, the tensor one process has there (the view
@@ -63,6 +65,7 @@ from h3kernels import gemm
 from .. import runtime
 from ..hashing import model_fingerprint, tensor_digest
 from ..model.hooks import HookPoint, use_view
+from . import autograd as mesh_autograd
 from .collectives import (
     CollectiveLog,
     begin_log,
@@ -276,8 +279,7 @@ class Placement:
                        "strict only (the row-parallel layers reduce by the declared 8-chunk tree; there is no "
                        "production multi-rank path)")
         elif self.world > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
-            problem = (f"topology {self.topology.name}: a sharded forward is forward-only; run it under "
-                       "torch.no_grad() or freeze the parameters (training under TP/CP is not defined yet)")
+            problem = mesh_autograd.training_problem(self)  # CP training (autograd.py); TP / SP stay forward-only
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] < 1:
             return None, problem or f"position_ids must be an (S, 3) tensor, got {type(position_ids).__name__}"
         try:
@@ -319,7 +321,7 @@ class Placement:
             "coords": dict(self.mesh.coords),
         }
         records: list = [None] * self.world
-        dist.all_gather_object(records, record)
+        dist.all_gather_object(records, record, group=self.mesh.replica_group)  # data-parallel replicas differ
         verdict, error = _verdict(records, self.topology, frame)
         if verdict:
             raise error(verdict)
@@ -332,6 +334,10 @@ class Placement:
             return None
         if name == "linear_tree" and self.tp > 1:
             return lambda x, weight, bias=None: self._row_parallel(ops, point, frame, x, weight, bias)
+        if (name in ("linear", "linear_tree") and self.cp > 1 and torch.is_grad_enabled()
+                and point.startswith("blocks.") and ".adaln_table" not in point):
+            return lambda x, weight, bias=None: mesh_autograd.linear(name, ops, point, x, weight, bias, self.mesh,
+                                                                     frame.cp_rows)
         if name == "attention" and self.cp > 1 and point.startswith("blocks."):
             return lambda q, k, v, key_order=None: self._attention(ops, point, frame, q, k, v, key_order)
         return None
@@ -361,6 +367,8 @@ class Placement:
         def inner(qh, kh, vh, order):
             return ops.dispatch("attention", point, (qh, kh, vh, order))
 
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return mesh_autograd.ulysses_attention(q, k, v, key_order, self.mesh, frame.cp_rows, inner, point=point)
         return ulysses_attention(q, k, v, key_order, self.mesh, frame.cp_rows, attention=inner, point=point)
 
     def _ring_attention(self, ops, point, frame: Frame, q, k, v, key_order):
@@ -441,7 +449,7 @@ class Placement:
             return replaced
         flag = torch.tensor([int(replaced)], dtype=torch.int32, device="cpu" if self.mesh.staged else self.mesh.device)
         flags = [torch.empty_like(flag) for _ in range(self.world)]
-        dist.all_gather(flags, flag)
+        dist.all_gather(flags, flag, group=self.mesh.replica_group)
         got = [int(f.item()) for f in flags]
         if len(set(got)) > 1:
             did = [r for r, f in enumerate(got) if f]
@@ -490,8 +498,11 @@ class Placement:
         """Block 0's cut of the packed rows (logged as the co-sharding of the rows and their AdaLN indices)."""
         if self.faults.to_dict():
             return self._cut(x, "sp", 1, metadata=False).contiguous()
-        shards = scatter_rows({"hidden_states": x, "adaln_indices": indices}, self.mesh, frame.cp_rows,
-                              point="transformer_blocks.0")
+        grad = torch.is_grad_enabled() and x.requires_grad
+        shards = scatter_rows({"hidden_states": x.detach() if grad else x, "adaln_indices": indices}, self.mesh,
+                              frame.cp_rows, point="transformer_blocks.0")
+        if grad:  # training (CP only): the cut's backward all-gathers the rows' gradients (autograd.py)
+            return mesh_autograd.scatter_rows(x, self.mesh, frame.cp_rows, frame.cp_part, "transformer_blocks.0")
         if frame.sp_rows is not None:
             shards = scatter_rows(shards, self.mesh, frame.sp_rows, point="transformer_blocks.0")
         return shards["hidden_states"].contiguous()  # a row slice of a batch > 1 is strided; kernels want rows
@@ -527,7 +538,7 @@ class Placement:
             if frame.sp_rows is not None:
                 output = gather_rows(output, self.mesh, frame.sp_rows, dim=1, point=path)
             if self.cp > 1:
-                output = gather_rows(output, self.mesh, frame.cp_rows, dim=1, point=path)
+                output = mesh_autograd.gather_rows_grad(output, self.mesh, frame.cp_rows, frame.cp_part, point=path)
             return output
 
         return hook

@@ -246,22 +246,28 @@ def _differences(recorded: Any, now: Any, prefix: str = "") -> list[tuple[str, A
     return [] if recorded == now else [(prefix.rstrip("."), now, recorded)]
 
 
-def load_model(job: TrainJob):
-    """The job's base transformer, loaded from its snapshot onto its device."""
+def load_model(job: TrainJob, device=None):
+    """The job's base transformer, loaded from its snapshot onto its device (`device`: a mesh rank's, instead)."""
     from ..model import H3Transformer
     from ..devices import resolve_device
 
-    model = H3Transformer.from_pretrained(job.snapshot, subfolder=job.variant, device=resolve_device(job.device))
+    device = resolve_device(job.device) if device is None else device
+    model = H3Transformer.from_pretrained(job.snapshot, subfolder=job.variant, device=device)
     return model
 
 
 def run_job(job: TrainJob, model, *, resume: bool = False,
-            progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[int, int, dict], None] | None = None,
+            place: Callable[[Any], dict] | None = None, lead: bool = True) -> dict[str, Any]:
     """Train `job` (checked) on `model` (its base transformer) and write its folder (module docstring); returns a
     summary {steps, loss, adapter, adapter_sha256, run, digest}. A write that fails without naming its file (a full
-    disk inside an atomic write) is reported naming the job folder."""
+    disk inside an atomic write) is reported naming the job folder.
+    On a mesh (`h3lab train --cp C` under torchrun) every rank calls this with the same job: `place(model)` puts the
+    adapted model on the mesh and returns the record the run's manifest keeps under `meta.mesh` (beside the digest,
+    never in it); only the `lead` rank (rank 0) writes the folder and reports progress, the others train alike and
+    write nothing (they read a checkpoint to resume, which rank 0 replaces only after every rank has started)."""
     try:
-        return _run_job(job, model, resume, progress)
+        return _run_job(job, model, resume, progress, place, lead)
     except OSError as exc:
         if exc.filename is not None:
             raise
@@ -269,9 +275,10 @@ def run_job(job: TrainJob, model, *, resume: bool = False,
                             "continue with the same command and --resume") from None
 
 
-def _run_job(job: TrainJob, model, resume: bool, progress) -> dict[str, Any]:
+def _run_job(job: TrainJob, model, resume: bool, progress, place, lead: bool) -> dict[str, Any]:
     out = Path(job.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
     if resume:
         try:
             recorded = json.loads((out / JOB).read_text(encoding="utf-8"))
@@ -283,33 +290,41 @@ def _run_job(job: TrainJob, model, resume: bool, progress) -> dict[str, Any]:
             listed = "; ".join(f"{key} {mine!r} vs {theirs!r}" for key, mine, theirs in diffs[:4])
             raise TrainingError(f"--resume: this command differs from the job in {str(out / JOB)!r} ({listed}; this "
                                 "command's value first); resume with the same arguments")
-    else:
+    elif lead:
         atomic_write_json(out / JOB, job.to_dict())
     handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
     try:
+        meta = {"job": job.to_dict()}
+        if place is not None:
+            meta["mesh"] = place(model)
         state = None
         last = latest_checkpoint(out) if resume else None
         if last is not None:
             state = read_checkpoint(last, model)
-        else:  # a new job, or one interrupted before its first checkpoint: (re)start from step 0
+        elif lead:  # a new job, or one interrupted before its first checkpoint: (re)start from step 0
             save_adapter(model, out / "initial")
-        initial_sha = read_adapter(out / "initial").sha256
+        initial_sha = read_adapter(out / "initial").sha256 if lead else ""
         records = list(state.records) if state is not None else []
 
         def on_step(k: int, record: dict, optimizer, trace) -> None:
             records.append(record)
+            if not lead:
+                return
             if (k + 1) % job.checkpoint_every == 0 or k + 1 == job.config.steps:  # the final step too
                 write_checkpoint(out, k, model, optimizer, records, trace, initial_sha)
             if progress is not None:
                 progress(k + 1, job.config.steps, record)
 
         try:
-            run = train(model, job.data, job.config, on_step=on_step, resume=state, meta={"job": job.to_dict()})
+            run = train(model, job.data, job.config, on_step=on_step, resume=state, meta=meta)
         except TrainingError as exc:
             if state is not None and str(exc).startswith("resume"):  # the checkpoint is not what it recorded
                 raise TrainingError(f"checkpoint {str(last)!r}: {exc}; remove that checkpoint folder to resume from "
                                     "the start") from None
             raise
+        if not lead:
+            return {"steps": len(run.steps), "loss": run.steps[-1]["loss"], "adapter": "",
+                    "adapter_sha256": run.manifest["adapter"]["final_sha256"], "run": "", "digest": run.digest}
         adapter_path, sha = save_adapter(model, out / "adapter")
         run_path = run.seal(out / "run")
         return {"steps": len(run.steps), "loss": run.steps[-1]["loss"], "adapter": str(adapter_path),
