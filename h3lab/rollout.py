@@ -25,6 +25,9 @@ batched=True, keep=("latents",), **overrides) -> Rollout`
 - `Rollout.requests[k]` (k = r) names its prompt, member, request id, request seed, the trajectory holding it and
   its batch `item` there, its final video latents (C, T, h, w) and audio rows (2A, C) float32 CPU, and with
   `decode=True` its frames (uint8 (T, H, W, 3)) and waveform. `Rollout.trajectories` are in run order.
+- Every spec records what ran: the base checkpoint's fingerprint and the adapter -- the session's, or the one injected
+  in the model (a GRPO job's current policy) by the sha256 of its content at that moment (`adapters_of`), so
+  `trajectory.verify` of a rollout re-runs it on the model carrying that adapter and refuses another one.
 """
 
 from __future__ import annotations
@@ -83,6 +86,17 @@ class Rollout:
         return [r for r in self.requests if r.prompt_index == prompt_index]
 
 
+def adapters_of(session, model) -> tuple:
+    """The adapter entries a rollout's spec records: the session's (`Session.load_lora`), else the adapter injected in
+    the model itself (a GRPO policy: `training.adapters.in_place_entry`, by content sha256), else none."""
+    from .training.adapters import in_place_entry
+
+    if session.adapters:
+        return tuple(session.adapters)
+    entry = in_place_entry(model)
+    return () if entry is None else (entry,)
+
+
 def _check(session, prompts, group, stepper, level, seed, window, overrides):
     from .stochastic import SDE_KINDS
     from .stochastic.steppers import check_params
@@ -133,6 +147,7 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
         schedule = DualSchedule.from_passes(s.steps, session.video_shift, session.audio_shift)
         variant = pipeline.variant_for(s.task)
         model = session.store.dit(variant, layers=s.layers)
+        adapters = adapters_of(session, model)  # what ran: hashed once per prompt (the policy is fixed in a rollout)
         patch = tuple(model.config.patch_size)
         layout = pipeline.build_layout(s, m, text, cond, patch)
         ids = [p * group + g for g in range(group)]
@@ -145,7 +160,7 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
                 text=torch.cat([drawn[g].text for g in members]), video=torch.cat([drawn[g].video for g in members]),
                 audio=torch.cat([drawn[g].audio for g in members]),
                 seeds={**first.seeds, "request": [seeds[g] for g in members], "rollout": int(seed)})
-            spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=session.adapters,
+            spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=adapters,
                                        execution=session.store.plan)
             spec = spec.replace(stepper=stepper, stepper_params={**params, "requests": [ids[g] for g in members]})
             recorder = T.TrajectoryRecorder(keep=keep, meta={"settings": pipeline.settings_meta(s), "rollout": {

@@ -210,7 +210,7 @@ class Session:
             return request.replace(**overrides) if overrides else request
         if request is not None:
             overrides["prompt"] = request
-        return GenerationSettings(**overrides)
+        return GenerationSettings().replace(**overrides)  # replace: schema-declared settings (extras) too
 
     def check_request(self, settings: GenerationSettings) -> GenerationSettings:
         """Check every input file of a request by decoding and normalising it (kinds, truncation, streams, reference

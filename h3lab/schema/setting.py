@@ -220,5 +220,5 @@ class Schema:
 
 
 # The modules that declare settings: a new room that declares one at import adds its module here.
-SETTINGS = Schema(modules=("h3lab.schema.builtin", "h3lab.presets"))
+SETTINGS = Schema(modules=("h3lab.schema.builtin", "h3lab.presets", "h3lab.stochastic.settings"))
 declare = SETTINGS.declare

@@ -16,6 +16,13 @@ Contract
   run (the checkpoint a trajectory records stays the base; the adapter is in the spec), claims "model:adapter"
   (a factor that swaps the transformer, H16, is refused with it) and, on exit, removes the adapter and restores the
   base modules and flags. The model is unchanged outside the run.
+- An adapter injected in the model itself (`add_lora`, a GRPO job's policy: `Session.rollout` on such a model) is
+  recorded as what ran by `in_place_entry(model)`: {"name": "in-place", "path": null (no file), "sha256": the PEFT
+  files it would save as (`lora.adapter_digest`), "scale": its layers' scaling / (alpha / r)}. `apply` of any entry on
+  a model that already carries an adapter checks that adapter instead of injecting one: its sha256 and scale must be
+  the recorded ones (else a one-line `AdapterError` naming both digests), and the run goes on with it as it is (base
+  fingerprint pinned). An in-place entry on a model without an adapter is refused (no file to inject: put the
+  adapter the run used back in the model, e.g. `add_lora` + `load_adapter_weights`, or `attached`).
 - Session side (`Session.load_lora` / `unload_lora`, `!lora PATH|off`, `--lora PATH`): the session holds the entry
   and puts it into every spec it builds; nothing is injected until a run starts. `describe(value)` is the words
   `!status`, the "ran" line and drift labels show for it.
@@ -38,9 +45,11 @@ from torch import nn
 
 from ..run import FieldProvider, register_field
 from .adapter_file import AdapterFile, check_shapes, read_adapter
-from .lora import ADAPTER, AdapterError, LoraHandle, inject, lora_layers, pinned_fingerprint, remove_lora
+from .lora import (ADAPTER, AdapterError, LoraHandle, adapter_digest, has_lora, inject, lora_layers, pinned_fingerprint,
+                   remove_lora)
 
 ENTRY_KEYS = ("name", "path", "scale", "sha256")
+IN_PLACE = "in-place"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -87,8 +96,8 @@ def validate(value: Any) -> list[dict[str, Any]]:
             raise AdapterError(f"adapter entry {got}: must have exactly the keys {', '.join(ENTRY_KEYS)}")
         if not isinstance(entry["sha256"], str) or not _HEX64.fullmatch(entry["sha256"]):
             raise AdapterError(f"adapter sha256={entry['sha256']!r}: must be 64 lowercase hex digits")
-        if not isinstance(entry["path"], str) or not Path(entry["path"]).is_absolute():
-            raise AdapterError(f"adapter path={entry['path']!r}: must be an absolute path")
+        if entry["path"] is not None and (not isinstance(entry["path"], str) or not Path(entry["path"]).is_absolute()):
+            raise AdapterError(f"adapter path={entry['path']!r}: must be an absolute path (null: injected in place)")
         if not isinstance(entry["name"], str) or not entry["name"].strip():
             raise AdapterError(f"adapter name={entry['name']!r}: must be a non-empty string")
         out.append({**entry, "scale": check_scale(entry["scale"])})
@@ -119,16 +128,57 @@ def attached(model: nn.Module, adapter: AdapterFile, scale: float = 1.0) -> Iter
 def apply(value: list, run: Any) -> Iterator[Any]:
     """The provider's `apply` (module docstring)."""
     (entry,) = value
-    adapter = read_adapter(entry["path"], expect_sha256=entry["sha256"])
     model = run.model
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None:
         raise AdapterError(f"adapter {entry['name']!r}: the run's model is a {type(model).__name__}, not an "
                            "H3Transformer")
+    if has_lora(model):  # the adapter is in the model already: it must be the recorded one
+        check_in_place(model, entry)
+        changed = run.claim(f"adapter {entry['name']}", "model:adapter", "model")
+        with pinned_fingerprint(model):
+            yield run.replace(changed=changed)
+        return
+    if entry["path"] is None:
+        raise AdapterError(f"adapter {entry['name']!r} (sha256 {entry['sha256'][:12]}): the run used an adapter "
+                           "injected in the model and recorded no file; run it on the model carrying that adapter")
+    adapter = read_adapter(entry["path"], expect_sha256=entry["sha256"])
     check_shapes(adapter, config)
     changed = run.claim(f"adapter {entry['name']}", "model:adapter", "model")
     with pinned_fingerprint(model), attached(model, adapter, entry["scale"]):
         yield run.replace(changed=changed)
+
+
+def _live_scale(model: nn.Module) -> float:
+    """The common `scale` of the injected adapter's layers: scaling / (alpha / r), or alpha / sqrt(r) with rsLoRA."""
+    config = model.peft_config[ADAPTER]
+    scales = set()
+    for _, layer in lora_layers(model):
+        r, alpha = layer.r[ADAPTER], layer.lora_alpha[ADAPTER]
+        scales.add(layer.scaling[ADAPTER] / (alpha / (math.sqrt(r) if config.use_rslora else r)))
+    if len(scales) != 1:
+        raise AdapterError(f"the model's injected adapter has layers at {len(scales)} different scales; h3lab "
+                           "records one scale per adapter")
+    return float(scales.pop())
+
+
+def in_place_entry(model: nn.Module) -> dict[str, Any] | None:
+    """The spec entry of the adapter injected in `model` (module docstring), or None when it carries none."""
+    if not has_lora(model):
+        return None
+    return {"name": IN_PLACE, "path": None, "scale": _live_scale(model), "sha256": adapter_digest(model)}
+
+
+def check_in_place(model: nn.Module, entry: dict[str, Any]) -> None:
+    """Refuse (one line) when the adapter injected in `model` is not `entry`'s: another sha256 or another scale."""
+    live = in_place_entry(model)
+    if live["sha256"] != entry["sha256"]:
+        raise AdapterError(f"adapter {entry['name']!r}: the model carries an injected adapter of sha256 "
+                           f"{live['sha256'][:12]}, the run recorded {entry['sha256'][:12]} (put the adapter the run "
+                           "used in the model)")
+    if live["scale"] != entry["scale"]:
+        raise AdapterError(f"adapter {entry['name']!r}: the model's injected adapter runs at scale "
+                           f"{live['scale']:g}, the run recorded {entry['scale']:g}")
 
 
 def describe(value) -> str:

@@ -18,11 +18,13 @@ trains one iteration. The output folder `out`:
     job.json              the job (`--resume` must name the same job)
     initial/              the adapter before iteration 0 (PEFT format)
     checkpoint/           after every iteration but the last, atomically: the sealed run so far (`grpo_run`), whose
-                          `final.*` weights and optimiser state are where the next iteration starts
+                          `final.*` weights and optimiser state are where the next iteration starts; removed once
+                          `adapter/` and `run/` are written (the finished run supersedes it)
     adapter/              the final adapter (PEFT format)
     run/                  the sealed GRPO run (`h3lab.training.grpo_run.load` / `verify`)
 `--resume` puts the checkpoint's weights and optimiser state back and continues; the rollouts after it are drawn
-from the same seeds, so the finished run's records equal an uninterrupted run's.
+from the same seeds, so the finished run's records equal an uninterrupted run's. `--resume` on a finished job
+(`run/` sealed and `adapter/` written) is refused, saying it is finished (as `h3lab train`'s jobs).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -132,6 +135,9 @@ class GrpoJob:
         has_job = (out / JOB).is_file()
         if resume and not has_job:
             raise TrainingError(f"--resume: {str(out)!r} holds no GRPO job ({JOB}); start it without --resume")
+        if resume and (out / "run" / "manifest.json").is_file() and (out / "adapter").is_dir():
+            raise TrainingError(f"--resume: the GRPO job in {str(out)!r} is finished (run/ sealed, adapter/ "
+                                "written): verify it, or train again in a new folder")
         if not resume and out.exists() and any(out.iterdir()):
             why = "holds a job: add --resume to continue it" if has_job else "is a folder of other files"
             raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
@@ -199,6 +205,7 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
                          meta={"job": job.to_dict()}, on_iteration=on_iteration, resume=previous)
         adapter_path, sha = save_adapter(model, out / "adapter")
         run_path = run.seal(out / "run")
+        shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # superseded by run/ (module docstring)
         last = run.iterations[-1]
         return {"iterations": len(run.iterations), "reward_mean": sum(last["rewards"]) / len(last["rewards"]),
                 "ratio": last["epochs"][0]["ratio"], "adapter": str(adapter_path), "adapter_sha256": sha,

@@ -348,7 +348,7 @@ def pinned_fingerprint(model: nn.Module) -> Iterator[str]:
     """Hold `model.fingerprint` at the base weights' fingerprint while an adapter is attached (the checkpoint a run
     records is the base; the adapter is recorded by its own digest), restored afterwards."""
     had = model.__dict__.get("fingerprint", None) if isinstance(model, nn.Module) else None
-    fp = model_fingerprint(model)
+    fp = base_fingerprint(model)  # the adapter may be injected already (an in-place adapter, `adapters.apply`)
     model.fingerprint = fp
     try:
         yield fp

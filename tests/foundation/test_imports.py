@@ -297,7 +297,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "sampler": (("h3lab.sampler",), ("base",)),
     "model": (("h3lab.model",), ("base", "checkpoint", "runtime")),
     "run": (("h3lab.run",), ("base", "layout", "runtime", "sampler")),
-    "stochastic": (("h3lab.stochastic",), ("base", "run", "sampler")),
+    "stochastic": (("h3lab.stochastic",), ("base", "run", "sampler", "schema")),
     "presets": (("h3lab.presets",), ("base", "layout", "run", "runtime", "sampler", "schema")),
     "settings": (("h3lab.settings", "h3lab.schema.builtin", "h3lab.schema.argv"), ("base", "presets", "runtime",
                                                                                     "schema")),

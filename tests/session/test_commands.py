@@ -50,6 +50,9 @@ EXAMPLES = {
     "quit": ("!quit", ()),
     "lora": ("!lora fox-lora 0.5", ("fox-lora", 0.5)),
     "rollout": ("!rollout 4 brightness a red fox", (4, "brightness", "a red fox")),
+    "stepper": ("!stepper flow_sde", ("flow_sde",)),
+    "level": ("!level 0.3", (0.3,)),
+    "window": ("!window 1,4", ("1,4",)),
 }
 
 

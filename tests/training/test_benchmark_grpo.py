@@ -23,5 +23,7 @@ def test_benchmark_grpo_tiny_writes_the_schema(tmp_path, monkeypatch):
     for r in rows.values():
         assert {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(r)
         assert r["train_items"] == 2 and r["train_pass_s"] > 0 and r["rollout_pass_median_s"] > 0
+        assert len(r["train_item_s"]) == 2 and r["train_pass_median_s"] == r["train_item_s"][1]  # first left out
+        assert r["rollout_first_pass_s"] == r["rollout_pass_s"][0] and r["median_excludes"]
         assert r["ratio"]["count"] == 4 and len(r["ratios"]) == 2
     assert math.isfinite(rows["h3lab-off"]["ratio"]["max_abs"])

@@ -130,6 +130,11 @@ def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
     whole = load(tmp_path / "whole" / "run")
     assert len(whole.iterations) == 2 and whole.manifest["reward"] == "latent_mean"
     assert [len(it["rewards"]) for it in whole.iterations] == [4, 4]
+    # finished: the per-iteration checkpoint is gone (run/ supersedes it) and --resume says the job is finished
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["adapter", "initial", "job.json", "run"]
+    assert train.main(["grpo", *grpo_argv(files, tmp_path / "whole"), *snap, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is finished" in err[0], err
 
     job = train.grpo_job_from_args(train.build_grpo_parser().parse_args(grpo_argv(files, tmp_path / "cut") + snap))
     session = Session(job.snapshot, device="cpu")
@@ -139,8 +144,12 @@ def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
 
     with pytest.raises(KeyboardInterrupt):
         run_grpo_job(job, session, progress=stop)
+    assert (tmp_path / "cut" / "checkpoint").is_dir()  # interrupted after iteration 0: its checkpoint is there
+    code = train.main(["grpo", *grpo_argv(files, tmp_path / "cut"), *snap, "--resume", "--beta", "0.05"])
+    assert code == 2 and "differs from the job" in capsys.readouterr().err
     assert train.main(["grpo", *grpo_argv(files, tmp_path / "cut"), *snap, "--resume"]) == 0
     resumed = load(tmp_path / "cut" / "run")
+    assert not (tmp_path / "cut" / "checkpoint").exists()
     assert resumed.digest == whole.digest
     assert resumed.manifest["adapter"]["final_sha256"] == whole.manifest["adapter"]["final_sha256"]
     model = session.transformer("transformer")
@@ -151,5 +160,3 @@ def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
         assert verify(resumed, model).ok
     finally:
         remove_lora(model, handle)
-    code = train.main(["grpo", *grpo_argv(files, tmp_path / "cut"), *snap, "--resume", "--beta", "0.05"])
-    assert code == 2 and "differs from the job" in capsys.readouterr().err
