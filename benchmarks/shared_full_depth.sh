@@ -3,10 +3,12 @@
 # TP2/TP4/TP8/CP2/CP4/TP2xCP2+SP/TP4xCP2(+SP), every rank on the one GPU (benchmark_distributed.py --share-device:
 # counter-random weights, one copy per CP group, collectives through CUDA IPC slots), against rank 0's one-process
 # reference at 512x512x22f and 864x480x56f, and a 20-pass TP4xCP2 (and +SP) trajectory digest at 512x512x22f.
-# One torchrun launch per world size (2, 4, 8), each cut at what is left of DEADLINE_S seconds (a cut launch keeps
-# the topologies it finished: the script rewrites its JSON after each), then the launches merged into
+# One torchrun launch per world size (2, 4, 8) and shape (every topology at 512x512x22f first, then 864x480x56f),
+# each cut at what is left of DEADLINE_S seconds (a cut launch keeps the topologies it finished: the script
+# rewrites its JSON after each), then the launches merged into
 # $OUT/distributed_shared_device_full_depth.json. Run ON THE DEVICE MACHINE after `. benchmarks/gpu_env.sh`;
-# on CPU, `LAYERS=1 TINY=--tiny bash benchmarks/shared_full_depth.sh` is the dry run (tiny config, interpreter).
+# on CPU, `LAYERS=1 TINY=--tiny SMALL=tiny-64x64x22f LARGE=tiny-64x64x22f bash benchmarks/shared_full_depth.sh` is
+# the dry run (tiny config, interpreter; hours on a small host).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:?OUT must name the folder whose files come back}"
@@ -26,10 +28,15 @@ launch() {  # launch NAME RANKS ARGS...
     [[ -f "$out/$name.json" ]] && files+=("$out/$name.json")
 }
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader 2>/dev/null | tee -a "$out/log.txt"
-launch shared2 2 --topologies tp2,cp2
-launch shared4 4 --topologies tp4,cp4,tp2xcp2+sp
-launch shared8 8 --topologies tp4xcp2,tp8,tp4xcp2+sp --trajectory-passes "${PASSES:-20}" \
-    --trajectory-topologies tp4xcp2,tp4xcp2+sp --trajectory-shapes "${TRAJ_SHAPE:-512x512x22f}"
+# first every topology at the first shape (and the trajectories), then what time leaves at the second
+small=${SMALL:-512x512x22f} large=${LARGE:-864x480x56f}
+launch shared2 2 --topologies tp2,cp2 --shapes "$small"
+launch shared4 4 --topologies tp4,cp4,tp2xcp2+sp --shapes "$small"
+launch shared8 8 --topologies tp4xcp2,tp8,tp4xcp2+sp --shapes "$small" --trajectory-passes "${PASSES:-20}" \
+    --trajectory-topologies tp4xcp2,tp4xcp2+sp
+launch shared8_large 8 --topologies tp4xcp2,tp8,tp4xcp2+sp --shapes "$large"
+launch shared4_large 4 --topologies tp4,cp4,tp2xcp2+sp --shapes "$large"
+launch shared2_large 2 --topologies tp2,cp2 --shapes "$large"
 if (( ${#files[@]} )); then
     python3 benchmarks/benchmark_distributed.py --merge "${files[@]}" --out "$out/distributed_shared_device_full_depth.json"
 fi
