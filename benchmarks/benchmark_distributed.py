@@ -166,10 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "host-staged over gloo")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="instead of running: merge these --share-device result files into --out (one table)")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.merge:
-        return merge_shared(args.merge, args.out, argv)
+        return merge_shared(args.merge, args.out, argv, args.note)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
     if args.share_device:
         return shared_device_main(args, argv, device)
@@ -429,23 +430,34 @@ def _shared_doc(args, argv, device, config, world, results, rank) -> dict:
 
 
 def release_replicas(model, rank: int, dev) -> None:
-    """Drop a topology's model so that the ranks mapping a CP owner's weights let go before the owner frees them."""
+    """Drop a topology's weights on every rank (whatever still holds the model object), the ranks mapping a CP owner's
+    weights first, so that the owner's exported blocks are returned before the next topology is built. (On the H200
+    a CP4 owner's 62 GiB stayed held into the next topology, out of memory: one CUDA IPC handle per tensor had been
+    opened by three ranks, and IPC releases one reference per opening; `mailbox.export` now sends one per rank.)"""
     import torch.distributed as dist
 
-    mapped = model.h3lab_weights_owner != rank
-    if mapped:
+    def drop() -> None:
         for module in model.modules():
             module._parameters.clear()
+            module._buffers.clear()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.ipc_collect()
+
+    if model.h3lab_weights_owner != rank:
+        drop()
+    if dist.is_initialized():
+        dist.barrier()
+    if model.h3lab_weights_owner == rank:
+        drop()
     if dist.is_initialized():
         dist.barrier()
 
 
-def merge_shared(files: list[str], out: str, argv) -> dict:
+def merge_shared(files: list[str], out: str, argv, notes: list[str] = ()) -> dict:
     """One table from several --share-device runs (one torchrun launch per world size): their results in the given
-    order, each tagged with its launch's command, world size and git revision; the header of the first."""
+    order, each tagged with its launch's command, world size and git revision; the header of the first; `notes`
+    (what did not run, and why) kept beside them."""
     import json
 
     docs = [json.loads(open(f).read()) for f in files]
@@ -454,6 +466,7 @@ def merge_shared(files: list[str], out: str, argv) -> dict:
     doc["launches"] = [{"command": d["command"], "world_size": d["world_size"], "git_rev": d["git_rev"],
                         "date": d["date"]} for d in docs]
     doc["results"] = [{**r, "launch": i} for i, d in enumerate(docs) for r in d["results"]]
+    doc["notes"] = list(notes)
     write(out, doc)
     return doc
 

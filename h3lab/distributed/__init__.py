@@ -25,10 +25,13 @@ rows. Three things make that true here, and each file holds one:
 - `launch.py`       `spawn(fn, n, *args)`: n local gloo CPU processes (the ablation rows, the tests).
 - `shard_load.py`   ranks that hold only their TP shard: slices read from the safetensors files (`get_slice`), or a
                     counter-random init whose rank slice equals the full tensor's.
+- `mailbox.py`      the shared-device transport: collective bytes through slots every rank maps (CUDA IPC).
+- `replicas.py`     one weight copy per CP group on a shared device (the other CP ranks map the owner's tensors).
 
 The model never imports this package; a plan is applied to a built model from outside. Forward only: a sharded
 forward runs under no_grad, in mode strict on more than one rank. `init_mesh(share_device=True)` puts every rank on
-one GPU over gloo (host-staged collectives) to prove a topology's bytes there; its timings are bytes only.
+one GPU (gloo for control, the collectives' bytes through CUDA IPC slots) to prove a topology's bytes there; its
+timings are bytes only.
 """
 
 from .collectives import (

@@ -18,9 +18,10 @@ barrier, and a rank enters that barrier only after synchronising its stream, so 
 two slots and one barrier per call are enough. `all_gather(t)` / `all_to_all(send, send_sizes, recv_sizes)` have the
 semantics of `collectives._all_gather` / `_all_to_all`, which call them when the mesh's shared memory is on.
 
-`export(t)` / `open_exported(handle)` / `release(handle)`: the same sharing for a read-only tensor (the weights the
-CP ranks of one TP shard would each replicate, `replicas.py`): CUDA IPC on the tensor itself (no copy), on CPU a
-/dev/shm copy that `release` unlinks once every peer has mapped it.
+`export(t, peers)` / `open_exported(handle)` / `release(handle)`: the same sharing for a read-only tensor (the
+weights the CP ranks of one TP shard would each replicate, `replicas.py`): CUDA IPC on the tensor itself (no copy),
+on CPU a /dev/shm copy that `release` unlinks once every peer has mapped it. CUDA IPC counts one reference per
+handle sent and releases one per opening, so every handle is sent once per peer that opens it (`_handles`).
 """
 
 from __future__ import annotations
@@ -40,15 +41,23 @@ MIN_SLOT = 1 << 16  # bytes; a slot grows to 1.25x what a call needs, in 64 KiB 
 
 
 # ------------------------------------------------------------------------------------------- shared buffers
-def _alloc(nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple]:
-    """A uint8 buffer of `nbytes` that other processes can map, and its picklable handle."""
+def _alloc(nbytes: int, device: torch.device) -> tuple[torch.Tensor, str]:
+    """A uint8 buffer of `nbytes` that other processes can map, and its /dev/shm path ("" on CUDA)."""
     if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), ""
+    path = os.path.join(SHM_DIR, f"h3lab-shm-{os.getpid()}-{uuid.uuid4().hex}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
+
+
+def _handles(buf: torch.Tensor, path: str, peers: int) -> list[tuple]:
+    """One picklable handle of `buf` per peer that will open it. CUDA IPC counts references per send: every opening
+    releases one, so a handle opened by k processes must be sent k times (else the producer's block is never
+    returned -- seen on the H200 as a CP4 owner's 62 GiB kept after the model was dropped)."""
+    if buf.device.type == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor
 
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf, ("cuda", reduce_tensor(buf))
-    path = os.path.join(SHM_DIR, f"h3lab-shm-{os.getpid()}-{uuid.uuid4().hex}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), ("file", path, nbytes)
+        return [("cuda", reduce_tensor(buf)) for _ in range(peers)]
+    return [("file", path, buf.numel())] * peers
 
 
 def _open(handle: tuple) -> torch.Tensor:
@@ -78,21 +87,20 @@ class _suppress_missing:
         return kind is FileNotFoundError
 
 
-def export(t: torch.Tensor) -> tuple:
-    """A handle through which processes on `t`'s device map `t`'s bytes read-only (CUDA: `t` itself; CPU: a copy in
-    /dev/shm). `open_exported` rebuilds it; the exporter keeps `t` alive and `release`s it after the peers mapped."""
+def export(t: torch.Tensor, peers: int = 1) -> list[tuple]:
+    """`peers` handles (one for each process that will map it) through which processes on `t`'s device map `t`'s
+    bytes read-only (CUDA: `t` itself; CPU: a copy in /dev/shm). `open_exported` rebuilds one; the exporter keeps `t`
+    alive and `release`s a handle after the peers mapped."""
     t = t.detach()
     if not t.is_contiguous():
         raise DistributedError(f"export: tensor of shape {tuple(t.shape)} must be contiguous")
     meta = (str(t.dtype).replace("torch.", ""), tuple(t.shape))
     if t.device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return ("cuda", reduce_tensor(t), meta)
-    buf, handle = _alloc(max(1, t.numel() * t.element_size()), t.device)
+        return [(*h, meta) for h in _handles(t, "", peers)]
+    buf, path = _alloc(max(1, t.numel() * t.element_size()), t.device)
     if t.numel():
         buf.copy_(t.reshape(-1).view(torch.uint8))
-    return (*handle, meta)
+    return [(*h, meta) for h in _handles(buf, path, peers)]
 
 
 def open_exported(handle: tuple) -> torch.Tensor:
@@ -115,7 +123,7 @@ class Mailbox:
         self.me = mesh.local_rank(dim)
         self.device = mesh.device
         self.slots: list[torch.Tensor | None] = [None, None]
-        self.handles: list[tuple | None] = [None, None]
+        self.paths = ["", ""]
         self.peers: list[list[torch.Tensor | None]] = [[None] * self.n, [None] * self.n]
         self.calls = 0
 
@@ -130,7 +138,7 @@ class Mailbox:
         if grew:
             cap = max(MIN_SLOT, -(-int(need * 1.25) // MIN_SLOT) * MIN_SLOT)
             self.slots[parity] = None  # the peers drop their mapping of the old slot below
-            slot, self.handles[parity] = _alloc(cap, self.device)
+            slot, self.paths[parity] = _alloc(cap, self.device)
             self.slots[parity] = slot
         if need:
             slot[:need].copy_(data)
@@ -141,14 +149,18 @@ class Mailbox:
         dist.all_gather(metas, meta, group=self.group)  # the barrier: every slot of this parity is written
         rows = [m.tolist() for m in metas]
         if any(r[0] for r in rows):
+            mine = None
+            if grew:  # one handle per peer, in group-rank order (none for this rank)
+                mine = _handles(slot, self.paths[parity], self.n - 1)
+                mine.insert(self.me, None)
             offered = [None] * self.n
-            dist.all_gather_object(offered, self.handles[parity] if grew else None, group=self.group)
-            for i, handle in enumerate(offered):
-                if handle is not None and i != self.me:
-                    self.peers[parity][i] = _open(handle)
+            dist.all_gather_object(offered, mine, group=self.group)
+            for i, handles in enumerate(offered):
+                if handles is not None and i != self.me:
+                    self.peers[parity][i] = _open(handles[self.me])
             dist.barrier(group=self.group)  # every peer mapped the new slots
-            if grew:
-                release(self.handles[parity])
+            if grew and self.paths[parity]:
+                release(("file", self.paths[parity]))
         return parity, rows
 
     def _peer(self, parity: int, i: int) -> torch.Tensor:

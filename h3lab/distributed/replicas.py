@@ -33,21 +33,23 @@ def replica_shared_transformer(config, mesh, seed: int = 0, device=None, dtype_p
         return model
     owner = mesh.group_ranks("cp")[0]
     group = mesh.group("cp")
+    peers = mesh.size("cp") - 1
     handles = None
     model = None
-    if mesh.rank == owner:
+    if mesh.rank == owner:  # one handle per mapping rank (CUDA IPC releases one reference per opening)
         model = random_sharded_transformer(config, mesh, seed, device, dtype_policy)
-        handles = {k: export(p) for k, p in model.named_parameters()}
+        handles = {k: export(p, peers) for k, p in model.named_parameters()}
     box = [(handles, model.fingerprint, model.h3lab_shard) if model is not None else None]
     dist.broadcast_object_list(box, src=owner, group=group)
     handles, fingerprint, shard = box[0]
+    me = mesh.local_rank("cp")
     if mesh.rank != owner:
-        tensors = {k: open_exported(h) for k, h in handles.items()}
+        tensors = {k: open_exported(h[me - 1]) for k, h in handles.items()}
         model = _assemble(config, tensors, dtype_policy, device, fingerprint, shard)
     dist.barrier(group=group)  # every rank mapped the owner's tensors
     if mesh.rank == owner:
-        for handle in handles.values():
-            release(handle)
+        for per_peer in handles.values():
+            release(per_peer[0])
     model.h3lab_weights_owner = owner
     return model
 

@@ -3,25 +3,24 @@ whose slots are /dev/shm files (the CUDA path maps the same slots by CUDA IPC; t
 benchmarks/benchmark_distributed.py --share-device is where that is exercised).
 
 - the mailbox's all_gather and uneven all_to_all give gloo's bytes, over calls that grow the slots and alternate
-  their parity, on fresh random data of two dtypes;
+  their parity, on fresh random data of two dtypes; `export` gives one handle per mapping peer;
 - a CP2 shared-device model: rank 1 maps rank 0's weights (the same bytes a resident build gives), the forward
   through the mailbox equals the one-process strict forward, and the trace names the transport."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
-from dist_helpers import build_spec, config
+from dist_helpers import config, fl2va_forward
 from harness import run_ranks
 
-from h3lab import runtime
 from h3lab.distributed import init_mesh, parallelize
-from h3lab.distributed.mailbox import mailbox
+from h3lab.distributed.mailbox import export, mailbox, open_exported, release
 from h3lab.distributed.replicas import replica_shared_transformer
 from h3lab.distributed.shard_load import random_sharded_transformer
-from h3lab.run import model_forward
 
 SEED = 11
 
@@ -55,6 +54,18 @@ def test_mailbox_moves_gloos_bytes():
         assert res["transport"] == "shared memory (host)"
 
 
+def test_export_gives_one_handle_per_mapping_peer():
+    """CUDA IPC releases one reference per opening, so `export` hands out one handle per peer; every one maps the
+    tensor's bytes (here a /dev/shm copy), and `release` unlinks the file once the peers mapped it."""
+    t = torch.randn(5, 3, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    handles = export(t, 3)
+    assert len(handles) == 3
+    mapped = [open_exported(h) for h in handles]
+    release(handles[0])
+    assert not os.path.exists(handles[0][1])
+    assert all(m.dtype == t.dtype and torch.equal(m, t) for m in mapped)
+
+
 def _replicas(rank: int, world: int) -> dict:
     c = config(1)
     mesh = init_mesh(cp=2, device="cpu", config=c, share_device=True)
@@ -64,21 +75,14 @@ def _replicas(rank: int, world: int) -> dict:
     held = resident.state_dict()
     same = all(torch.equal(p, held[k]) for k, p in model.state_dict().items())
     parallelize(model, mesh)
-    spec = build_spec("fl2va", passes=1)
-    x = spec.inputs
-    with runtime.use_mode("strict"), torch.no_grad():
-        video, audio = model_forward(model, x, x.video, x.audio, 0)
-    trace = runtime.last_trace()
+    video, audio, trace = fl2va_forward(model)
     return {"video": video, "audio": audio, "same": str(same), "owner": str(model.h3lab_weights_owner),
             "transports": json.dumps(sorted({r.transport for r in trace.collectives.records}))}
 
 
 def test_cp_ranks_map_one_weight_copy_and_keep_the_bytes():
     results = run_ranks(_replicas, 2, timeout=240)
-    spec = build_spec("fl2va", passes=1)
-    full = random_sharded_transformer(config(1), None, SEED)
-    with runtime.use_mode("strict"), torch.no_grad():
-        video, audio = model_forward(full, spec.inputs, spec.inputs.video, spec.inputs.audio, 0)
+    video, audio, _ = fl2va_forward(random_sharded_transformer(config(1), None, SEED))
     for res in results:
         assert res["same"] == "True" and res["owner"] == "0"
         assert torch.equal(res["video"], video) and torch.equal(res["audio"], audio)
