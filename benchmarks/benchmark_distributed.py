@@ -39,6 +39,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 
@@ -129,6 +130,7 @@ def timed_forwards(model, inputs, runs: int, device: str) -> dict:
 def free(dev) -> None:
     gc.collect()
     if dev.type == "cuda":
+        torch.cuda.ipc_collect()  # blocks other ranks mapped (shared-device runs) and have let go of
         torch.cuda.empty_cache()
 
 
@@ -155,8 +157,20 @@ def main(argv: list[str] | None = None) -> dict:
                     help="every rank on one GPU over gloo, host-staged collectives: bytes only (module docstring)")
     ap.add_argument("--trajectory-passes", type=int, default=0,
                     help="with --share-device: also an N-pass strict trajectory per topology (sealed digest)")
+    ap.add_argument("--trajectory-topologies", default=None,
+                    help="with --trajectory-passes: the topologies that record one (default: all)")
+    ap.add_argument("--trajectory-shapes", default=None,
+                    help="with --trajectory-passes: the shapes that record one (default: all)")
+    ap.add_argument("--shared-transport", default="shared", choices=("shared", "staged"),
+                    help="with --share-device: collectives through mapped slots (CUDA IPC; /dev/shm on CPU) or "
+                         "host-staged over gloo")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="instead of running: merge these --share-device result files into --out (one table)")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge_shared(args.merge, args.out, argv, args.note)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
     if args.share_device:
         return shared_device_main(args, argv, device)
@@ -278,6 +292,7 @@ def shared_device_main(args, argv, device: str) -> dict:
 
     from h3lab.config import H3Config
     from h3lab.distributed import init_mesh, parallelize
+    from h3lab.distributed.replicas import replica_shared_transformer, weight_nbytes
     from h3lab.distributed.shard_load import random_sharded_transformer
     from h3lab.trajectory import record
 
@@ -288,6 +303,8 @@ def shared_device_main(args, argv, device: str) -> dict:
     shapes = ["tiny-64x64x22f"] if args.tiny else args.shapes.split(",")
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     names = (args.topologies or f"tp{world}").split(",")
+    traj_names = set(args.trajectory_topologies.split(",")) if args.trajectory_topologies else set(names)
+    traj_shapes = set(args.trajectory_shapes.split(",")) if args.trajectory_shapes else set(shapes)
     dev = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     first = parse_topology(names[0])
     if not dist.is_initialized():  # start the gloo process group through a first mesh
@@ -310,7 +327,7 @@ def shared_device_main(args, argv, device: str) -> dict:
             v1, a1 = measured.pop("out")
             v2, a2 = forward(model, two)
             digest = ""
-            if args.trajectory_passes:
+            if args.trajectory_passes and shape in traj_shapes:
                 digest = record(t2va_spec(config, shape, args.trajectory_passes, "strict", dev), model).digest
             reference[shape] = {"rows": layout.sequence_length, "one": (v1.cpu(), a1.cpu()),
                                 "two": (v2.cpu(), a2.cpu()), "digest": digest}
@@ -336,13 +353,16 @@ def shared_device_main(args, argv, device: str) -> dict:
             continue
         mesh = init_mesh(tp=topo["tp"], cp=topo["cp"], sp=topo["sp"], device=dev, config=config,
                          row_parallel=args.row_parallel, share_device=True)
+        mesh.shared_memory = args.shared_transport == "shared"
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        placed = random_sharded_transformer(config, mesh, seed, device=dev)
+        placed = replica_shared_transformer(config, mesh, seed, device=dev)  # one copy per CP group (replicas.py)
         parallelize(placed, mesh)
         build_s = time.time() - t0
         load_peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        weights_gib = weight_nbytes(placed) / 2**30
+        owns = placed.h3lab_weights_owner == rank
         for shape in shapes:
             ref = reference[shape]
             _, one = make_inputs(config, shape, 1, dev, seed=7)
@@ -352,13 +372,15 @@ def shared_device_main(args, argv, device: str) -> dict:
             v2, a2 = forward(placed, two)
             equal = bool(all(torch.equal(x.cpu(), y) for x, y in zip((v1, a1, v2, a2), (*ref["one"], *ref["two"]))))
             digest = ""
-            if args.trajectory_passes:
+            traj = bool(args.trajectory_passes) and name in traj_names and shape in traj_shapes and ref["digest"]
+            if traj:
                 spec = t2va_spec(config, shape, args.trajectory_passes, "strict", dev).replace(
                     placement={"tp": topo["tp"], "cp": topo["cp"], "sp": topo["sp"],
                                "row_parallel": args.row_parallel})
                 digest = record(spec, placed).digest
             per_rank = gather({"equal": equal, "peak": measured["peak_mem_gib"], "digest": digest,
-                               "load_peak": load_peak})
+                               "load_peak": load_peak, "weights": weights_gib, "owns": owns,
+                               "owner": placed.h3lab_weights_owner})
             trace = runtime_trace()
             med = statistics.median(measured["times_s"])
             entry = {"shape": shape, "rows": ref["rows"], "impl": f"h3lab-strict-{name}", "topology": name,
@@ -369,15 +391,22 @@ def shared_device_main(args, argv, device: str) -> dict:
                      "peak_mem_gib": measured["peak_mem_gib"],
                      "peak_mem_gib_ranks": [r["peak"] for r in per_rank],
                      "build_peak_mem_gib_ranks": [r["load_peak"] for r in per_rank], "build_s": build_s,
+                     "weights_gib_ranks": [r["weights"] for r in per_rank],
+                     "weights_owner_ranks": [r["owner"] for r in per_rank],
+                     # what each rank would hold on a GPU of its own: its measured peak, plus the weights it maps
+                     # from its CP group's rank 0 when it did not allocate them itself
+                     "own_gpu_peak_mem_gib_ranks": [r["peak"] + (0.0 if r["owns"] else r["weights"])
+                                                    for r in per_rank],
                      "bytes_equal_tp1": all(r["equal"] for r in per_rank),
                      "output_sha256": output_sha256(v1, a1),
                      "collectives": trace.collectives.summary() if trace and trace.collectives else None}
-            if args.trajectory_passes:
+            if traj:
                 entry.update(trajectory_passes=args.trajectory_passes, trajectory_digest=digest,
                              digest_equal_one_gpu=all(r["digest"] == ref["digest"] for r in per_rank))
             results.append(entry)
             print(f"rank {rank} {shape} {name} (bytes only): bytes equal TP1 {entry['bytes_equal_tp1']}, peak "
                   f"{measured['peak_mem_gib']:.1f} GiB, digest equal {entry.get('digest_equal_one_gpu')}", flush=True)
+        release_replicas(placed, rank, dev)
         del placed
         free(dev)
         _shared_doc(args, argv, device, config, world, results, rank)  # after every topology: a cut run keeps
@@ -389,11 +418,56 @@ def _shared_doc(args, argv, device, config, world, results, rank) -> dict:
                  argv, device, config={"num_layers": config.num_layers, "hidden_size": config.hidden_size,
                                        "heads": config.num_attention_heads},
                  world_size=world, weights="counter-random (h3lab.distributed.shard_load, seed 1234): each rank "
-                 "builds only its shard", label="bytes only: every rank shares one GPU, collectives are staged "
-                 "through host memory over gloo; times are not scaling", checks=[])
+                 "builds only its shard; the CP ranks of one TP shard map one copy (h3lab.distributed.replicas)",
+                 label="bytes only: every rank shares one GPU; collectives "
+                 + ("through shared memory (CUDA IPC slots, mailbox.py)" if args.shared_transport == "shared"
+                    else "staged through host memory over gloo") + "; times are not scaling",
+                 shared_transport=args.shared_transport, checks=[])
     doc["results"] = results
     if rank == 0:
         write(args.out, doc)
+    return doc
+
+
+def release_replicas(model, rank: int, dev) -> None:
+    """Drop a topology's weights on every rank (whatever still holds the model object), the ranks mapping a CP owner's
+    weights first, so that the owner's exported blocks are returned before the next topology is built. (On the H200
+    a CP4 owner's 62 GiB stayed held into the next topology, out of memory: one CUDA IPC handle per tensor had been
+    opened by three ranks, and IPC releases one reference per opening; `mailbox.export` now sends one per rank.)"""
+    import torch.distributed as dist
+
+    def drop() -> None:
+        for module in model.modules():
+            module._parameters.clear()
+            module._buffers.clear()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.ipc_collect()
+
+    if model.h3lab_weights_owner != rank:
+        drop()
+    if dist.is_initialized():
+        dist.barrier()
+    if model.h3lab_weights_owner == rank:
+        drop()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def merge_shared(files: list[str], out: str, argv, notes: list[str] = ()) -> dict:
+    """One table from several --share-device runs (one torchrun launch per world size): their results in the given
+    order, each tagged with its launch's command, world size and git revision; the header of the first; `notes`
+    (what did not run, and why) kept beside them."""
+    import json
+
+    docs = [json.loads(open(f).read()) for f in files]
+    doc = {k: v for k, v in docs[0].items() if k not in ("results", "command", "world_size")}
+    doc["command"] = "python benchmarks/benchmark_distributed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc["launches"] = [{"command": d["command"], "world_size": d["world_size"], "git_rev": d["git_rev"],
+                        "date": d["date"]} for d in docs]
+    doc["results"] = [{**r, "launch": i} for i, d in enumerate(docs) for r in d["results"]]
+    doc["notes"] = list(notes)
+    write(out, doc)
     return doc
 
 

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-parallel", choices=("auto", "k_chunks", "n_split"), default=None,
                    help="row-parallel layers: the 8-chunk tree split by K (k_chunks) or by output columns (n_split)")
     p.add_argument("--share-device", action="store_true",
-                   help="every rank on one GPU over gloo, collectives staged through host memory: proves a "
+                   help="every rank on one GPU (gloo; the collectives' bytes through CUDA IPC slots): proves a "
                         "topology's bytes on one GPU (timings are bytes-only, never scaling)")
     add_flags(p, "session")  # declared Session(...) options
     p.set_defaults(references=[])

@@ -51,7 +51,9 @@ current stream around the NCCL call, so waiting for the slowest rank counts; per
 
 Shared-device ranks (`init_mesh(share_device=True)`, gloo serving CUDA tensors): every transport call copies its
 send buffer to the host, runs the gloo call on host tensors and copies the result back (`Mesh.staged`); bytes are
-moved, never changed, and the record's `transport` says "gloo (host-staged cuda)". Timed on the host clock.
+moved, never changed, and the record's `transport` says "gloo (host-staged cuda)". Timed on the host clock. With
+`Mesh.shared_memory` (the default for shared-device CUDA ranks) the bytes go through slots every rank maps instead
+(`mailbox.py`: CUDA IPC, gloo moves only a few integers per call; transport "cuda ipc (shared device)").
 
 Forward only: the collectives refuse inputs that require grad while grad is enabled. Their declared backward lives in
 `autograd.py` (torch.autograd.Functions calling these functions: CP training); TP's backward is not defined. Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
@@ -74,6 +76,7 @@ from h3kernels import attention as strict_attention
 from h3kernels import gemm
 
 from .errors import DistributedError
+from .mailbox import mailbox
 from .mesh import Mesh
 from .shards import RowShards, cat_grouped
 
@@ -93,7 +96,7 @@ class CollectiveRecord:
     algorithm: str
     dim: str  # mesh dimension: "tp" | "cp"
     group_ranks: list[int]
-    transport: str  # "nccl" | "gloo" | "gloo (host-staged cuda)" | "none" (a group of one moves nothing)
+    transport: str  # "nccl" | "gloo" | "gloo (host-staged cuda)" | "cuda ipc (shared device)" | "none" (group of one)
     point: str
     shapes: list
     out_shapes: list
@@ -203,6 +206,9 @@ def _all_gather(t: torch.Tensor, mesh: Mesh, dim: str) -> list[torch.Tensor]:
     """Every rank's `t` (equal shapes) along mesh dimension `dim`, in group-rank order."""
     if mesh.size(dim) == 1:
         return [t]
+    if mesh.shared_memory:  # shared-device ranks: peers' slots read in place (mailbox.py)
+        with _timed(torch.device("cpu")):
+            return mailbox(mesh, dim).all_gather(t)
     device = t.device
     with _timed(_clock(mesh, device)):
         t = _to_transport(t.contiguous(), mesh)
@@ -217,6 +223,9 @@ def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
     the block from rank j at position j (recv_sizes[j] rows)."""
     if mesh.size(dim) == 1:
         return send
+    if mesh.shared_memory:
+        with _timed(torch.device("cpu")):
+            return mailbox(mesh, dim).all_to_all(send, send_sizes, recv_sizes)
     device = send.device
     with _timed(_clock(mesh, device)):
         send = _to_transport(send.contiguous(), mesh)

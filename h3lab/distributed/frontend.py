@@ -1,5 +1,5 @@
 """The torchrun front end: `torchrun --nproc-per-node N -m h3lab --tp T --cp C [--sp] [--row-parallel S]
-[--share-device] ...` (`--share-device`: every rank on one GPU over gloo, host-staged; bytes only, see `mesh.py`).
+[--share-device] ...` (`--share-device`: every rank on one GPU, gloo + CUDA IPC slots; bytes only, see `mesh.py`).
 
 `h3lab.cli` calls `mesh_request(args)` (None unless a mesh flag is given or WORLD_SIZE > 1) and, with a mesh,
 `run_on_mesh(args, mesh, action, session_factory)`:

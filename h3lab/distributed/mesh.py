@@ -34,6 +34,10 @@ through host memory (`Mesh.staged`: a copy to the host, the gloo call, a copy ba
 changed). So one GPU proves a topology's bytes before eight are rented. Timings from such a mesh are labelled
 `Mesh.timing_label` ("bytes only: ...") and are never scaling; `to_dict()` (the trace's placement) records the
 transport ("gloo (host-staged cuda)"). On CPU ranks (gloo already) the flag changes nothing but the label.
+On CUDA, `init_mesh` turns `Mesh.shared_memory` on: the collectives' bytes then go through slots every rank maps by
+CUDA IPC (`mailbox.py`; transport "cuda ipc (shared device)"), gloo moving only a few integers per call -- the same
+bytes, without the host copies that made a 50-block forward take minutes. Setting it False keeps host staging; the
+CPU tests set it True to run the mailbox over /dev/shm ("shared memory (host)").
 Rows are checked where they are known: `mesh.row_shards(seq_len)` refuses cp larger than the packed rows, and
 `mesh.sp_shards(rows)` refuses tp larger than a CP shard's rows.
 
@@ -133,6 +137,8 @@ class Mesh:
         self.dp = dp
         self.dp_rank, local = divmod(rank, topology.world_size)
         self.replica_group = replica_group  # None: the default group (dp 1)
+        # shared-device ranks' collectives through mapped slots (mailbox.py); init_mesh turns it on for CUDA
+        self.shared_memory = False
         self.coords = {"cp": local // topology.tp, "tp": local % topology.tp}
 
     @property
@@ -142,22 +148,27 @@ class Mesh:
 
     @property
     def staged(self) -> bool:
-        """True when the collectives copy CUDA tensors through host memory (gloo serving a CUDA device)."""
+        """True when gloo serves a CUDA device: its tensors (the hook agreement flag; the collectives' bytes unless
+        `shared_memory`) are copied through host memory."""
         return self.device.type == "cuda" and self.backend == "gloo"
 
     @property
     def transport(self) -> str:
-        """What moves the bytes: "nccl", "gloo", "gloo (host-staged cuda)", or "none" (world size 1)."""
+        """What moves the bytes: "nccl", "gloo", "gloo (host-staged cuda)", "cuda ipc (shared device)", "shared
+        memory (host)" (`shared_memory` on CPU ranks, the tests), or "none" (world size 1)."""
         if not self.backend:
             return "none"
+        if self.shared_memory:
+            return "cuda ipc (shared device)" if self.device.type == "cuda" else "shared memory (host)"
         return f"{self.backend} (host-staged cuda)" if self.staged else self.backend
 
     @property
     def timing_label(self) -> str:
         """How timings from this mesh may be read: "bytes only" on shared-device ranks, else "timing"."""
         if self.share_device and self.topology.world_size > 1:
-            return ("bytes only: every rank shares one device and the collectives go through host memory; these "
-                    "timings are not scaling")
+            how = "through shared memory slots" if self.shared_memory else "through host memory"
+            return (f"bytes only: every rank shares one device and the collectives go {how}; these timings are not "
+                    "scaling")
         return "timing"
 
     def size(self, dim: str) -> int:
@@ -270,6 +281,7 @@ def init_mesh(tp: int = 1, cp: int = 1, sp: bool = False, device=None, config=No
         replica = replicas[rank // width]
     mesh = Mesh(topology, rank, device, device_mesh, dist.get_backend(), share_device=share_device, dp=dp,
                 replica_group=replica)
+    mesh.shared_memory = share_device and device.type == "cuda"  # IPC slots instead of host staging (mailbox.py)
     for dim in DIMS:  # the arithmetic layout above is DeviceMesh's row-major one; check it once
         ranks = dist.get_process_group_ranks(mesh.group(dim))
         if ranks != mesh.group_ranks(dim):

@@ -135,7 +135,9 @@ class Frame:
 
 
 _frame: contextvars.ContextVar[Frame | None] = contextvars.ContextVar("h3lab_placement_frame", default=None)
-_PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, Placement]" = weakref.WeakKeyDictionary()
+# model -> weakref to its Placement; the model holds the Placement (`_h3lab_placement`), so the pair is one cycle
+# the garbage collector frees (a strong value here would keep every parallelized model and its weights alive)
+_PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _ANNOUNCERS: list[Callable[["Placement", dict], None]] = []  # lead mode (follow.py): tell the other ranks
 
 # Hook points by layout: which rows a point's tensor holds on a rank ("sp": its residual-stream rows, "cp": its CP
@@ -185,7 +187,8 @@ def row_owner(placement: Mapping[str, Any], point: str, packed_row: int, seq_len
 
 def placement_of(model: nn.Module) -> "Placement | None":
     """The `Placement` `parallelize` applied to `model` (None for a one-process model)."""
-    return _PLACEMENTS.get(model)
+    ref = _PLACEMENTS.get(model)
+    return ref() if ref is not None else None
 
 
 def add_announcer(fn: Callable[["Placement", dict], None]) -> Callable[[], None]:
@@ -625,8 +628,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", faul
     H3Transformer, one already parallelized, a topology its widths do not admit, parameters off the mesh's device."""
     if not all(hasattr(model, a) for a in ("config", "transformer_blocks", "hook_points", "norm_out")):
         raise DistributedError(f"parallelize: {type(model).__name__} is not an h3lab H3Transformer")
-    if model in _PLACEMENTS:
-        raise DistributedError(f"parallelize: the model is already parallelized ({_PLACEMENTS[model]!r})")
+    if placement_of(model) is not None:
+        raise DistributedError(f"parallelize: the model is already parallelized ({placement_of(model)!r})")
     if not isinstance(mesh, Mesh):
         raise DistributedError(f"parallelize: mesh is a {type(mesh).__name__}; build it with init_mesh(tp=..., cp=...)")
     check_config(mesh.topology, model.config)
@@ -659,5 +662,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", faul
         split = shard_parameters_(model, model.config, t.tp, mesh.local_rank("tp"), row_parallel=t.row_parallel)
     placement = Placement(model, mesh, name, faults, split)
     placement._install()
-    _PLACEMENTS[model] = placement
+    model.__dict__["_h3lab_placement"] = placement
+    _PLACEMENTS[model] = weakref.ref(placement)
     return placement

@@ -78,3 +78,14 @@ def build_spec(layout_name: str, passes: int = 3, mode: str = "strict"):
     schedule = DualSchedule.build(passes + 1)
     inputs = make_inputs(CONFIG, layout, schedule, seed=3)
     return RunSpec(inputs, schedule, mode=mode, layout=layout)
+
+
+def fl2va_forward(model):
+    """One strict forward of the 1-pass fl2va run on `model` (plain or parallelized): (video, audio, its trace)."""
+    from h3lab import runtime
+    from h3lab.run import model_forward
+
+    x = build_spec("fl2va", passes=1).inputs
+    with runtime.use_mode("strict"), torch.no_grad():
+        video, audio = model_forward(model, x, x.video, x.audio, 0)
+    return video, audio, runtime.last_trace()

@@ -78,4 +78,4 @@ def test_shared_device_two_ranks(tmp_path):
     assert placed["bytes_equal_tp1"] is True and placed["digest_equal_one_gpu"] is True
     assert placed["output_sha256"] == plain["output_sha256"] and placed["trajectory_digest"] == plain["trajectory_digest"]
     assert placed["timing_label"].startswith("bytes only") and "ratio_vs_plain" not in placed
-    assert placed["share_device"] is True and placed["transport"] == "gloo" and len(placed["peak_mem_gib_ranks"]) == 2
+    assert placed["share_device"] is True and placed["transport"] == "shared memory (host)" and len(placed["peak_mem_gib_ranks"]) == 2

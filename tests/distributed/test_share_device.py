@@ -13,14 +13,12 @@ import json
 from types import SimpleNamespace
 
 import torch
-from dist_helpers import CONFIG, build_model, build_spec
+from dist_helpers import CONFIG, build_model, fl2va_forward
 from harness import run_ranks
 
-from h3lab import runtime
 from h3lab.distributed import init_mesh, parallelize
 from h3lab.distributed.frontend import mesh_request
 from h3lab.distributed.mesh import Mesh, _decide, check_degrees
-from h3lab.run import model_forward
 
 
 def _reports(share: bool, devices=("cuda:0", "cuda:0"), shares=None) -> list[dict]:
@@ -64,11 +62,7 @@ def _staged_forward(rank: int, world: int) -> dict:
     mesh.__class__ = _Staged
     model = build_model(1)
     parallelize(model, mesh)
-    spec = build_spec("fl2va", passes=1)
-    x = spec.inputs
-    with runtime.use_mode("strict"), torch.no_grad():
-        video, audio = model_forward(model, x, x.video, x.audio, 0)
-    trace = runtime.last_trace()
+    video, audio, trace = fl2va_forward(model)
     transports = sorted({r.transport for r in trace.collectives.records})
     return {"video": video, "audio": audio, "plain": json.dumps(plain), "transports": json.dumps(transports),
             "placement": json.dumps(trace.placement)}
@@ -76,9 +70,7 @@ def _staged_forward(rank: int, world: int) -> dict:
 
 def test_host_staged_collectives_keep_the_bytes_and_the_trace_names_the_transport():
     results = run_ranks(_staged_forward, 2, timeout=240)
-    spec = build_spec("fl2va", passes=1)
-    with runtime.use_mode("strict"), torch.no_grad():
-        video, audio = model_forward(build_model(1), spec.inputs, spec.inputs.video, spec.inputs.audio, 0)
+    video, audio, _ = fl2va_forward(build_model(1))
     for res in results:
         assert torch.equal(res["video"], video) and torch.equal(res["audio"], audio)
         plain = json.loads(res["plain"])
