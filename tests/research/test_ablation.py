@@ -44,6 +44,17 @@ def test_every_rfc_row_is_declared():
         "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3"}
 
 
+def test_factor_rows_take_their_transform_from_the_factor_table():
+    """`factors.TABLE` is the one declaration of a factor: its order is the matrix order, and each factor row's
+    transform and changes are the table's."""
+    assert A.FACTORS == tuple(A.TABLE) == tuple(n for n, r in A.ROWS.items() if r.transform is not None)
+    for name, factor in A.TABLE.items():
+        assert (A.ROWS[name].transform, A.ROWS[name].changes) == (factor.transform, factor.changes), name
+    assert A.check_factors(["H16", "A1"]) == ["H16", "A1"]  # a model change first
+    with pytest.raises(A.AblationError, match="changes op:attention, which A3 changes too"):
+        A.check_factors(["A3", "H8"])
+
+
 @pytest.mark.parametrize("name", RFC_ROWS)
 def test_row_matches_its_expected_signature(matrix, name):
     row = matrix[name]
@@ -121,6 +132,6 @@ def test_a7_is_still_a_factor_of_one_process(bench):
     """A7 stays a factor (`factors=("A7",)`, `!ablate A7`): two KV blocks with bf16 partials merged in reverse order
     drift at the first block attention in one process too."""
     assert "A7" in A.FACTORS
-    a, b = A._factor_probe("A7")(bench, "off")
+    a, b = A.factor_probe("A7")(bench, "off")
     report = A.compare(a, b, reference=bench.reference_capture("off"))
     assert (report.first.point, report.first.step) == ("blocks.0.attention", 0)
