@@ -67,8 +67,9 @@ Modules, one job each: `bench.py` (the bench and its seeded inputs), `factors.py
 `TABLE`, the `RunSpec.factors` provider: `check_factors`, `apply_factors`), `probes.py` (how the other rows build
 their arms, and the checks of the rows without two arms), `matrix.py` (the rows and the runner), `distributed.py`
 (the distributed rows on local gloo ranks: research over the distributed room, so the production room never
-imports `drift`). May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime;
-`distributed.py` also the distributed room.
+imports `drift`), `faults.py` (the A4 / H17 / A7 faults as a wrapper around a placement, never a branch in it).
+May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime; `distributed.py` and
+`faults.py` also the distributed room.
 """
 
 from .bench import Bench, make_inputs, tiny_bench

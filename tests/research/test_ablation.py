@@ -128,6 +128,28 @@ def test_unknown_row_raises(bench):
         A.run_ablation("H5", bench, mode="turbo")
 
 
+def test_faults_wrap_a_placement_and_need_cp(bench):
+    """Fault injection is a wrapper around a placement (h3lab.ablation.faults), refused in one line without CP; the
+    production placement has no fault argument."""
+    import inspect
+
+    from h3lab.ablation.faults import Faults, FaultyPlacement, faulty
+    from h3lab.distributed import DistributedError, init_mesh, parallelize, placement_of
+    from h3lab.model import H3Transformer
+
+    assert "faults" not in inspect.signature(parallelize).parameters
+    model = H3Transformer(bench.model.config)
+    placement = parallelize(model, init_mesh(config=model.config))  # world size 1: no process group
+    with pytest.raises(DistributedError, match=r"^faults \{'rotate_rows': True\} need cp > 1 \(topology tp1xcp1"):
+        faulty(placement, Faults(rotate_rows=True))
+    with pytest.raises(DistributedError, match=r"^ring_merge='sideways': must be"):
+        Faults(ring_merge="sideways")
+    assert placement_of(model) is placement and len(placement.handles) == 2
+    wrapped = faulty(placement, Faults())  # no fault: a wrapper that changes nothing, in the placement's place
+    assert isinstance(wrapped, FaultyPlacement) and placement_of(model) is wrapped
+    assert placement.handles == [] and len(wrapped.handles) == 2
+
+
 def test_a7_is_still_a_factor_of_one_process(bench):
     """A7 stays a factor (`factors=("A7",)`, `!ablate A7`): two KV blocks with bf16 partials merged in reverse order
     drift at the first block attention in one process too."""
