@@ -25,6 +25,7 @@ from .probes import (
     _probe_sealed_replay,
     factor_probe,
 )
+from .ratio import check_ratio
 
 KINDS = ("PASS", "DRIFT", "REJECTED", "N/A")
 
@@ -197,6 +198,12 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
          "model change", PASS, "off", "forward", "byte-equal forward and accepted gradient profile", probe=_probe_HC6),
     _row("H-C7", "FL2VA/Ref2VA repeated preprocessing", "layouts, sealed inputs and component hashes built twice",
          "control", PASS, "off", "-", "identical packed-layout artifact and component hashes", check=_check_HC7),
+    # ---- issue 21: RL on H3
+    _row("RL1", "Rollout vs training ratio",
+         "flow_sde rollout at batch position 1 of 3 vs the request replayed alone at every SDE pass; in off a planted "
+         "batch-position change (items after the first: video_proj_in in bf16)", "control", PASS, "strict",
+         "trajectory", "exp(logp_train - logp_rollout) == 1.0 exactly (strict); planted change: ratio moves, drift "
+         "names video_proj_in", check=check_ratio),
 )}
 
 ORDER = tuple(ROWS)

@@ -11,7 +11,7 @@ from h3lab import ablation as A
 
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
-    + [f"H-C{i}" for i in range(8)]
+    + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: issue 21's rollout-vs-training ratio
 )
 DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
@@ -41,7 +41,7 @@ def test_every_rfc_row_is_declared():
             assert row.probe is None and row.check is None and row.mode == "strict"
     # the strict promises run strict
     assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
-        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3"}
+        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1"}
 
 
 def test_factor_rows_take_their_transform_from_the_factor_table():
@@ -91,9 +91,9 @@ def test_planted_rows_point_at_the_perturbed_row(matrix, bench):
 def test_summary_counts_and_table(matrix):
     rows = [matrix[n] for n in RFC_ROWS]
     s = A.summarize(rows)
-    assert s == {"rows": 36, "passed": 36, "failed": [], "not_run": []}
+    assert s == {"rows": 37, "passed": 37, "failed": [], "not_run": []}
     table = A.format_table(rows)
-    assert table.count("\n") == 36 and "needs distributed" not in table
+    assert table.count("\n") == 37 and "needs distributed" not in table
 
 
 def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
@@ -110,6 +110,19 @@ def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
         assert f["owner"]["local_row"] == f["packed_row"] - first_rank1
     assert [c["b"] for c in matrix["H-C4"]["comparisons"]] == ["tp2"]  # the tiny config's 2 heads admit tp 1, 2
     assert [c["b"] for c in matrix["H-C5"]["comparisons"]] == ["cp2"]
+
+
+def test_rl1_ratio_is_exact_in_strict_and_moves_under_the_plant(matrix, bench):
+    """RL1: the strict ratio is 1.0 exactly at both SDE passes and both modalities; the planted batch-position
+    change makes it move in off, and the localiser names the planted op first, in the rows of the generated video."""
+    assert matrix["RL1"]["status"] == "PASS" and "== 1.0 exactly" in matrix["RL1"]["observed"]
+    strict = bench.cache[("ratio", "strict")]
+    assert [r["pass"] for r in strict] == [0, 1] and all(r[m] == 1.0 for r in strict for m in ("video", "audio"))
+    planted = bench.cache[("ratio", "planted_off")]
+    assert max(abs(r[m] - 1.0) for r in planted for m in ("video", "audio")) > 0
+    first = bench.cache[("ratio", "planted_first_drift")]
+    assert (first["point"], first["step"], first["modality"]) == ("video_proj_in", 0, "video")
+    assert first["max_abs"] > 0
 
 
 def test_a_wrong_expectation_fails(bench, matrix):
