@@ -203,12 +203,14 @@ def hook_points(config: H3Config) -> tuple[HookPoint, ...]:
     points = [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _INPUT_POINTS]
     for i in range(config.num_refiner_layers):
         prefix = f"token_refiner.refiner_blocks.{i}"
-        points += [_point(f"refiner.{i}.{s}", i, op, "text", sh, _tap(prefix, tap)) for s, op, sh, tap in REFINER_POINTS]
+        points += [_point(f"refiner.{i}.{s}", i, op, "text", sh, _tap(prefix, tap))
+                   for s, op, sh, tap in REFINER_POINTS]
     points.append(_point("refiner.final_norm", None, "rms_norm", "text", ALL, Tap("token_refiner.final_norm")))
     points += [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _STEM_POINTS]
     for i in range(config.num_layers):
         prefix = f"transformer_blocks.{i}"
-        points += [_point(f"blocks.{i}.{s}", i, op, rows, sh, _tap(prefix, tap)) for s, op, rows, sh, tap in BLOCK_POINTS]
+        points += [_point(f"blocks.{i}.{s}", i, op, rows, sh, _tap(prefix, tap))
+                   for s, op, rows, sh, tap in BLOCK_POINTS]
     points += [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _END_POINTS]
     return tuple(points)
 
