@@ -7,7 +7,8 @@
 # each cut at what is left of DEADLINE_S seconds (a cut launch keeps the topologies it finished: the script
 # rewrites its JSON after each), then the launches merged into
 # $OUT/distributed_shared_device_full_depth.json. Run ON THE DEVICE MACHINE after `. benchmarks/gpu_env.sh`;
-# on CPU, `LAYERS=1 TINY=--tiny SMALL=tiny-64x64x22f LARGE=tiny-64x64x22f bash benchmarks/shared_full_depth.sh` is
+# ONLY="shared4 shared2_large" runs just the named launches (a second call for what a first one left).
+# On CPU, `LAYERS=1 TINY=--tiny SMALL=tiny-64x64x22f LARGE=tiny-64x64x22f bash benchmarks/shared_full_depth.sh` is
 # the dry run (tiny config, interpreter; hours on a small host).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ files=()
 launch() {  # launch NAME RANKS ARGS...
     local name=$1 n=$2 left
     shift 2
+    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these launches
     left=$(( deadline - $(date +%s) ))
     if (( left < 20 )); then echo "=== $name skipped: deadline" | tee -a "$out/log.txt"; return; fi
     echo "=== $name: $n ranks, $left s left ($(date -u +%H:%M:%S))" | tee -a "$out/log.txt"

@@ -189,64 +189,30 @@ Sink = Callable[[int, Point, torch.Tensor], None]
 
 class DiffusersTaps:
     """Forward hooks on Diffusers' `MiniMaxH3Transformer3DModel` modules that expose the H3 hook points a module
-    boundary can give (module output == hook-point tensor, byte for byte): projections, norms, q/k/v, Q/K norms,
-    O-proj, FFN up/SwiGLU/down, block outputs (`residual2`), AdaLN table, timestep sinusoid/MLP, RoPE tables, final
-    norm/table/modulation, heads and the two outputs. Inline arithmetic (modulate, RoPE application, attention,
-    residual1, pack) has no module and is not captured."""
+    boundary can give (module output == hook-point tensor, byte for byte): each point's `Tap` in the hook-point table
+    (`h3lab.model.hooks`) names the module and what to take of its output. Inline arithmetic (modulate, RoPE
+    application, attention, residual1, pack) has no module and is not captured."""
 
     def __init__(self, model: Any, emit: Callable[[str, torch.Tensor], None]):
+        from .config import H3Config
+        from .model.hooks import hook_points
+
         self.handles = []
         self.emit = emit
-        tap = self._tap
-        tap(model.proj_in, "video_proj_in")
-        tap(model.audio_proj_in, "audio_proj_in")
-        tap(model.context_embedder, "text_proj_in")
-        for i, blk in enumerate(model.token_refiner.refiner_blocks):
-            self._block(blk, f"refiner.{i}.")
-            tap(blk, f"refiner.{i}.residual2")
-        tap(model.token_refiner.final_norm, "refiner.final_norm")
-        tap(model.time_proj, "time_sinusoid")
-        tap(model.time_embedder, "time_mlp")
-        self.handles.append(model.rope.register_forward_hook(self._rope))
-        for i, blk in enumerate(model.transformer_blocks):
-            self.handles.append(blk.adaln_proj.register_forward_hook(self._table(f"blocks.{i}.adaln_table")))
-            self._block(blk, f"blocks.{i}.")
-            tap(blk, f"blocks.{i}.residual2")
-        tap(model.norm_out.linear, "final_table")
-        tap(model.norm_out.norm, "final_norm")
-        tap(model.norm_out, "final_modulate")
-        tap(model.proj_out, "video_head")
-        tap(model.audio_proj_out, "audio_head")
-        self.handles.append(model.register_forward_hook(self._outputs))
+        for p in hook_points(H3Config.from_dict(dict(model.config))):
+            if p.tap is not None:
+                module = model.get_submodule(p.tap.module)
+                self.handles.append(module.register_forward_hook(self._tap(p.name, p.tap.take)))
 
-    def _tap(self, module: torch.nn.Module, name: str) -> None:
-        self.handles.append(module.register_forward_hook(lambda _m, _a, out: self.emit(name, out)))
+    def _tap(self, name: str, take: Any):
+        def hook(_m, _a, out) -> None:
+            if take == "cat":  # adaln_proj returns the six chunks of the (T*3, 6*hidden) table: their concatenation
+                out = torch.cat(out, dim=-1)
+            elif take is not None:  # a tuple, or Diffusers' output object (indexable in field order)
+                out = out[take]
+            self.emit(name, out)
 
-    def _block(self, blk: torch.nn.Module, p: str) -> None:
-        tap = self._tap
-        tap(blk.norm1, p + "norm1")
-        for proj, name in ((blk.attn.to_q, "q"), (blk.attn.to_k, "k"), (blk.attn.to_v, "v")):
-            tap(proj, p + name)
-        tap(blk.attn.norm_q, p + "q_norm")
-        tap(blk.attn.norm_k, p + "k_norm")
-        tap(blk.attn.to_out[0], p + "o_proj")
-        tap(blk.norm2, p + "norm2")
-        tap(blk.ff.net[0].proj, p + "ffn_up")
-        tap(blk.ff.net[0], p + "swiglu")
-        tap(blk.ff.net[2], p + "ffn_down")
-
-    def _rope(self, _m, _a, out) -> None:
-        self.emit("rope_cos", out[0])
-        self.emit("rope_sin", out[1])
-
-    def _table(self, name: str):
-        # adaln_proj returns the six chunks of the (T*3, 6*hidden) table; their concatenation is the table's bytes.
-        return lambda _m, _a, out: self.emit(name, torch.cat(out, dim=-1))
-
-    def _outputs(self, _m, _a, out) -> None:
-        video, audio = (out[0], out[1]) if isinstance(out, tuple) else (out.sample, out.audio_sample)
-        self.emit("video_out", video)
-        self.emit("audio_out", audio)
+        return hook
 
     def remove(self) -> None:
         for h in self.handles:

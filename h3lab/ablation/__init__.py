@@ -3,9 +3,11 @@ by the first-drift localiser.
 
 Contract
 --------
-`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — with the factor it changes, how the
-change is applied (op override / hook / layout change / sampler change / input change / model change / control),
-the runtime mode and scope it runs in, and its `Expected` signature:
+`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — and RL1 (issue 21's rollout-vs-training
+ratio: 1.0 exactly in strict, a planted batch-position change in `off` moves it and drifts first at `video_proj_in`;
+`ratio.py`), each with the factor it changes, how the change is applied (op override / hook / layout change /
+sampler change / input change / model change / control), the runtime mode and scope it runs in, and its `Expected`
+signature:
 
   PASS      the two arms are byte-equal at every compared point (the drift report is `equal`);
   DRIFT     the first drift is at exactly `point` in pass `step` (-1 = scheduler construction), and, where given,
@@ -63,27 +65,25 @@ only the bench keeps those (`parts["x0"]`); a generation's sealed inputs hold th
 
 The steppers of H9 and H13 are registered by name ("negated_velocity", "reordered_euler").
 
-Modules: `matrix.py` (rows, factors, probes, runner), `bench.py` (the bench and its seeded inputs), `distributed.py`
+Modules, one job each: `bench.py` (the bench and its seeded inputs), `factors.py` (the factor transforms, their
+`TABLE`, the `RunSpec.factors` provider: `check_factors`, `apply_factors`), `probes.py` (how the other rows build
+their arms, and the checks of the rows without two arms), `matrix.py` (the rows and the runner), `distributed.py`
 (the distributed rows on local gloo ranks: research over the distributed room, so the production room never
-imports `drift`). May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime;
-`distributed.py` also the distributed room.
+imports `drift`), `faults.py` (the A4 / H17 / A7 faults as a wrapper around a placement, never a branch in it),
+`ratio.py` (RL1). May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime;
+`distributed.py` and `faults.py` also the distributed room, `ratio.py` the training room (`grpo_step`).
 """
 
 from .bench import Bench, make_inputs, tiny_bench
+from .factors import FACTORS, TABLE, AblationError, Factor, _full_head_rope, apply_factors, check_factors
 from .matrix import (
-    FACTORS,
     KINDS,
     ORDER,
     PASS,
     ROWS,
     Ablation,
-    AblationError,
     Expected,
-    _factor_probe,
-    _full_head_rope,
     _observe,
-    apply_factors,
-    check_factors,
     compare,
     drift_at,
     format_table,
@@ -91,9 +91,10 @@ from .matrix import (
     run_matrix,
     summarize,
 )
+from .probes import factor_probe
 
 __all__ = [
-    "FACTORS", "KINDS", "ORDER", "PASS", "ROWS", "Ablation", "AblationError", "Bench", "Expected", "apply_factors",
-    "check_factors", "drift_at", "format_table", "make_inputs", "run_ablation", "run_matrix", "summarize",
-    "tiny_bench",
+    "FACTORS", "KINDS", "ORDER", "PASS", "ROWS", "TABLE", "Ablation", "AblationError", "Bench", "Expected", "Factor",
+    "apply_factors", "check_factors", "drift_at", "factor_probe", "format_table", "make_inputs", "run_ablation",
+    "run_matrix", "summarize", "tiny_bench",
 ]

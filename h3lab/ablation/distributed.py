@@ -3,7 +3,7 @@ Triton's interpreter there): A4, A7, C0, H17, H-C4, H-C5 (RFC section 6). `h3lab
 the result against each row's signature; this module runs their arms.
 
 A row is one or more comparisons of two arms on the ablation bench's spec and model, each arm one process
-(`None`) or a placement with, for the fault probes, a `placement.Faults`:
+(`None`) or a placement wrapped, for the fault probes, in a `faults.FaultyPlacement`:
 
   H-C4  one process vs tp T for every T in {2, 4, 8} the bench's config admits (<= 4 local ranks): trajectory scope
   H-C5  one process vs cp C for every C in {2, 3, 4} it admits (uneven row shards): trajectory scope
@@ -139,7 +139,9 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     from ..run import RunSpec
     from ..distributed.field import check_placement
     from ..distributed.mesh import init_mesh
-    from ..distributed.placement import Faults, OwnershipError, parallelize
+    from ..distributed.apply import parallelize
+    from ..distributed.placement import OwnershipError
+    from .faults import Faults, faulty
 
     spec = RunSpec.from_dict(job["spec"], job["tensors"])
     mesh = None
@@ -152,7 +154,9 @@ def _rank(rank: int, world: int, job: dict) -> dict:
             if mesh is None:
                 mesh = init_mesh(tp=value["tp"], cp=value["cp"], sp=value["sp"], device="cpu",
                                  row_parallel=value["row_parallel"])
-            parallelize(model, mesh, faults=Faults(**(arm.faults or {})))
+            placement = parallelize(model, mesh)
+            if arm.faults:
+                faulty(placement, Faults(**arm.faults))
             arm_spec = spec.replace(placement=value)
         arms.append(Execution(arm_spec, model, label=arm.label, scope=job["scope"]))
     t0 = time.perf_counter()

@@ -15,9 +15,13 @@ rows. Three things make that true here, and each file holds one:
 - `plan.py`         the declarative plan at Diffusers' module paths (`TP_PLAN`: style + reason per entry; `CP_PLAN`:
                     where rows are cut and gathered, where heads are exchanged) and the weight sharding it implies,
                     with its exact inverse.
-- `placement.py`    `parallelize(model, mesh)`: the plan applied to a built `H3Transformer` from outside (weights
-                    sharded in place, module hooks, the runtime's placement layer, the hook view, the per-forward
-                    agreement of every rank); `placement_of(model)`; `Faults` for the ablation probes.
+- `apply.py`        `apply_plan(model, mesh, TP_PLAN, CP_PLAN)` / `remove_plan(model)`: the plan applied to a built
+                    `H3Transformer` from outside (weights sharded in place, the plans interpreted as hooks) and
+                    undone; `parallelize(model, mesh)` (the model's plans); `wrap_placement` (a research wrapper,
+                    e.g. the ablation's fault probes in `h3lab.ablation.faults`, takes a placement's place).
+- `placement.py`    `Placement`: the interpretation of the plans (module hooks, the runtime's placement layer, the
+                    hook view from each hook point's `Sharded` layout, the per-forward agreement of every rank);
+                    `placement_of(model)`, `row_owner`.
 - `field.py`        the `RunSpec.placement` provider (`{"tp", "cp", "sp", "row_parallel"}`): a sealed run records
                     its topology and replays on it.
 - `follow.py`       lead / follow: rank 0 runs a front end, the other ranks its forwards (torchrun CLI).
@@ -54,14 +58,16 @@ from .collectives import (
 from .errors import DistributedError, TopologyError
 from .field import check_placement
 from .mesh import Mesh, Topology, check_config, init_mesh, supported_tp
-from .placement import Faults, OwnershipError, Placement, parallelize, placement_of
+from .apply import apply_plan, parallelize, remove_plan, wrap_placement
+from .placement import OwnershipError, Placement, placement_of
 from .plan import CP_PLAN, TP_PLAN, PlanEntry, shard_parameters_, shard_state_dict, unshard_state_dict
 from .shards import RowShards, cat_grouped, split_grouped, tree_strategy
 
 __all__ = [
-    "CP_PLAN", "CollectiveLog", "CollectiveRecord", "DistributedError", "Faults", "Mesh", "OwnershipError",
+    "CP_PLAN", "CollectiveLog", "CollectiveRecord", "DistributedError", "Mesh", "OwnershipError",
     "Placement", "PlanEntry", "RowShards", "TP_PLAN", "Topology", "TopologyError", "begin_log", "cat_grouped",
     "check_config", "check_placement", "gather_columns", "gather_rows", "heads_to_rows", "init_mesh", "last_log",
     "parallelize", "placement_of", "row_parallel_tree", "rows_to_heads", "scatter_rows", "shard_parameters_",
     "shard_state_dict", "split_grouped", "supported_tp", "tree_strategy", "ulysses_attention", "unshard_state_dict",
+    "apply_plan", "remove_plan", "wrap_placement",
 ]

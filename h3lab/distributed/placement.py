@@ -1,8 +1,9 @@
-"""`parallelize(model, mesh)`: the TP / CP (Ulysses) / SP plan of `plan.py` applied to a built `H3Transformer` from
-outside. The model's code stays single-device; its forward keeps its signature and returns the full video / audio
-velocities on every rank, byte-equal (strict) to one process for the same logical rows.
+"""`Placement`: the TP / CP (Ulysses) / SP plans of `plan.py` interpreted on a built `H3Transformer` from outside
+(`apply.apply_plan` / `parallelize` build it, `apply.remove_plan` undoes it). The model's code stays single-device;
+its forward keeps its signature and returns the full video / audio velocities on every rank, byte-equal (strict) to
+one process for the same logical rows.
 
-What `parallelize` does (in place, once per model):
+What the interpretation (`Placement._install`) amounts to for the model's plans:
 - TP (tp > 1): `plan.shard_parameters_` with the mesh's row-parallel strategy (a model that holds only its shard
   already, `shard_load.load_sharded_transformer` / `random_sharded_transformer`, is checked and kept as it is). q/k/v
   and `ff.net.0.proj` are column-parallel (whole heads; matching `[value_r; gate_r]`), their outputs stay sharded
@@ -38,11 +39,14 @@ a trainable weight compute it over the gathered rows); TP / SP forwards are forw
 the plan's (`OwnershipError`) makes the run non-comparable: every rank refuses it before computing.
 
 Hooks: a hook registered on the model sees, at every point it selects, the tensor one process has there (the view
-gathers rows over SP then CP, columns or heads over TP); a replacement is cut back to each rank's shard and must be
+gathers rows over SP then CP, columns or heads over TP, by the point's `Sharded` layout in the hook-point table,
+`model/hooks.py`); a replacement is cut back to each rank's shard and must be
 made on every rank alike (checked). Reshaping hooks are refused on a sharded forward.
 
-`Faults` exist only for the ablation matrix's distributed probes (A4 rows given to the wrong rank, H17 metadata not
-co-sharded, A7 a ring-attention KV-block plan with its merge order): never for a run.
+Seams: `frame(seq_len)` (the rows this rank holds), `scatter` (block 0's cut of the packed rows) and `attention` (the
+served block attention) are the methods a research wrapper may override; `wrap_placement(placement, wrap)` puts such
+a wrapper in the placement's place on its model. The ablation matrix's fault probes (`h3lab.ablation.faults`) are
+one; this module has no fault branch.
 """
 
 from __future__ import annotations
@@ -50,10 +54,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import math
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -63,8 +66,8 @@ from torch import nn
 from h3kernels import gemm
 
 from .. import runtime
-from ..hashing import model_fingerprint, tensor_digest
-from ..model.hooks import HookPoint, use_view
+from ..hashing import tensor_digest
+from ..model.hooks import HookPoint, sharded_layout, use_view
 from . import autograd as mesh_autograd
 from .collectives import (
     CollectiveLog,
@@ -76,8 +79,18 @@ from .collectives import (
     ulysses_attention,
 )
 from .errors import DistributedError, TopologyError
-from .mesh import Mesh, Topology, check_config
-from .plan import TP_PLAN, _full_shape, column_groups, shard_parameters_, split_rule
+from .mesh import Mesh, Topology
+from .plan import (
+    CP_PLAN,
+    TP_PLAN,
+    HeadExchange,
+    PlanEntry,
+    RowGather,
+    RowSplit,
+    StreamSplit,
+    column_groups,
+    module_regex,
+)
 from .shards import RowShards, split_grouped
 
 
@@ -86,33 +99,11 @@ class OwnershipError(DistributedError):
 
 
 @dataclass(frozen=True)
-class Faults:
-    """Deliberate plan faults for the ablation matrix's distributed probes (never for a run).
-    rotate_rows (A4): CP rank i holds the rows (and their metadata) of shard (i + 1) % cp.
-    local_metadata (H17): the hidden rows are sharded, the per-row metadata is not: local row j reads global row j.
-    ring_merge (A7): block attention as a ring plan -- the keys in 2 * cp blocks (each CP shard halved), an online
-      softmax over them with the running output rounded to the activation dtype after every block -- merged in
-      "canonical" block order on every rank, or in "rank" order (each rank starts from its own shard)."""
-
-    rotate_rows: bool = False
-    local_metadata: bool = False
-    ring_merge: str = ""
-
-    def __post_init__(self) -> None:
-        if self.ring_merge not in ("", "canonical", "rank"):
-            raise DistributedError(f"ring_merge={self.ring_merge!r}: must be '', 'canonical' or 'rank'")
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in (("rotate_rows", self.rotate_rows), ("local_metadata", self.local_metadata),
-                                  ("ring_merge", self.ring_merge)) if v}
-
-
-@dataclass(frozen=True)
 class Frame:
     """The rows of one forward on this rank. `cp_rows` cuts the S packed rows over the CP group, `sp_rows` (SP only)
     this CP shard over the TP group. [cp_lo, cp_hi) / [lo, hi): the packed rows this rank holds at the CP level /
     in its residual stream (SP level; equal without SP). meta_*: the rows its per-row metadata is cut to (the same
-    but under the H17 fault)."""
+    rows; a research wrapper may plant others, e.g. the ablation's H17 fault)."""
 
     seq_len: int
     cp_rows: RowShards
@@ -140,28 +131,6 @@ _frame: contextvars.ContextVar[Frame | None] = contextvars.ContextVar("h3lab_pla
 _PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _ANNOUNCERS: list[Callable[["Placement", dict], None]] = []  # lead mode (follow.py): tell the other ranks
 
-# Hook points by layout: which rows a point's tensor holds on a rank ("sp": its residual-stream rows, "cp": its CP
-# shard, absent: all rows) and which columns ((groups,) on the last axis, "heads" on axis 2; absent: all).
-_SP_POINTS = {"norm1", "modulate1", "o_proj", "residual1", "norm2", "modulate2", "ffn_down", "residual2"}
-_CP_POINTS = {"q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attention", "ffn_up", "swiglu"}
-_COLUMNS = {"q": 1, "k": 1, "v": 1, "ffn_up": 2, "swiglu": 1, "q_norm": "heads", "k_norm": "heads",
-            "q_rope": "heads", "k_rope": "heads", "attention": "heads"}
-
-
-def point_layout(name: str) -> tuple[str, Any]:
-    """(rows, columns) of hook point `name` on a rank: rows "sp" | "cp" | "all"; columns None | groups | "heads"."""
-    parts = name.split(".")
-    if parts[0] in ("blocks", "refiner") and len(parts) == 3:
-        suffix = parts[2]
-        rows = "all"
-        if parts[0] == "blocks":
-            rows = "sp" if suffix in _SP_POINTS else "cp" if suffix in _CP_POINTS else "all"
-        return rows, _COLUMNS.get(suffix)
-    if name in ("final_norm", "final_modulate"):
-        return "sp", None
-    return "all", None
-
-
 def row_owner(placement: Mapping[str, Any], point: str, packed_row: int, seq_len: int) -> dict:
     """Who holds packed row `packed_row` of `seq_len` at hook point `point` under a `RunSpec.placement` value: the
     global rank(s), the CP rank, the TP rank (SP points; else every TP rank of the CP group holds the row, its
@@ -169,7 +138,7 @@ def row_owner(placement: Mapping[str, Any], point: str, packed_row: int, seq_len
     tp, cp, sp = int(placement.get("tp", 1)), int(placement.get("cp", 1)), bool(placement.get("sp", False))
     cp_rows = RowShards(seq_len, cp, "cp")
     i, local = cp_rows.owner(packed_row)
-    rows, _ = point_layout(point)
+    rows = sharded_layout(point).rows  # the hook-point table's layout (model/hooks.py)
     if rows == "all":
         where = "computed on every rank at this point"
         return {"ranks": list(range(tp * cp)), "cp": i, "tp": None, "local_row": local,
@@ -202,8 +171,11 @@ def add_announcer(fn: Callable[["Placement", dict], None]) -> Callable[[], None]
 class Placement:
     """A model's placement on one rank (see the module docstring). Build with `parallelize`."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, name: str, faults: Faults, split: list[str]):
-        self.model, self.mesh, self.name, self.faults, self.split = model, mesh, name, faults, split
+    def __init__(self, model: nn.Module, mesh: Mesh, name: str, split: list[str],
+                 tp_plan: Mapping[str, PlanEntry] = TP_PLAN, cp_plan: Mapping[str, tuple] = CP_PLAN):
+        self.model, self.mesh, self.name, self.split = model, mesh, name, split
+        self.tp_plan, self.cp_plan = tp_plan, cp_plan
+        self._tree, self._exchanged = False, frozenset()  # set by `_install` from the plans
         t = mesh.topology
         self.tp, self.cp, self.sp = t.tp, t.cp, t.sp
         self.world = t.world_size
@@ -233,8 +205,6 @@ class Placement:
         frame = _frame.get()
         if frame is not None:
             out["rows"] = frame.to_dict()
-        if self.faults.to_dict():
-            out["faults"] = self.faults.to_dict()
         return out
 
     # ----------------------------------------------------------------------------------------------- forward
@@ -286,15 +256,14 @@ class Placement:
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] < 1:
             return None, problem or f"position_ids must be an (S, 3) tensor, got {type(position_ids).__name__}"
         try:
-            return self._frame(int(position_ids.shape[0])), problem
+            return self.frame(int(position_ids.shape[0])), problem
         except TopologyError as exc:
             return None, problem or f"topology {self.topology.name}: {exc}"
 
-    def _frame(self, seq_len: int) -> Frame:
+    def frame(self, seq_len: int, cp_part: int | None = None) -> Frame:
+        """The rows of a forward over `seq_len` packed rows on this rank (CP part `cp_part`: default the rank's)."""
         cp_rows = self.mesh.row_shards(seq_len)
-        cp_part = self.mesh.local_rank("cp")
-        if self.faults.rotate_rows:
-            cp_part = (cp_part + 1) % self.cp
+        cp_part = self.mesh.local_rank("cp") if cp_part is None else cp_part
         cp_lo, cp_hi = cp_rows.bounds(cp_part)
         sp_rows, sp_part, lo, hi = None, 0, cp_lo, cp_hi
         if self.sp:
@@ -302,10 +271,7 @@ class Placement:
             sp_part = self.mesh.local_rank("tp")
             a, b = sp_rows.bounds(sp_part)
             lo, hi = cp_lo + a, cp_lo + b
-        meta_cp, meta_sp = (cp_lo, cp_hi), (lo, hi)
-        if self.faults.local_metadata:
-            meta_cp, meta_sp = (0, cp_hi - cp_lo), (0, hi - lo)
-        return Frame(seq_len, cp_rows, cp_part, sp_rows, sp_part, cp_lo, cp_hi, lo, hi, meta_cp, meta_sp)
+        return Frame(seq_len, cp_rows, cp_part, sp_rows, sp_part, cp_lo, cp_hi, lo, hi, (cp_lo, cp_hi), (lo, hi))
 
     def _agree(self, arguments: Mapping[str, Any], frame: Frame | None, problem: str) -> None:
         """One exchange before any work: every rank raises the same error, or none does."""
@@ -335,14 +301,14 @@ class Placement:
         frame = _frame.get()
         if frame is None:
             return None
-        if name == "linear_tree" and self.tp > 1:
+        if name == "linear_tree" and self._tree:
             return lambda x, weight, bias=None: self._row_parallel(ops, point, frame, x, weight, bias)
         if (name in ("linear", "linear_tree") and self.cp > 1 and torch.is_grad_enabled()
                 and point.startswith("blocks.") and ".adaln_table" not in point):
             return lambda x, weight, bias=None: mesh_autograd.linear(name, ops, point, x, weight, bias, self.mesh,
                                                                      frame.cp_rows)
-        if name == "attention" and self.cp > 1 and point.startswith("blocks."):
-            return lambda q, k, v, key_order=None: self._attention(ops, point, frame, q, k, v, key_order)
+        if name == "attention" and point in self._exchanged:
+            return lambda q, k, v, key_order=None: self.attention(ops, point, frame, q, k, v, key_order)
         return None
 
     def _row_parallel(self, ops, point, frame: Frame, x, weight, bias):
@@ -354,7 +320,7 @@ class Placement:
         if ops.mode != "strict":
             raise DistributedError(f"{point}: the row-parallel linear_tree of topology {self.topology.name} runs in "
                                    f"mode strict only (mode {ops.mode!r})")
-        out_rows = frame.sp_rows if point.startswith("blocks.") else None
+        out_rows = frame.sp_rows if sharded_layout(point).rows == "sp" else None  # the block stack's stream rows
         strategy = self.topology.strategy
         ops.log_served("linear_tree", point, {
             "kernel_id": f"h3lab.distributed.row_parallel_tree[{strategy}]/h3kernels.gemm.tree",
@@ -363,9 +329,8 @@ class Placement:
         }, (x, weight, bias))
         return row_parallel_tree(x, weight, bias, self.mesh, out_rows=out_rows, point=point)
 
-    def _attention(self, ops, point, frame: Frame, q, k, v, key_order):
-        if self.faults.ring_merge:
-            return self._ring_attention(ops, point, frame, q, k, v, key_order)
+    def attention(self, ops, point: str, frame: Frame, q, k, v, key_order):
+        """Block attention on the CP shards: `ulysses_attention` around the mode's attention op (overrides included)."""
 
         def inner(qh, kh, vh, order):
             return ops.dispatch("attention", point, (qh, kh, vh, order))
@@ -374,44 +339,10 @@ class Placement:
             return mesh_autograd.ulysses_attention(q, k, v, key_order, self.mesh, frame.cp_rows, inner, point=point)
         return ulysses_attention(q, k, v, key_order, self.mesh, frame.cp_rows, attention=inner, point=point)
 
-    def _ring_attention(self, ops, point, frame: Frame, q, k, v, key_order):
-        """The A7 fault: a ring-attention KV-block plan (module docstring), computed in float32 torch."""
-        if key_order is not None:
-            raise DistributedError(f"{point}: the ring-merge fault supports canonical layouts only (key_order=None)")
-        keys = gather_rows(k, self.mesh, frame.cp_rows, dim=1, point=point)
-        values = gather_rows(v, self.mesh, frame.cp_rows, dim=1, point=point)
-        blocks = []
-        for part in range(self.cp):
-            lo, hi = frame.cp_rows.bounds(part)
-            mid = lo + (hi - lo + 1) // 2
-            blocks += [(lo, mid), (mid, hi)]
-        blocks = [b for b in blocks if b[1] > b[0]]
-        if self.faults.ring_merge == "rank":
-            start = 2 * frame.cp_part
-            blocks = blocks[start:] + blocks[:start]
-        qf = q.float().permute(0, 2, 1, 3)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out = lse = None
-        for lo, hi in blocks:
-            kf = keys[:, lo:hi].float().permute(0, 2, 1, 3)
-            vf = values[:, lo:hi].float().permute(0, 2, 1, 3)
-            s = qf @ kf.transpose(-1, -2) * scale
-            block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-            block_out = torch.softmax(s, dim=-1) @ vf
-            if out is None:
-                out, lse = block_out.to(q.dtype), block_lse
-                continue
-            new = torch.logaddexp(lse, block_lse)
-            out = (out.float() * torch.exp(lse - new) + block_out * torch.exp(block_lse - new)).to(q.dtype)
-            lse = new
-        ops.log_served("attention", point, {"kernel_id": f"fault:ring_merge[{self.faults.ring_merge}]", "tile": "",
-                                            "acc_dtype": "float32"}, (q, k, v))
-        return out.permute(0, 2, 1, 3).contiguous()
-
     # ------------------------------------------------------------------------------------------- hook view
     def to_global(self, point: HookPoint, tensor: torch.Tensor) -> torch.Tensor:
         frame = self._current(point.name)
-        rows, cols = point_layout(point.name)
+        rows, cols = point.sharded
         t = tensor
         if cols is not None and self.tp > 1:
             if cols == "heads":
@@ -433,7 +364,7 @@ class Placement:
                 f"a hook at {point.name} returned shape {list(tensor.shape)} on topology {self.topology.name}: on a "
                 f"sharded forward a replacement keeps the one-process shape {list(want)} (no reshaping)"
             )
-        rows, cols = point_layout(point.name)
+        rows, cols = point.sharded
         t = tensor
         if rows in ("sp", "cp") and self.cp > 1:
             t = frame.cp_rows.take(t, frame.cp_part, 1)
@@ -469,64 +400,89 @@ class Placement:
                                    "the model's forward (call the model itself)")
         return frame
 
-    # --------------------------------------------------------------------------------------- module hooks
-    def _cut(self, t: torch.Tensor, level: str, dim: int, metadata: bool) -> torch.Tensor:
+    # ------------------------------------------------------------------------ the plan, interpreted as hooks
+    def cut(self, t: torch.Tensor, level: str, dim: int, metadata: bool) -> torch.Tensor:
+        """`t` narrowed along `dim` to this rank's rows at `level` ("cp" or "sp": the residual-stream rows); per-row
+        `metadata` by the frame's metadata rows."""
         frame = self._current("row cut")
         lo, hi = (frame.meta_cp if level == "cp" else frame.meta_sp) if metadata else (
             (frame.cp_lo, frame.cp_hi) if level == "cp" else (frame.lo, frame.hi))
         return t.narrow(dim, lo, hi - lo)
 
-    def _block_pre(self, index: int):
-        signature = inspect.signature(type(self.model.transformer_blocks[index]).forward)
-
-        def hook(module, args, kwargs):
-            a = signature.bind(module, *args, **kwargs).arguments
-            frame = self._current(f"transformer_blocks.{index}")
-            x, indices = a["x"], a["adaln_indices"]
-            if index == 0 and x.shape[1] == frame.seq_len:
-                x = self._scatter(x, indices, frame)
-            if x.shape[1] != frame.hi - frame.lo:
-                raise DistributedError(
-                    f"transformer_blocks.{index}: hidden rows {x.shape[1]} on rank {self.mesh.rank} of "
-                    f"{self.topology.name}; this rank holds packed rows [{frame.lo}, {frame.hi}) of {frame.seq_len}"
-                )
-            a["x"] = x
-            a["adaln_indices"] = self._cut(indices, "sp", 0, metadata=True)
-            del a["self"]
-            return (), dict(a)
-
-        return hook
-
-    def _scatter(self, x: torch.Tensor, indices: torch.Tensor, frame: Frame) -> torch.Tensor:
-        """Block 0's cut of the packed rows (logged as the co-sharding of the rows and their AdaLN indices)."""
-        if self.faults.to_dict():
-            return self._cut(x, "sp", 1, metadata=False).contiguous()
+    def scatter(self, x: torch.Tensor, metadata: Mapping[str, torch.Tensor], frame: Frame, point: str) -> torch.Tensor:
+        """The cut of the packed rows where they arrive whole (logged at `point` as the co-sharding of the rows and
+        their per-row `metadata`, by name)."""
         grad = torch.is_grad_enabled() and x.requires_grad
-        shards = scatter_rows({"hidden_states": x.detach() if grad else x, "adaln_indices": indices}, self.mesh,
-                              frame.cp_rows, point="transformer_blocks.0")
+        shards = scatter_rows({"hidden_states": x.detach() if grad else x, **metadata}, self.mesh, frame.cp_rows,
+                              point=point)
         if grad:  # training (CP only): the cut's backward all-gathers the rows' gradients (autograd.py)
-            return mesh_autograd.scatter_rows(x, self.mesh, frame.cp_rows, frame.cp_part, "transformer_blocks.0")
+            return mesh_autograd.scatter_rows(x, self.mesh, frame.cp_rows, frame.cp_part, point)
         if frame.sp_rows is not None:
-            shards = scatter_rows(shards, self.mesh, frame.sp_rows, point="transformer_blocks.0")
+            shards = scatter_rows(shards, self.mesh, frame.sp_rows, point=point)
         return shards["hidden_states"].contiguous()  # a row slice of a batch > 1 is strided; kernels want rows
 
-    def _rope_post(self, module, args, output):
-        cos, sin = output
-        return self._cut(cos, "cp", 0, metadata=True), self._cut(sin, "cp", 0, metadata=True)
+    def _apply_in(self, path: str, entry, value, frame: Frame, bound: Mapping[str, Any]):
+        """One CP_PLAN entry on one input of module `path`."""
+        if isinstance(entry, RowSplit):
+            return self.cut(value, entry.rows, entry.dim, metadata=True)
+        if isinstance(entry, RowGather):
+            return gather_rows(value, self.mesh, frame.sp_rows, dim=entry.dim, point=path)
+        # StreamSplit: the packed rows, cut where they arrive whole, then checked
+        if value.shape[1] == frame.seq_len:
+            value = self.scatter(value, {entry.with_: bound[entry.with_]}, frame, path)
+        if value.shape[1] != frame.hi - frame.lo:
+            raise DistributedError(
+                f"{path}: hidden rows {value.shape[1]} on rank {self.mesh.rank} of {self.topology.name}; this rank "
+                f"holds packed rows [{frame.lo}, {frame.hi}) of {frame.seq_len}"
+            )
+        return value
 
-    def _gather_sp(self, where: str):
-        def hook(module, args):
-            frame = self._current(where)
-            x, *rest = args
-            return (gather_rows(x, self.mesh, frame.sp_rows, dim=1, point=where), *rest)
+    def _pre_hook(self, path: str, module: nn.Module, entries: tuple):
+        """A forward pre-hook applying `entries` (input entries of CP_PLAN) in order. Entries naming arguments bind
+        the call's arguments and pass them back by name; entries of positional inputs only keep the call's form."""
+        named = any(isinstance(e.what, str) for e in entries)
+        if named:
+            signature = inspect.signature(type(module).forward)
 
-        return hook
+            def hook(mod, args, kwargs):
+                frame = self._current(path)
+                a = signature.bind(mod, *args, **kwargs).arguments
+                for entry in entries:
+                    a[entry.what] = self._apply_in(path, entry, a[entry.what], frame, a)
+                del a["self"]
+                return (), dict(a)
 
-    def _norm_out_pre(self, module, args, kwargs):
-        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
-        bound["timestep_indices"] = self._cut(bound["timestep_indices"], "sp", 0, metadata=True)
-        del bound["self"]
-        return (), dict(bound)
+            return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+        def positional(mod, args):
+            frame = self._current(path)
+            args = list(args)
+            for entry in entries:
+                args[entry.what] = self._apply_in(path, entry, args[entry.what], frame, {})
+            return tuple(args)
+
+        return module.register_forward_pre_hook(positional)
+
+    def _post_hook(self, path: str, module: nn.Module, entries: tuple):
+        """A forward hook applying output `entries` in order: RowSplit of output items, RowGather of the output."""
+
+        def hook(mod, args, output):
+            frame = self._current(path)
+            for entry in entries:
+                if isinstance(entry, RowSplit):
+                    items = list(output)
+                    items[entry.what] = self.cut(items[entry.what], entry.rows, entry.dim, metadata=True)
+                    output = tuple(items)
+                else:  # RowGather of the output: SP rows, then CP rows
+                    if frame.sp_rows is not None:
+                        output = gather_rows(output, self.mesh, frame.sp_rows, dim=entry.dim, point=path)
+                    if entry.to == "all" and self.cp > 1:
+                        output = (mesh_autograd.gather_rows_grad(output, self.mesh, frame.cp_rows, frame.cp_part,
+                                                                 point=path) if entry.dim == 1  # with its backward
+                                  else gather_rows(output, self.mesh, frame.cp_rows, dim=entry.dim, point=path))
+            return output
+
+        return module.register_forward_hook(hook)
 
     def _columns_post(self, path: str, groups: int):
         def hook(module, args, output):
@@ -535,42 +491,49 @@ class Placement:
 
         return hook
 
-    def _rows_post(self, path: str):
-        def hook(module, args, output):
-            frame = self._current(path)
-            if frame.sp_rows is not None:
-                output = gather_rows(output, self.mesh, frame.sp_rows, dim=1, point=path)
-            if self.cp > 1:
-                output = mesh_autograd.gather_rows_grad(output, self.mesh, frame.cp_rows, frame.cp_part, point=path)
-            return output
-
-        return hook
-
     def _install(self) -> None:
+        """The plans, interpreted (DESIGN: the plan is data, one interpreter applies it): the root hooks of every
+        forward; TP (tp > 1): a `colwise_adaln` module's output gathered by `gather_columns(groups)`, `rowwise_tree`
+        modules served as the row-parallel tree; CP / SP (cp > 1 or sp): per matched module one pre-hook for its input
+        entries and one forward hook for its output entries, in plan order, `HeadExchange` attention points served
+        as Ulysses attention; a `RowGather` to "cp" exists only under SP."""
         m, add = self.model, self.handles.append
         add(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         add(m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True))
-        config = m.config
+        modules = dict(m.named_modules())
+        self._tree, self._exchanged = False, frozenset()
         if self.tp > 1:
-            for i, block in enumerate(m.transformer_blocks):
-                path = f"transformer_blocks.{i}.adaln_proj.linear"
-                groups = column_groups(path, config.adaln_dim, config)
-                add(block.adaln_proj.linear.register_forward_hook(self._columns_post(path, groups)))
-            groups = column_groups("norm_out.linear", 2 * config.hidden_size, config)
-            add(m.norm_out.linear.register_forward_hook(self._columns_post("norm_out.linear", groups)))
+            for pattern, entry in self.tp_plan.items():
+                for path, module in _matching(modules, pattern, required=False):  # e.g. no refiner blocks
+                    if entry.style == "colwise_adaln":
+                        groups = column_groups(path, module.weight.shape[0] * self.tp, m.config, self.tp_plan)
+                        add(module.register_forward_hook(self._columns_post(path, groups)))
+                    elif entry.style == "rowwise_tree":
+                        if not getattr(module, "tree", False):
+                            raise DistributedError(f"plan entry {pattern!r}: style rowwise_tree on {path}, which does "
+                                                   "not run linear_tree")
+                        self._tree = True
         if self.cp > 1 or self.sp:
-            for i, block in enumerate(m.transformer_blocks):
-                add(block.register_forward_pre_hook(self._block_pre(i), with_kwargs=True))
-                if self.sp:
-                    add(block.attn.register_forward_pre_hook(self._gather_sp(f"transformer_blocks.{i}.attn")))
-                    add(block.ff.register_forward_pre_hook(self._gather_sp(f"transformer_blocks.{i}.ff")))
-            add(m.rope.register_forward_hook(self._rope_post))
-            add(m.norm_out.register_forward_pre_hook(self._norm_out_pre, with_kwargs=True))
-            add(m.proj_out.register_forward_hook(self._rows_post("proj_out")))
-            add(m.audio_proj_out.register_forward_hook(self._rows_post("audio_proj_out")))
+            exchanged = set()
+            for path, entries in _entries_by_module(modules, self.cp_plan):
+                module = modules[path]
+                entries = [e for e in entries if not (isinstance(e, RowGather) and e.to == "cp" and not self.sp)]
+                if any(isinstance(e, HeadExchange) for e in entries) and self.cp > 1:
+                    site = getattr(module, "hook_attention", None)
+                    if site is None:
+                        raise DistributedError(f"plan entry HeadExchange at {path}: the module runs no attention op")
+                    exchanged.add(site.name)
+                inputs = tuple(e for e in entries if isinstance(e, (RowSplit, StreamSplit, RowGather))
+                               and not _is_output(e))
+                outputs = tuple(e for e in entries if _is_output(e))
+                if inputs:
+                    add(self._pre_hook(path, module, inputs))
+                if outputs:
+                    add(self._post_hook(path, module, outputs))
+            self._exchanged = frozenset(exchanged)
 
     def __repr__(self) -> str:
-        return f"Placement({self.name!r}, {self.mesh!r}{', faults ' + str(self.faults.to_dict()) if self.faults.to_dict() else ''})"
+        return f"Placement({self.name!r}, {self.mesh!r})"
 
 
 @contextlib.contextmanager
@@ -620,48 +583,23 @@ def _verdict(records: list[dict], topology: Topology, frame: Frame | None) -> tu
     return "", DistributedError
 
 
-# ==================================================================================================== parallelize
-def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", faults: Faults | None = None) -> Placement:
-    """Apply the TP / CP / SP plan of `mesh.topology` to `model` (an `H3Transformer` on `mesh.device`) in place and
-    return its `Placement` (see the module docstring). The model's fingerprint is taken from the full weights first,
-    so a sharded run records the one-process checkpoint identity. Refused (one line): a model that is not an
-    H3Transformer, one already parallelized, a topology its widths do not admit, parameters off the mesh's device."""
-    if not all(hasattr(model, a) for a in ("config", "transformer_blocks", "hook_points", "norm_out")):
-        raise DistributedError(f"parallelize: {type(model).__name__} is not an h3lab H3Transformer")
-    if placement_of(model) is not None:
-        raise DistributedError(f"parallelize: the model is already parallelized ({placement_of(model)!r})")
-    if not isinstance(mesh, Mesh):
-        raise DistributedError(f"parallelize: mesh is a {type(mesh).__name__}; build it with init_mesh(tp=..., cp=...)")
-    check_config(mesh.topology, model.config)
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    bad = [d for d in devices if d.type != mesh.device.type or (d.type == "cuda" and d != mesh.device)]
-    if bad:
-        raise DistributedError(f"parallelize: the model is on {sorted(map(str, devices))}, the mesh's rank "
-                               f"{mesh.rank} on {mesh.device}: move the model to its rank's device first")
-    faults = faults or Faults()
-    if (faults.rotate_rows or faults.local_metadata or faults.ring_merge) and mesh.topology.cp == 1:
-        raise DistributedError(f"faults {faults.to_dict()} need cp > 1 (topology {mesh.topology.name})")
-    t = mesh.topology
-    held = getattr(model, "h3lab_shard", None)  # set by shard_load: the model holds only its TP shard already
-    if held is not None:
-        want = (t.tp, mesh.local_rank("tp"), t.strategy)
-        if tuple(held) != want:
-            raise DistributedError(f"parallelize: the model holds the shard (tp, rank, strategy) = {tuple(held)}, "
-                                   f"rank {mesh.rank} of {t.name} needs {want}: load the shard for this mesh")
-        if not getattr(model, "fingerprint", ""):
-            raise DistributedError("parallelize: a model holding only its shard needs the full weights' fingerprint "
-                                   "(set by its loader)")
-    if isinstance(getattr(model, "fingerprint", None), str) and not model.fingerprint:
-        model.fingerprint = model_fingerprint(model)  # the full weights' identity, before sharding
-    split = []
-    if held is not None:
-        split = [n for n, p in model.named_parameters()
-                 if split_rule(n, _full_shape(p.shape, n, t.tp, TP_PLAN), model.config, t.tp,
-                               row_parallel=t.row_parallel) is not None]
-    elif t.tp > 1:
-        split = shard_parameters_(model, model.config, t.tp, mesh.local_rank("tp"), row_parallel=t.row_parallel)
-    placement = Placement(model, mesh, name, faults, split)
-    placement._install()
-    model.__dict__["_h3lab_placement"] = placement
-    _PLACEMENTS[model] = weakref.ref(placement)
-    return placement
+def _is_output(entry) -> bool:
+    return (isinstance(entry, RowSplit) and isinstance(entry.what, int)) or (
+        isinstance(entry, RowGather) and entry.what == "output")
+
+
+def _matching(modules: Mapping[str, nn.Module], pattern: str, required: bool = True) -> list[tuple[str, nn.Module]]:
+    regex = module_regex(pattern)
+    hits = [(path, mod) for path, mod in modules.items() if regex.fullmatch(path)]
+    if required and not hits:
+        raise DistributedError(f"plan entry {pattern!r} names no module of the model")
+    return hits
+
+
+def _entries_by_module(modules: Mapping[str, nn.Module], cp_plan: Mapping[str, tuple]) -> list[tuple[str, list]]:
+    """(module path, its CP_PLAN entries in plan order) for every module some entry names, in module order."""
+    found: dict[str, list] = {}
+    for pattern, entries in cp_plan.items():
+        for path, _ in _matching(modules, pattern):
+            found.setdefault(path, []).extend(entries)
+    return [(path, found[path]) for path in modules if path in found]

@@ -27,9 +27,13 @@ Every sharding function takes `row_parallel` ("auto" by default) and must be giv
 refuses replicated tensors that differ between ranks; `shard_parameters_(model, config, tp, rank)` replaces a built
 model's parameter data in place (parameter objects kept, buffers untouched).
 
-`CP_PLAN` declares, the way Diffusers' `_cp_plan` does, where context parallelism cuts and restores the packed rows
-(`RowSplit`, `RowGather`) and where the Ulysses exchange surrounds attention (`HeadExchange`). It is applied by the
-model wiring (`parallelize`), which is not part of this module.
+`CP_PLAN` declares, the way Diffusers' `_cp_plan` does, where context (and sequence) parallelism cuts and restores
+the packed rows -- `StreamSplit` (the hidden rows entering the block stack), `RowSplit` (per-row metadata cut with
+them), `RowGather` (rows gathered back, by SP or by SP then CP) -- and where the Ulysses exchange surrounds attention
+(`HeadExchange`). Both plans are data: `apply.apply_plan(model, mesh, TP_PLAN, CP_PLAN)` interprets them (TP: the
+weights sharded, a `colwise_adaln` output gathered by `gather_columns`, `rowwise_tree` served as the row-parallel
+tree; CP: one pre-hook / forward hook per matched module applying its entries in order) and `apply.remove_plan`
+undoes it; nothing else restates them.
 """
 
 from __future__ import annotations
@@ -96,21 +100,49 @@ TP_PLAN: dict[str, PlanEntry] = {
 
 
 # ---------------------------------------------------------------------------------------------- CP row plan
+ROW_LEVELS = ("sp", "cp")
+
+
 @dataclass(frozen=True)
 class RowSplit:
-    """Cut `what` (a forward input by name, or an output by index) to this CP rank's rows along `dim`."""
+    """Cut per-row metadata `what` -- a forward argument by name (pre-hook), or output item `int` (forward hook) -- to
+    this rank's rows along `dim`: `rows` "sp" (the rank's residual-stream rows) or "cp" (its CP shard)."""
+
+    what: str | int
+    dim: int
+    rows: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.rows not in ROW_LEVELS:
+            raise DistributedError(f"RowSplit rows={self.rows!r}: must be one of {ROW_LEVELS}")
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """The packed hidden rows, argument `what` along dim 1: where they arrive whole (all S rows) they are cut to the
+    rank's residual-stream rows by one logged `scatter_rows` together with their per-row metadata argument `with_`;
+    then the module must hold exactly the rank's stream rows (else a one-line error naming them)."""
 
     what: str
-    dim: int
+    with_: str
     reason: str
 
 
 @dataclass(frozen=True)
 class RowGather:
-    """All-gather the module's output rows along `dim` (rank order = packed order)."""
+    """All-gather rows along `dim` in rank order (= packed order): `what` the output ("output", forward hook) or
+    positional input `int` (pre-hook); `to` "cp" (the SP rows of the rank's CP shard: only under SP) or "all" (SP
+    then CP: every packed row)."""
 
+    what: str | int
     dim: int
+    to: str
     reason: str
+
+    def __post_init__(self) -> None:
+        if self.to not in ("cp", "all"):
+            raise DistributedError(f"RowGather to={self.to!r}: must be 'cp' or 'all'")
 
 
 @dataclass(frozen=True)
@@ -120,31 +152,47 @@ class HeadExchange:
     reason: str
 
 
+CP_ENTRIES = (RowSplit, StreamSplit, RowGather, HeadExchange)
+
+# Applied (with TP_PLAN) by `apply.apply_plan`, one module hook per matched module, entries in this order. A new
+# entry is one declaration here, e.g. `"norm_out": (RowSplit("timestep_indices", 0, "sp", "..."),)`.
 CP_PLAN: dict[str, tuple] = {
     "rope": (
-        RowSplit("output 0 (cos)", 0, "RoPE tables are per packed row; built over all rows, then co-sharded"),
-        RowSplit("output 1 (sin)", 0, "RoPE tables are per packed row; built over all rows, then co-sharded"),
-    ),
-    "transformer_blocks.0": (
-        RowSplit("hidden_states", 1, "rows are cut after `pack` (the refiner attends over text rows only, replicated)"),
+        RowSplit(0, 0, "cp", "RoPE tables (cos) are per packed row; built over all rows, then co-sharded at the CP "
+                             "level (q/k hold the CP shard's rows)"),
+        RowSplit(1, 0, "cp", "RoPE tables (sin) are per packed row; built over all rows, then co-sharded"),
     ),
     "transformer_blocks.*": (
-        RowSplit("adaln_indices", 0, "each row's AdaLN table row travels with it; the table itself is replicated"),
+        StreamSplit("x", "adaln_indices", "rows are cut after `pack`, at block 0 (the input projections, the refiner "
+                                          "over the text rows and the timestep MLP run replicated)"),
+        RowSplit("adaln_indices", 0, "sp", "each row's AdaLN table row travels with it; the table is replicated"),
     ),
     "transformer_blocks.*.attn": (
+        RowGather(0, 1, "cp", "SP: the stream rows gathered once for the column-parallel q / k / v"),
         HeadExchange("all rows, H/cp heads per rank; key_order stays global (every rank attends over the document)"),
     ),
-    "norm_out": (
-        RowSplit("timestep_indices", 0, "the final modulation reads the per-timestep table row of each local row"),
+    "transformer_blocks.*.ff": (
+        RowGather(0, 1, "cp", "SP: the stream rows gathered once for the column-parallel up-projection"),
     ),
-    "proj_out": (RowGather(1, "all packed rows back before select_rows with the global video_indices"),),
-    "audio_proj_out": (RowGather(1, "all packed rows back before select_rows with the global audio_indices"),),
+    "norm_out": (
+        RowSplit("timestep_indices", 0, "sp", "the final modulation reads the per-timestep table row of each local "
+                                              "row"),
+    ),
+    "proj_out": (RowGather("output", 1, "all", "all packed rows back before select_rows with the global "
+                                               "video_indices"),),
+    "audio_proj_out": (RowGather("output", 1, "all", "all packed rows back before select_rows with the global "
+                                                     "audio_indices"),),
 }
 
 
 # ----------------------------------------------------------------------------------------------- matching
 def _regex(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"\d+") + r"\.[^.]+")
+
+
+def module_regex(pattern: str) -> re.Pattern:
+    """The module paths a plan key names (`*` = one ModuleList index)."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
 
 
 def plan_entry(key: str, plan: Mapping[str, PlanEntry] = TP_PLAN) -> tuple[str, PlanEntry]:

@@ -2,11 +2,17 @@
 
 Contract (docs/ARCHITECTURE.md, "Hook points"):
 
-- `hook_points(config)` lists every `HookPoint(name, layer, op, rows, reshapable)` in execution order (`reshapable`
-  defaults to False, so `HookPoint(name, layer, op, rows)` still builds one). Each point is the output
+- `hook_points(config)` lists every `HookPoint(name, layer, op, rows, reshapable, sharded, tap)` in execution order
+  (the last three have defaults, so `HookPoint(name, layer, op, rows)` still builds one). Each point is the output
   of one op-table call (`op`, a name of `h3lab.runtime.OP_NAMES`), exactly the tensor the next op consumes:
   `blocks.3.q` is the to_q projection (B, S, inner) before the head split, `blocks.3.attention` the attention output
   (B, S, H, D) before the head merge, `blocks.3.adaln_table` the AdaLN table viewed as (T*3, 6*hidden).
+- The tables below (`REFINER_POINTS`, `BLOCK_POINTS`, the stem and end tables) are the one declaration of the points:
+  besides name, op and rows, each carries its `Sharded` layout on a rank of a TP / CP / SP placement (rows "sp" /
+  "cp" / "all", columns None / groups / "heads": what `h3lab.distributed`'s hook view gathers and cuts back, and
+  what names the rank owning a row; `sharded_layout(name)` for a name alone) and its `Tap`, the Diffusers module
+  whose output is the same tensor (what `drift.DiffusersTaps` observes on Diffusers' model; None for inline
+  arithmetic: modulate, RoPE application, attention, residual1, pack). A new point is one line there.
 - `layer` is the block index for `blocks.{i}.*`, the refiner block index for `refiner.{i}.*`, None elsewhere.
 - `rows` says what the row axis indexes: "packed" (rows of the packed sequence), "video" / "audio" / "text" (rows in
   the order of `video_indices` / `audio_indices` / `text_indices`), "table" (AdaLN table rows
@@ -62,72 +68,101 @@ from ..config import H3Config
 from ..errors import H3Error
 
 ROWS = ("packed", "video", "audio", "text", "table", "time")
+SHARD_ROWS = ("sp", "cp", "all")
 
-# Per refiner block: (suffix, op); rows "text". Plain pre-norm block: no AdaLN, no RoPE.
+
+class Sharded(NamedTuple):
+    """Where a point's tensor lives on one rank of a TP / CP / SP placement (`h3lab.distributed` gathers it into the
+    one-process tensor for hooks, and cuts a replacement back, from this alone). `rows`: "sp" (the rank's
+    residual-stream rows: its SP shard under SP, else its CP shard), "cp" (its CP shard) or "all" (every row);
+    `columns`: None (all), an int g (the last axis read as g channel groups, each split over the TP ranks,
+    `split_grouped`) or "heads" (axis 2: whole heads per TP rank)."""
+
+    rows: str = "all"
+    columns: int | str | None = None
+
+
+class Tap(NamedTuple):
+    """The Diffusers module (path in `MiniMaxH3Transformer3DModel`; "" the model) whose forward output is a point's
+    tensor, byte for byte: `take` None (the output), an int (that item of a tuple output) or "cat" (a tuple's items
+    concatenated on the last axis). `drift.DiffusersTaps` observes Diffusers' model through it."""
+
+    module: str
+    take: int | str | None = None
+
+
+ALL, STREAM, CP = Sharded(), Sharded("sp"), Sharded("cp")
+HEADS = Sharded("cp", "heads")
+
+# Per refiner block: (suffix, op, sharded, tap under the block); rows "text". Plain pre-norm block: no AdaLN, no
+# RoPE. The refiner runs replicated over rows (text rows only), its projections column-split like the blocks'.
 REFINER_POINTS = (
-    ("norm1", "rms_norm"),
-    ("q", "linear"),
-    ("k", "linear"),
-    ("v", "linear"),
-    ("q_norm", "rms_norm"),
-    ("k_norm", "rms_norm"),
-    ("attention", "attention"),
-    ("o_proj", "linear_tree"),
-    ("residual1", "add"),
-    ("norm2", "rms_norm"),
-    ("ffn_up", "linear"),
-    ("swiglu", "swiglu"),
-    ("ffn_down", "linear_tree"),
-    ("residual2", "add"),
+    ("norm1", "rms_norm", ALL, "norm1"),
+    ("q", "linear", Sharded("all", 1), "attn.to_q"),
+    ("k", "linear", Sharded("all", 1), "attn.to_k"),
+    ("v", "linear", Sharded("all", 1), "attn.to_v"),
+    ("q_norm", "rms_norm", Sharded("all", "heads"), "attn.norm_q"),
+    ("k_norm", "rms_norm", Sharded("all", "heads"), "attn.norm_k"),
+    ("attention", "attention", Sharded("all", "heads"), None),
+    ("o_proj", "linear_tree", ALL, "attn.to_out.0"),
+    ("residual1", "add", ALL, None),
+    ("norm2", "rms_norm", ALL, "norm2"),
+    ("ffn_up", "linear", Sharded("all", 2), "ff.net.0.proj"),
+    ("swiglu", "swiglu", Sharded("all", 1), "ff.net.0"),
+    ("ffn_down", "linear_tree", ALL, "ff.net.2"),
+    ("residual2", "add", ALL, ""),
 )
 
-# Per transformer block: (suffix, op, rows).
+# Per transformer block: (suffix, op, rows, sharded, tap under the block). Under CP the block stack holds the rank's
+# rows: the residual stream its SP rows, the attention and FFN inner tensors its CP rows (SP gathers them once).
 BLOCK_POINTS = (
-    ("adaln_table", "linear", "table"),
-    ("norm1", "rms_norm", "packed"),
-    ("modulate1", "modulate", "packed"),
-    ("q", "linear", "packed"),
-    ("k", "linear", "packed"),
-    ("v", "linear", "packed"),
-    ("q_norm", "rms_norm", "packed"),
-    ("k_norm", "rms_norm", "packed"),
-    ("q_rope", "rope", "packed"),
-    ("k_rope", "rope", "packed"),
-    ("attention", "attention", "packed"),
-    ("o_proj", "linear_tree", "packed"),
-    ("residual1", "gated_residual", "packed"),
-    ("norm2", "rms_norm", "packed"),
-    ("modulate2", "modulate", "packed"),
-    ("ffn_up", "linear", "packed"),
-    ("swiglu", "swiglu", "packed"),
-    ("ffn_down", "linear_tree", "packed"),
-    ("residual2", "gated_residual", "packed"),
+    ("adaln_table", "linear", "table", ALL, Tap("adaln_proj", "cat")),
+    ("norm1", "rms_norm", "packed", STREAM, "norm1"),
+    ("modulate1", "modulate", "packed", STREAM, None),
+    ("q", "linear", "packed", Sharded("cp", 1), "attn.to_q"),
+    ("k", "linear", "packed", Sharded("cp", 1), "attn.to_k"),
+    ("v", "linear", "packed", Sharded("cp", 1), "attn.to_v"),
+    ("q_norm", "rms_norm", "packed", HEADS, "attn.norm_q"),
+    ("k_norm", "rms_norm", "packed", HEADS, "attn.norm_k"),
+    ("q_rope", "rope", "packed", HEADS, None),
+    ("k_rope", "rope", "packed", HEADS, None),
+    ("attention", "attention", "packed", HEADS, None),
+    ("o_proj", "linear_tree", "packed", STREAM, "attn.to_out.0"),
+    ("residual1", "gated_residual", "packed", STREAM, None),
+    ("norm2", "rms_norm", "packed", STREAM, "norm2"),
+    ("modulate2", "modulate", "packed", STREAM, None),
+    ("ffn_up", "linear", "packed", Sharded("cp", 2), "ff.net.0.proj"),
+    ("swiglu", "swiglu", "packed", Sharded("cp", 1), "ff.net.0"),
+    ("ffn_down", "linear_tree", "packed", STREAM, "ff.net.2"),
+    ("residual2", "gated_residual", "packed", STREAM, ""),
 )
 
+# Points outside the blocks: (name, op, rows, sharded, tap). They run replicated but the final norm / modulation,
+# which run on the rank's residual-stream rows.
 _INPUT_POINTS = (
-    ("video_proj_in", "linear", "video"),
-    ("audio_proj_in", "linear", "audio"),
-    ("text_proj_in", "linear", "text"),
+    ("video_proj_in", "linear", "video", ALL, "proj_in"),
+    ("audio_proj_in", "linear", "audio", ALL, "audio_proj_in"),
+    ("text_proj_in", "linear", "text", ALL, "context_embedder"),
 )
 _STEM_POINTS = (
-    ("pack", "pack_rows", "packed"),
-    ("time_sinusoid", "timestep_embedding", "time"),
-    ("time_mlp", "linear", "time"),
-    ("rope_cos", "rope_table", "packed"),
-    ("rope_sin", "rope_table", "packed"),
+    ("pack", "pack_rows", "packed", ALL, None),
+    ("time_sinusoid", "timestep_embedding", "time", ALL, "time_proj"),
+    ("time_mlp", "linear", "time", ALL, "time_embedder"),
+    ("rope_cos", "rope_table", "packed", ALL, Tap("rope", 0)),
+    ("rope_sin", "rope_table", "packed", ALL, Tap("rope", 1)),
 )
 # Points whose replacement may change shape (see the module docstring): the packed stream entering the block stack
 # and each block's output. Refiner points are not: the text rows must still match `text_indices` at `pack`.
 RESHAPABLE = ("pack", "blocks.*.residual2")
 
 _END_POINTS = (
-    ("final_table", "linear", "time"),
-    ("final_norm", "rms_norm", "packed"),
-    ("final_modulate", "modulate", "packed"),
-    ("video_head", "linear", "packed"),
-    ("audio_head", "linear", "packed"),
-    ("video_out", "select_rows", "video"),
-    ("audio_out", "select_rows", "audio"),
+    ("final_table", "linear", "time", ALL, "norm_out.linear"),
+    ("final_norm", "rms_norm", "packed", STREAM, "norm_out.norm"),
+    ("final_modulate", "modulate", "packed", STREAM, "norm_out"),
+    ("video_head", "linear", "packed", ALL, "proj_out"),
+    ("audio_head", "linear", "packed", ALL, "audio_proj_out"),
+    ("video_out", "select_rows", "video", ALL, Tap("", 0)),
+    ("audio_out", "select_rows", "audio", ALL, Tap("", 1)),
 )
 
 
@@ -141,6 +176,8 @@ class HookPoint(NamedTuple):
     op: str
     rows: str
     reshapable: bool = False  # a hook's replacement may change the shape here (`RESHAPABLE`)
+    sharded: Sharded = ALL  # where the tensor lives on a rank of a placement
+    tap: Tap | None = None  # the Diffusers module whose output is this tensor (None: inline arithmetic)
 
     @property
     def row_axis(self) -> int:
@@ -148,22 +185,54 @@ class HookPoint(NamedTuple):
         return 0 if self.rows in ("table", "time") or self.op == "rope_table" else 1
 
 
-def _point(name: str, layer: int | None, op: str, rows: str) -> HookPoint:
+def _tap(prefix: str, tap: Tap | str | None) -> Tap | None:
+    if tap is None:
+        return None
+    tap = Tap(tap) if isinstance(tap, str) else tap
+    return tap._replace(module=".".join(p for p in (prefix, tap.module) if p))
+
+
+def _point(name: str, layer: int | None, op: str, rows: str, sharded: Sharded = ALL, tap: Tap | None = None
+           ) -> HookPoint:
     pattern = name if layer is None else name.replace(f".{layer}.", ".*.", 1)
-    return HookPoint(name, layer, op, rows, pattern in RESHAPABLE)
+    return HookPoint(name, layer, op, rows, pattern in RESHAPABLE, sharded, tap)
 
 
 def hook_points(config: H3Config) -> tuple[HookPoint, ...]:
     """Every hook point of a model with this config, in execution order."""
-    points = [_point(name, None, op, rows) for name, op, rows in _INPUT_POINTS]
+    points = [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _INPUT_POINTS]
     for i in range(config.num_refiner_layers):
-        points += [_point(f"refiner.{i}.{s}", i, op, "text") for s, op in REFINER_POINTS]
-    points.append(_point("refiner.final_norm", None, "rms_norm", "text"))
-    points += [_point(name, None, op, rows) for name, op, rows in _STEM_POINTS]
+        prefix = f"token_refiner.refiner_blocks.{i}"
+        points += [_point(f"refiner.{i}.{s}", i, op, "text", sh, _tap(prefix, tap))
+                   for s, op, sh, tap in REFINER_POINTS]
+    points.append(_point("refiner.final_norm", None, "rms_norm", "text", ALL, Tap("token_refiner.final_norm")))
+    points += [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _STEM_POINTS]
     for i in range(config.num_layers):
-        points += [_point(f"blocks.{i}.{s}", i, op, rows) for s, op, rows in BLOCK_POINTS]
-    points += [_point(name, None, op, rows) for name, op, rows in _END_POINTS]
+        prefix = f"transformer_blocks.{i}"
+        points += [_point(f"blocks.{i}.{s}", i, op, rows, sh, _tap(prefix, tap))
+                   for s, op, rows, sh, tap in BLOCK_POINTS]
+    points += [_point(name, None, op, rows, sh, _tap("", tap)) for name, op, rows, sh, tap in _END_POINTS]
     return tuple(points)
+
+
+def _pattern_layouts() -> dict[str, Sharded]:
+    out = {f"refiner.*.{s}": sh for s, _, sh, _ in REFINER_POINTS}
+    out.update({f"blocks.*.{s}": sh for s, _, _, sh, _ in BLOCK_POINTS})
+    for table in (_INPUT_POINTS, _STEM_POINTS, _END_POINTS):
+        out.update({name: sh for name, _, _, sh, _ in table})
+    return out
+
+
+_LAYOUTS = _pattern_layouts()
+
+
+def sharded_layout(name: str) -> Sharded:
+    """The `Sharded` layout of the hook point called `name` (any config); `ALL` for a name that is not one (drift's
+    input / scheduler points run replicated)."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] in ("blocks", "refiner") and parts[1].isdigit():
+        name = f"{parts[0]}.*.{parts[2]}"
+    return _LAYOUTS.get(name, ALL)
 
 
 HookFn = Callable[[HookPoint, torch.Tensor], "torch.Tensor | None"]

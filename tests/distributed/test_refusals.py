@@ -2,7 +2,8 @@
 every rank alike before any work (no rank left waiting in a collective), and the model still runs afterwards.
 
 One process: a config that does not admit the degree, placement values that break a rule, a spec naming a topology
-its model is not parallelized on, a module that is not an H3Transformer, parallelizing twice, faults without CP.
+its model is not parallelized on, a module that is not an H3Transformer, parallelizing twice (the ablation's faults
+without CP: tests/research/test_ablation.py).
 Two ranks (one run): another mode than strict, inputs that differ between ranks, a spec of another topology, grad,
 a hook replacing a tensor on one rank only, a reshaping hook -- then a clean forward. Four ranks: CP larger than the
 packed rows.
@@ -16,7 +17,7 @@ from dist_helpers import CONFIG, build_model, build_spec
 from harness import run_ranks
 
 from h3lab import runtime
-from h3lab.distributed import DistributedError, Faults, TopologyError, init_mesh, parallelize
+from h3lab.distributed import DistributedError, TopologyError, init_mesh, parallelize
 from h3lab.run import RunSpecError, model_forward
 from h3lab.trajectory import record
 
@@ -37,8 +38,6 @@ def test_one_process_refusals():
     mesh = init_mesh(config=CONFIG)  # world size 1, no process group
     with pytest.raises(DistributedError, match="not an h3lab H3Transformer"):
         parallelize(torch.nn.Linear(2, 2), mesh)
-    with pytest.raises(DistributedError, match=r"faults \{'rotate_rows': True\} need cp > 1"):
-        parallelize(model, mesh, faults=Faults(rotate_rows=True))
     parallelize(model, mesh)
     with pytest.raises(DistributedError, match="already parallelized"):
         parallelize(model, mesh)

@@ -306,7 +306,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "training": (("h3lab.training",), ("base", "checkpoint", "layout", "model", "research", "run", "runtime",
                                        "sampler", "settings", "stochastic")),
     "ablation": (("h3lab.ablation",), ("base", "checkpoint", "distributed", "layout", "model", "research", "run",
-                                       "runtime", "sampler")),
+                                       "runtime", "sampler", "training")),
     "components": (("h3lab.components",), ("base", "checkpoint", "distributed", "model", "presets", "run",
                                            "sampler")),
     "pipeline": (("h3lab.pipeline",), ("base", "components", "layout", "presets", "run", "sampler", "schema",

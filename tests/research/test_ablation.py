@@ -11,7 +11,7 @@ from h3lab import ablation as A
 
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
-    + [f"H-C{i}" for i in range(8)]
+    + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: issue 21's rollout-vs-training ratio
 )
 DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
@@ -41,7 +41,18 @@ def test_every_rfc_row_is_declared():
             assert row.probe is None and row.check is None and row.mode == "strict"
     # the strict promises run strict
     assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
-        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3"}
+        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1"}
+
+
+def test_factor_rows_take_their_transform_from_the_factor_table():
+    """`factors.TABLE` is the one declaration of a factor: its order is the matrix order, and each factor row's
+    transform and changes are the table's."""
+    assert A.FACTORS == tuple(A.TABLE) == tuple(n for n, r in A.ROWS.items() if r.transform is not None)
+    for name, factor in A.TABLE.items():
+        assert (A.ROWS[name].transform, A.ROWS[name].changes) == (factor.transform, factor.changes), name
+    assert A.check_factors(["H16", "A1"]) == ["H16", "A1"]  # a model change first
+    with pytest.raises(A.AblationError, match="changes op:attention, which A3 changes too"):
+        A.check_factors(["A3", "H8"])
 
 
 @pytest.mark.parametrize("name", RFC_ROWS)
@@ -80,9 +91,9 @@ def test_planted_rows_point_at_the_perturbed_row(matrix, bench):
 def test_summary_counts_and_table(matrix):
     rows = [matrix[n] for n in RFC_ROWS]
     s = A.summarize(rows)
-    assert s == {"rows": 36, "passed": 36, "failed": [], "not_run": []}
+    assert s == {"rows": 37, "passed": 37, "failed": [], "not_run": []}
     table = A.format_table(rows)
-    assert table.count("\n") == 36 and "needs distributed" not in table
+    assert table.count("\n") == 37 and "needs distributed" not in table
 
 
 def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
@@ -101,6 +112,19 @@ def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
     assert [c["b"] for c in matrix["H-C5"]["comparisons"]] == ["cp2"]
 
 
+def test_rl1_ratio_is_exact_in_strict_and_moves_under_the_plant(matrix, bench):
+    """RL1: the strict ratio is 1.0 exactly at both SDE passes and both modalities; the planted batch-position
+    change makes it move in off, and the localiser names the planted op first, in the rows of the generated video."""
+    assert matrix["RL1"]["status"] == "PASS" and "== 1.0 exactly" in matrix["RL1"]["observed"]
+    strict = bench.cache[("ratio", "strict")]
+    assert [r["pass"] for r in strict] == [0, 1] and all(r[m] == 1.0 for r in strict for m in ("video", "audio"))
+    planted = bench.cache[("ratio", "planted_off")]
+    assert max(abs(r[m] - 1.0) for r in planted for m in ("video", "audio")) > 0
+    first = bench.cache[("ratio", "planted_first_drift")]
+    assert (first["point"], first["step"], first["modality"]) == ("video_proj_in", 0, "video")
+    assert first["max_abs"] > 0
+
+
 def test_a_wrong_expectation_fails(bench, matrix):
     """The matching is strict: the H5 drift report checked against PASS, or against another operator, fails."""
     report, _ = bench.cache[("report", A.ROWS["H5"].probe, "off")]
@@ -117,10 +141,32 @@ def test_unknown_row_raises(bench):
         A.run_ablation("H5", bench, mode="turbo")
 
 
+def test_faults_wrap_a_placement_and_need_cp(bench):
+    """Fault injection is a wrapper around a placement (h3lab.ablation.faults), refused in one line without CP; the
+    production placement has no fault argument."""
+    import inspect
+
+    from h3lab.ablation.faults import Faults, FaultyPlacement, faulty
+    from h3lab.distributed import DistributedError, init_mesh, parallelize, placement_of
+    from h3lab.model import H3Transformer
+
+    assert "faults" not in inspect.signature(parallelize).parameters
+    model = H3Transformer(bench.model.config)
+    placement = parallelize(model, init_mesh(config=model.config))  # world size 1: no process group
+    with pytest.raises(DistributedError, match=r"^faults \{'rotate_rows': True\} need cp > 1 \(topology tp1xcp1"):
+        faulty(placement, Faults(rotate_rows=True))
+    with pytest.raises(DistributedError, match=r"^ring_merge='sideways': must be"):
+        Faults(ring_merge="sideways")
+    assert placement_of(model) is placement and len(placement.handles) == 2
+    wrapped = faulty(placement, Faults())  # no fault: a wrapper that changes nothing, in the placement's place
+    assert isinstance(wrapped, FaultyPlacement) and placement_of(model) is wrapped
+    assert placement.handles == [] and len(wrapped.handles) == 2
+
+
 def test_a7_is_still_a_factor_of_one_process(bench):
     """A7 stays a factor (`factors=("A7",)`, `!ablate A7`): two KV blocks with bf16 partials merged in reverse order
     drift at the first block attention in one process too."""
     assert "A7" in A.FACTORS
-    a, b = A._factor_probe("A7")(bench, "off")
+    a, b = A.factor_probe("A7")(bench, "off")
     report = A.compare(a, b, reference=bench.reference_capture("off"))
     assert (report.first.point, report.first.step) == ("blocks.0.attention", 0)
