@@ -19,6 +19,14 @@ def png_size(fig) -> tuple[int, int]:
         return img.size
 
 
+def draw(fig) -> None:
+    """Lay the figure out and draw it on its canvas unless that canvas already shows its current state: matplotlib
+    marks a figure `stale` when any artist changes (and after `savefig`, which draws at another dpi), so a figure
+    is drawn again exactly when the previous drawing may differ; the checks below read one drawing, not one each."""
+    if fig.stale:
+        fig.canvas.draw()
+
+
 def _ticks(axis, minor: bool = False) -> tuple[list[Text], list[Text]]:
     """(tick labels matplotlib draws, those it does not: ticks outside the view interval keep a label object)."""
     lo, hi = sorted(axis.get_view_interval())
@@ -39,7 +47,7 @@ def drawn_tick_labels(axis) -> list[Text]:
 def visible_texts(fig) -> list[Text]:
     """Every text artist of the figure that is drawn and says something (tick labels in view, titles, axis labels,
     annotations, legends, table cells, colorbar labels)."""
-    fig.canvas.draw()
+    draw(fig)
     hidden = {id(t) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis) for minor in (False, True)
               for t in _ticks(axis, minor)[1]}
     return [t for t in fig.findobj(Text)
@@ -48,7 +56,7 @@ def visible_texts(fig) -> list[Text]:
 
 def tick_label_overlaps(fig) -> list[str]:
     """Pairs of tick labels of one axis (major and minor) whose boxes overlap on the canvas."""
-    fig.canvas.draw()
+    draw(fig)
     renderer = fig.canvas.get_renderer()
     found = []
     for ax in fig.axes:
@@ -65,7 +73,7 @@ def tick_label_overlaps(fig) -> list[str]:
 def text_overlaps(fig) -> list[str]:
     """Pairs of visible texts anywhere in the figure whose boxes overlap (table cells are checked only against
     texts outside their table)."""
-    fig.canvas.draw()
+    draw(fig)
     renderer = fig.canvas.get_renderer()
     items = []
     for t in visible_texts(fig):
@@ -83,7 +91,7 @@ def text_overlaps(fig) -> list[str]:
 
 def cut_off(fig) -> list[str]:
     """Texts that reach outside the figure."""
-    fig.canvas.draw()
+    draw(fig)
     renderer = fig.canvas.get_renderer()
     w, h = fig.canvas.get_width_height()
     out = []
