@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import runtime
-from ..drift import DriftError, DriftPoint, DriftReport, Execution, compare
+from ..drift import DriftError, DriftPoint, DriftReport, Execution, compare, pass_label
 from ..run import ResolvedRun
 from .bench import Bench, tiny_bench
 from .factors import TABLE, AblationError
@@ -42,7 +42,7 @@ class Expected:
         if self.kind == "PASS":
             return "PASS byte-equal"
         if self.kind == "DRIFT":
-            where = "scheduler construction" if self.step == -1 else f"pass {self.step}"
+            where = pass_label(self.step)  # passes numbered from 1, as drift prints them
             block = f"; first in-block drift {self.block_point}" if self.block_point else ""
             return f"EXPECTED DRIFT at {self.point} ({where}){block}"
         if self.kind == "REJECTED":

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime
-from ..drift import RowMap, compare
+from ..drift import RowMap, compare, pass_label
 from ..trajectory import record
 from ..training.grpo_step import RolloutBatch, replay_ratios, trajectory_transitions
 from .bench import Bench
@@ -96,7 +96,7 @@ def check_ratio(bench: Bench, mode: str):
     first = planted_drift(bench).first
     named = first is not None and (first.point, first.step) == (PLANTED, 0)
     ok = exact and moved > 0 and named
-    where = f"{first.point} (pass {first.step})" if first is not None else "nowhere (equal)"
+    where = f"{first.point} ({pass_label(first.step)})" if first is not None else "nowhere (equal)"
     observed = (f"{'PASS' if exact else 'FAIL'}: strict ratio exp(logp_train - logp_rollout) "
                 f"{'== 1.0 exactly' if exact else '!= 1.0'} at {len(strict)} SDE passes (rollout at batch position "
                 f"{POSITION} of {SIZE}, training alone); off with a planted batch-position change: max |ratio - 1| = "
