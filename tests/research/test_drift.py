@@ -178,7 +178,7 @@ def test_layout_differences_read_as_lines_not_dicts():
     from h3lab.session import _drift_lines
 
     assert metadata_line({"name": "row_timestep", "step": 2, "rows": [0, 5]}) == \
-        "row_timestep (pass 2): differs at canonical rows 0, 5"
+        "row_timestep (pass 3): differs at canonical rows 0, 5"  # step 2 is the third pass
     assert metadata_line({"name": "token_tags", "step": None, "rows": list(range(16))}).endswith("14, 15 ...")
     assert metadata_line({"name": "position_ids", "step": None, "shape_a": [9, 3], "shape_b": [7, 3]}) == \
         "position_ids: shape (9, 3) vs (7, 3)"

@@ -47,7 +47,9 @@ def state(session, tmp_path):
     """A fresh front-end state over the shared session, inputs resolved against the replay assets."""
     from h3lab import commands
 
+    session.keep = ()  # the session's default (a test may have set it: the session is shared)
     st = commands.SessionState(session=session, base_dir=ASSETS, out_dir=None)
     for line in GEN:
         commands.run_line(st, line)
-    return st
+    yield st
+    session.keep = ()
