@@ -17,7 +17,8 @@ checked inputs `args` (tensors, or None for an absent `key_order`), returning a 
   outputs are cloned out of the graph's buffers, so a result stays valid after the next replay. A new signature
   (a shape change, a new layout size, a weight update) starts again with an eager call: the exact fallback. A
   capture that fails (an op that synchronises with the host, say) leaves that signature eager for good and says why.
-- At most MAX_GRAPHS graphs are held (least recently used dropped with its memory pool).
+- At most MAX_GRAPHS graphs are held (least recently used dropped with its memory pool). Eligible calls from several
+  threads are served one at a time (a lock around copy, replay and clone).
 - The trace: a replay makes the captured forward's trace `runtime.last_trace()` again, with
   `Trace.graph = {"cuda_graph": "captured" | "replay", "replays": n}`; an eager fast forward's trace says
   {"cuda_graph": "eager", "reason": ...}. The mode, backends and kernel ids are those of the eager fast path.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
@@ -86,6 +88,7 @@ class GraphCache:
         self.backend = backend or CudaBackend()
         self.max_graphs = max_graphs
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._lock = threading.RLock()  # one thread at a time copies into a graph's buffers and replays it
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
@@ -99,6 +102,10 @@ class GraphCache:
         if reason:
             return _eager(body, args, reason)
         key = _signature(model, args)
+        with self._lock:
+            return self._run(model, args, body, key)
+
+    def _run(self, model, args, body, key) -> tuple:
         entry = self._entries.get(key)
         if entry is None or entry.model() is not model:
             entry = self._entries[key] = _Entry(model=weakref.ref(model))
