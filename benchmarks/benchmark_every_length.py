@@ -9,13 +9,17 @@ keeps the earlier results; a section that raises is recorded as an error and the
    forward_fp32_tf32x3.json hashes (64-bit addressing must not change strict bytes).
 2. `fp8_quantizer`: the Triton row quantiser (kernels/fp8_quant.py) byte-equal to `fast.quantize_rows_reference`,
    and the FP8 projection against its float32 emulation and against bf16 (relative L2 to a float64 truth).
-3. `table`: per shape, all impls interleaved (`--runs` timed runs after one warm-up each), median seconds, ratio to
+3. `table`: per shape, all impls interleaved (`h3lab-fast` = CUDA graphs + fused FP8 producers, `h3lab-fast-eager`
+   without graphs, `h3lab-fast-unfused` without the fused producers; graph impls warm up twice, the second call
+   captures, and record `capture_call_s`, `graph_path` and the replay's bytes against the eager fast forward) (`--runs` timed runs after one warm-up each), median seconds, ratio to
    Diffusers, TFLOP/s of the model's matmul FLOPs, output hashes, strict/fast relative L2 against Diffusers. Where a
    50-block forward does not fit the device time (`--layers-at`), the shape runs the first N blocks at full width
    (shared weights): each result says its `layers`.
 4. `batch_position`: strict at 37,853 rows, batch 3 of distinct requests: every item byte-equal to its batch-1
    forward (first N blocks, full width); Diffusers' own batch-3 vs batch-1 difference for contrast.
-5. `drift`: fast against off over a `--drift-passes` trajectory at 512x512x22f (50 blocks): per pass the relative L2
+5. `attention_fp8`: cuDNN / flash SDPA in bf16 at 37,853 rows against the same call on float8_e4m3fn inputs (a time,
+   or the refusal torch gives).
+6. `drift`: fast against off over a `--drift-passes` trajectory at 512x512x22f (50 blocks): per pass the relative L2
    of the velocities and of the latents, and the first drift (pass, layer, op) of one forward (h3lab.drift).
 
 `--tiny` runs every section on H3Config.tiny() on the CPU (strict through the interpreter, fast through
@@ -70,6 +74,19 @@ def truncated(config, dm, n: int, device):
     return small, d.eval(), h.eval()
 
 
+def _median_time(fn, reps: int = 5) -> float:
+    """Median seconds of `reps` calls of fn after one warm-up (CUDA synchronised around each)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=ALL_SHAPES)
@@ -79,12 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="shape=N: run that shape on the first N blocks (full width)")
     ap.add_argument("--batch-check", default="1344x768x124f:3:2", help="shape:batch:blocks of the batch-position check")
     ap.add_argument("--drift-passes", type=int, default=20)
-    ap.add_argument("--sections", default="hash,fp8_quantizer,table,batch_position,drift")
+    ap.add_argument("--sections", default="hash,fp8_quantizer,table,batch_position,attention_fp8,drift")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import fast, runtime
+    from h3lab import fast, fast_graph, runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -115,7 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"built in {t1 - t0:.1f}s; fast.prepare quantised {prepared} weights in {time.time() - t1:.1f}s", flush=True)
 
     def h3(model, mode, inputs):
-        with runtime.use_mode(mode), torch.no_grad(), emulate() if mode == "fast" else contextlib.nullcontext():
+        """mode: off | strict | fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers)."""
+        base = mode.split("-")[0]
+        with runtime.use_mode(base), torch.no_grad(), emulate() if base == "fast" else contextlib.nullcontext(), \
+                fast_graph.use_graphs(mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"):
             return model(**inputs)
 
     def dif(model, inputs):
@@ -175,7 +195,32 @@ def main(argv: list[str] | None = None) -> dict:
                         "fp8_rel_l2_vs_emulation": rel_l2(y, fast.linear_reference(x, w)),
                         "bf16_rel_l2_vs_float64": rel_l2(torch.nn.functional.linear(x, w), truth)})
             print(out[-1], flush=True)
-        return {"cases": out}
+        from h3kernels.fp8_fused import norm_modulate_quant, swiglu_quant
+
+        fused = []
+        for rows, d in ((2066, 5376), (7272, 5376)):
+            x = (torch.randn(1, rows, d, generator=gen, device=device) * 2).to(torch.bfloat16)
+            w = (torch.randn(d, generator=gen, device=device) * 0.2 + 1).to(torch.bfloat16)
+            table = (torch.randn(6, 6 * d, generator=gen, device=device) * 0.3).to(torch.bfloat16)
+            shift, scale = table.chunk(6, dim=-1)[:2]
+            index = torch.randint(0, 6, (rows,), generator=gen, device=device)
+            h = (torch.randn(rows, 2 * 14336, generator=gen, device=device) * 2).to(torch.bfloat16)
+            for name, run, ref in (
+                    ("norm_modulate", lambda: norm_modulate_quant(x, w, 1e-6, scale, shift, index),
+                     lambda: fast.norm_modulate_quant_reference(x, w, 1e-6, scale, shift, index)),
+                    ("swiglu", lambda: swiglu_quant(h), lambda: fast.swiglu_quant_reference(h))):
+                y, q, sc = run()
+                yr = ref()[0]
+                qr, sr = fast.quantize_rows_reference(y.reshape(-1, y.shape[-1]))
+                step = yr.float().abs() * 2.0**-8 + 1e-30
+                fused.append({"op": name, "rows": rows,
+                              "codes_bytes_equal_reference_of_own_rows": bool(torch.equal(q.view(torch.uint8), qr.view(torch.uint8))),
+                              "scales_equal": bool(torch.equal(sc, sr)),
+                              "rows_within_one_bf16_step": bool(((y.float() - yr.float()).abs() <= step).all()),
+                              "rows_differing_fraction": float((y != yr).float().mean()),
+                              "median_ms": 1e3 * _median_time(run)})
+                print(fused[-1], flush=True)
+        return {"cases": out, "fused_producers": fused}
 
     @section("table")
     def _table():
@@ -191,11 +236,17 @@ def main(argv: list[str] | None = None) -> dict:
                 if impl == "diffusers":
                     fns[impl] = lambda: dif(d_model, inputs)  # noqa: E731
                 else:
-                    fns[impl] = lambda mode=impl.split("-")[1]: h3(h_model, mode, inputs)
-            times, outs, peaks, errors = {i: [] for i in fns}, {}, {}, {}
-            for impl, fn in fns.items():  # warm-up (compilation, FP8 weights of a truncated model)
+                    fns[impl] = lambda mode=impl.split("-", 1)[1]: h3(h_model, mode, inputs)
+            times, outs, peaks, errors, paths, capture_s = {i: [] for i in fns}, {}, {}, {}, {}, {}
+            for impl, fn in fns.items():  # warm-up (compilation, FP8 weights of a truncated model; graphs: capture)
                 try:
                     outs[impl] = fn()
+                    if impl in ("h3lab-fast", "h3lab-fast-unfused"):  # the signature's second call captures
+                        sync(device)
+                        start = time.perf_counter()
+                        outs[impl] = fn()
+                        sync(device)
+                        capture_s[impl] = time.perf_counter() - start
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result to record
                     errors[impl] = f"{type(exc).__name__}: {exc}"
                     print(f"{shape} {impl}: FAILED {exc}", flush=True)
@@ -211,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
                     sync(device)
                     times[impl].append(time.perf_counter() - start)
                     peaks[impl] = max(peaks.get(impl, 0.0), peak_mem_gib(device))
+                    if impl.startswith("h3lab-fast"):
+                        paths[impl] = fast_graph.last_path()
             flops = matmul_flops(cfg, rows, n)
             ref = outs.get("diffusers")
             base = statistics.median(times["diffusers"]) if "diffusers" in live else None
@@ -228,6 +281,14 @@ def main(argv: list[str] | None = None) -> dict:
                 if base is not None and impl != "diffusers":
                     entry["ratio_vs_diffusers"] = med / base
                     entry["speedup_vs_diffusers"] = base / med
+                if impl in paths:
+                    entry["graph_path"] = paths[impl]
+                if impl in capture_s:
+                    entry["capture_call_s"] = capture_s[impl]
+                if impl == "h3lab-fast" and "h3lab-fast-eager" in outs and "h3lab-fast-eager" not in errors:
+                    ve, ae = outs["h3lab-fast-eager"]
+                    entry["bytes_equal_fast_eager"] = bool(torch.equal(v, ve) and torch.equal(a, ae))
+                    entry["rel_l2_vs_fast_eager_video"] = rel_l2(v, ve)
                 if ref is not None and impl != "diffusers":
                     entry["rel_l2_vs_diffusers_video"] = rel_l2(v, ref[0])
                     entry["rel_l2_vs_diffusers_audio"] = rel_l2(a, ref[1])
@@ -268,6 +329,37 @@ def main(argv: list[str] | None = None) -> dict:
                                                              and torch.equal(ab[b : b + 1], a1)), "max_abs_diff": diff})
             out[impl] = items
             print(f"{shape} batch {batch} {impl}: {items}", flush=True)
+        return out
+
+    @section("attention_fp8")
+    def _attention_fp8():
+        """What torch exposes for FP8 attention here: cuDNN SDPA bf16 at 37,853 rows (56 x 128 heads) against the same
+        call on float8_e4m3fn Q/K/V (per-tensor scales folded into Q), recorded as a time or as the refusal."""
+        if device != "cuda":
+            return {"skipped": "SDPA backends need CUDA"}
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        rows, heads, dim = 37853, config.num_attention_heads, config.attention_head_dim
+        gen = torch.Generator(device=device).manual_seed(11)
+        q, k, v = (torch.randn(1, heads, rows, dim, generator=gen, device=device).to(torch.bfloat16) for _ in range(3))
+        flops = 4 * rows * rows * heads * dim
+        out = {"rows": rows, "heads": heads, "head_dim": dim}
+        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            def call(backend=backend, q=q, k=k, v=v):
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            try:
+                t = _median_time(call)
+                out[f"bf16_{backend}"] = {"median_ms": 1e3 * t, "tflops": flops / t / 1e12}
+            except Exception as exc:  # noqa: BLE001 - a backend that refuses is a result
+                out[f"bf16_{backend}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            try:
+                t = _median_time(lambda b=backend: call(b, q8, k8, v8))
+                out[f"fp8_{backend}"] = {"median_ms": 1e3 * t, "tflops": flops / t / 1e12}
+            except Exception as exc:  # noqa: BLE001
+                out[f"fp8_{backend}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(backend, out[f"bf16_{backend}"], out[f"fp8_{backend}"], flush=True)
         return out
 
     @section("drift")

@@ -8,7 +8,9 @@ linear, linear_tree   a bfloat16 weight (N, K) with K and N multiples of 16 and 
                                 with the same `_version`, so an in-place update re-quantises) to float8_e4m3fn with one
                                 float32 scale per output channel, scale_w[n] = max|w[n, :]| / 448 (`prepare(model)`
                                 quantises every projection up front, at load);
-                        rows    quantised per call, one scale per row (`h3kernels.fp8_quant.quantize_rows`);
+                        rows    one scale per row: the codes a fused producer emitted with x (below), else
+                                `h3kernels.fp8_quant.quantize_rows(x)`, kept with x (`ROWS`, while x lives at the
+                                same `_version`) so the q, k and v projections of one input quantise it once;
                         y       torch._scaled_mm(q_x, q_w^T, scale_x (M, 1), scale_w (1, N), out_dtype bfloat16)
                                 (CUTLASS row-wise scaling, float32 accumulation with promotion: use_fast_accum off),
                                 then + bias in bfloat16.
@@ -17,7 +19,13 @@ linear, linear_tree   a bfloat16 weight (N, K) with K and N multiples of 16 and 
                       16 runs F.linear in bfloat16 (trace kernel_id `fast.bf16.linear`).
 attention             F.scaled_dot_product_attention with cuDNN first (then flash, memory-efficient): the `off` call
                       with the faster backend.
+norm_modulate, swiglu  fused FP8 producers (`h3kernels.fp8_fused`, bfloat16 rows that fit one program): the op's
+                      bfloat16 output (float32 arithmetic, one rounding) and its e4m3 row codes and scales in one
+                      launch, kept in `ROWS` for the projection that reads the output. `use_fused_producers(False)`
+                      turns both the fusion and the shared codes off (the reference ops and one quantiser a call).
 every other op        the reference torch op (`off`).
+CUDA graphs           `H3Transformer.forward` runs a fast forward through `h3lab.fast_graph` (capture on a
+                      signature's second call, replays after; the eager forward otherwise): see that module.
 Not strict            the trace's mode is "fast", every record's backend is "fast" and `Trace.to_dict()` carries
                       "strict": false; strict kernels are never called and strict never calls these. Code that
                       needs the strict contract (RL rollouts, batch-invariant replays) calls
@@ -56,6 +64,9 @@ _BF16_INFO = {"kernel_id": "fast.bf16.linear", "tile": "", "acc_dtype": "torch-d
 _FP32_INFO = {"kernel_id": "fast.fp32.linear", "tile": "", "acc_dtype": "float32"}
 _ATTN_INFO = {"kernel_id": "fast.sdpa.cudnn", "tile": "cudnn > flash > efficient", "acc_dtype": "float32"}
 _TORCH_INFO = {"kernel_id": "fast.torch", "tile": "", "acc_dtype": "torch-default"}
+_NORM_MOD_INFO = {"kernel_id": "fast.fused.norm_modulate_e4m3", "tile": "one row per program",
+                  "acc_dtype": "float32"}
+_SWIGLU_INFO = {"kernel_id": "fast.fused.swiglu_e4m3", "tile": "one row per program", "acc_dtype": "float32"}
 _EMULATED_INFO = {"kernel_id": "fast.emulated.fp8_e4m3", "tile": "float32 emulation", "acc_dtype": "float32"}
 _emulated: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_emulated", default=False)
 
@@ -68,6 +79,36 @@ def use_emulation() -> Iterator[None]:
         yield
     finally:
         _emulated.reset(token)
+
+
+_fused: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_fused", default=True)
+
+
+@contextlib.contextmanager
+def switch(var: contextvars.ContextVar[bool], enabled: bool, what: str) -> Iterator[None]:
+    """Set the boolean context variable `var` for the enclosed code; `what` names the switch in the refusal."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{what}({enabled!r}): must be True or False")
+    token = var.set(enabled)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def use_fused_producers(enabled: bool):
+    """Enable (default) or disable the fused FP8 producers and the shared row codes (benchmarks measure both)."""
+    return switch(_fused, enabled, "use_fused_producers")
+
+
+def graph_key() -> tuple:
+    """The fast-mode switches a captured forward depends on (`h3lab.fast_graph` keys its graphs with them)."""
+    return (_fused.get(), _emulated.get())
+
+
+def emulated() -> bool:
+    """True inside `use_emulation()`."""
+    return _emulated.get()
 
 
 _BOUND: dict[str, Any] = {}  # set by `bind` from h3lab.runtime: this module never imports the runtime
@@ -87,7 +128,8 @@ def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """(q float8_e4m3fn (R, K), scale float32 (R, 1)) of t (R, K), one scale per row: the math of the GPU row
     quantiser in torch (any device). Used for weights (rows = output channels) and as the test reference."""
     t = t.reshape(-1, t.shape[-1]).float()
-    scale = torch.clamp(t.abs().amax(dim=1, keepdim=True), min=AMAX_FLOOR) / FP8_MAX
+    amax = torch.clamp(t.abs().amax(dim=1, keepdim=True), min=AMAX_FLOOR)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # a true division on CUDA too (a scalar divisor is a reciprocal)
     q = torch.clamp(t / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -104,23 +146,38 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _WeightCache:
-    """weight tensor -> (q (N, K) float8_e4m3fn, scale (1, N) float32), valid while it is the same live tensor with
-    the same `_version`."""
+def norm_modulate_quant_reference(x, weight, eps, scale, shift, index):
+    """float32 torch reference of `h3kernels.fp8_fused.norm_modulate_quant`: (y bf16, q, s), (q, s) of y."""
+    xf = x.float()
+    inv = 1.0 / torch.sqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
+    y = (xf * inv * weight.float() * (1.0 + scale.float().index_select(0, index))
+         + shift.float().index_select(0, index)).to(torch.bfloat16)
+    return (y, *quantize_rows_reference(y))
+
+
+def swiglu_quant_reference(h):
+    """float32 torch reference of `h3kernels.fp8_fused.swiglu_quant`: (y bf16, q, s), (q, s) of y."""
+    value, gate = h.float().chunk(2, dim=-1)
+    y = (value * (gate / (1.0 + torch.exp(-gate)))).to(torch.bfloat16)
+    return (y, *quantize_rows_reference(y))
+
+
+class _TensorCache:
+    """tensor -> its FP8 form (q float8_e4m3fn, scale float32), valid while it is the same live tensor with the same
+    `_version` (an in-place update invalidates the entry; a dead tensor's entry is dropped)."""
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple[Any, int, torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(w)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] == w._version:
+    def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entry = self._entries.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
             return entry[2], entry[3]
-        with torch.no_grad():
-            q, scale = quantize_rows_reference(w.detach())
-        q, scale = q.contiguous(), scale.reshape(1, -1).contiguous()
-        self._entries[key] = (weakref.ref(w, lambda _r, k=key: self._entries.pop(k, None)), w._version, q, scale)
-        return q, scale
+        return None
+
+    def store(self, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        key = id(t)
+        self._entries[key] = (weakref.ref(t, lambda _r, k=key: self._entries.pop(k, None)), t._version, q, scale)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,7 +186,24 @@ class _WeightCache:
         self._entries.clear()
 
 
+class _WeightCache(_TensorCache):
+    """weight tensor -> (q (N, K) float8_e4m3fn, scale (1, N) float32), quantised on first use."""
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self.lookup(w)
+        if hit is not None:
+            return hit
+        with torch.no_grad():
+            q, scale = quantize_rows_reference(w.detach())
+        q, scale = q.contiguous(), scale.reshape(1, -1).contiguous()
+        self.store(w, q, scale)
+        return q, scale
+
+
 WEIGHTS = _WeightCache()
+# activation -> (q (M, K), scale (M, 1)): what a fused producer emitted with it (`norm_modulate`, `swiglu`) or what
+# the first projection reading it quantised (the q, k and v projections share one input: one quantiser launch)
+ROWS = _TensorCache()
 
 
 def _fp8_eligible(weight: torch.Tensor) -> bool:
@@ -158,12 +232,39 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from h3kernels.fp8_quant import quantize_rows
 
     qw, sw = WEIGHTS.get(weight)
-    x2d = x.reshape(-1, x.shape[-1])
-    qx, sx = quantize_rows(x2d)
+    fused = _fused.get()
+    hit = ROWS.lookup(x) if fused else None
+    if hit is None:
+        hit = quantize_rows(x.reshape(-1, x.shape[-1]))
+        if fused:
+            ROWS.store(x, *hit)
+    qx, sx = hit
     y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=False)
     if bias is not None:
         y += bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _norm_modulate(x, weight, eps, scale, shift, index):
+    from h3kernels.fp8_fused import norm_modulate_quant
+
+    y, q, s = norm_modulate_quant(x, weight, eps, scale, shift, index)
+    ROWS.store(y, q, s)
+    return y
+
+
+def _swiglu(h):
+    from h3kernels.fp8_fused import swiglu_quant
+
+    y, q, s = swiglu_quant(h)
+    ROWS.store(y, q, s)
+    return y
+
+
+def _fusable_rows(x: torch.Tensor, cols: int) -> bool:
+    from h3kernels.fp8_fused import MAX_COLS
+
+    return x.dtype == torch.bfloat16 and x.stride(-1) == 1 and 1 <= cols <= MAX_COLS
 
 
 def _attention(q, k, v, key_order=None):
@@ -224,4 +325,12 @@ def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Calla
         return _BF16_INFO, REFERENCE_OPS[name]
     if name == "attention":
         return (_TORCH_INFO, REFERENCE_OPS[name]) if _emulated.get() else (_ATTN_INFO, _attention)
+    if not _emulated.get() and _fused.get():
+        x = args[0] if args else None
+        if name == "norm_modulate" and isinstance(x, torch.Tensor) and x.dim() == 3 and _fusable_rows(x, x.shape[-1]) \
+                and all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in args[3:5]):
+            return _NORM_MOD_INFO, _norm_modulate
+        if name == "swiglu" and isinstance(x, torch.Tensor) and x.shape[-1] % 2 == 0 \
+                and _fusable_rows(x, x.shape[-1] // 2):
+            return _SWIGLU_INFO, _swiglu
     return _TORCH_INFO, REFERENCE_OPS[name]

@@ -266,6 +266,11 @@ def use_placement(placement: Any) -> Iterator[Any]:
         _placement.reset(token)
 
 
+def current_placement() -> Any:
+    """The placement the enclosing `use_placement` set (None for a one-process forward)."""
+    return _placement.get()
+
+
 def active_overrides() -> tuple[str, ...]:
     """Names of the ops the enclosing `use_overrides` replace, sorted."""
     return tuple(sorted(_overrides.get()))
@@ -297,6 +302,11 @@ def last_trace() -> "Trace | None":
     return _last_trace.get()
 
 
+def set_last_trace(trace: "Trace") -> None:
+    """Make `trace` `last_trace()`: a CUDA graph replay of a fast forward (`h3lab.fast_graph`) runs no op table."""
+    _last_trace.set(trace)
+
+
 # ---------------------------------------------------------------------------------------------------- trace
 @dataclass
 class OpRecord:
@@ -321,6 +331,7 @@ class Trace:
     records: list[OpRecord] = field(default_factory=list)
     placement: dict | None = None  # topology, rank, ownership of a sharded forward (h3lab.distributed)
     collectives: Any = None  # its CollectiveLog (`to_dict()`): each collective, its algorithm, fallback state
+    graph: dict | None = None  # fast mode: how the forward ran (`h3lab.fast_graph`: eager, captured or a replay)
 
     @property
     def fallbacks(self) -> list[OpRecord]:
@@ -349,6 +360,8 @@ class Trace:
             out["placement"] = self.placement
         if self.collectives is not None:
             out["collectives"] = self.collectives.to_dict()
+        if self.graph is not None:
+            out["graph"] = self.graph
         return out
 
     def to_json(self, **kwargs: Any) -> str:

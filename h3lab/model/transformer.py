@@ -29,6 +29,8 @@ Contract:
   `model.reset_buffers(device)` recomputes `inv_freq` (it is not in the state dict). `from_pretrained` delegates to
   `h3lab.checkpoint.loader.load_transformer`.
 - `model.fingerprint` (default "") is written into the runtime trace of every forward.
+- Mode "fast": the checked forward goes through `h3lab.fast_graph.run` (CUDA graphs where eligible, else the same
+  eager forward); every other mode runs it directly.
 """
 
 from __future__ import annotations
@@ -174,13 +176,20 @@ class H3Transformer(nn.Module):
             )
         if key_order is not None:
             check_key_order(key_order, position_ids)
-        ops = runtime.ops(device=hidden_states.device, fingerprint=self.fingerprint)
+        args = (hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
+                position_ids, video_indices, audio_indices, text_indices, key_order)
+        if runtime.current_mode() == "fast":  # CUDA graphs of the checked forward where eligible (fast_graph)
+            from .. import fast_graph
+
+            return fast_graph.run(self, args, self._run_ops)
+        return self._run_ops(*args)
+
+    def _run_ops(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """One traced forward of checked inputs: a fresh op table and the hook registry made current."""
+        ops = runtime.ops(device=args[0].device, fingerprint=self.fingerprint)
         hooks = self._hooks if self._hooks else None
         with runtime.use_ops(ops), use_hooks(hooks):
-            return self._forward(
-                ops, hooks, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
-                token_tags, position_ids, video_indices, audio_indices, text_indices, key_order,
-            )
+            return self._forward(ops, hooks, *args)
 
     def _forward(self, ops, hooks, hidden_states, audio_hidden_states, encoder_hidden_states, timestep,
                  timestep_indices, token_tags, position_ids, video_indices, audio_indices, text_indices, key_order):
