@@ -5,15 +5,21 @@ Contract
 Math      q, k, v (B, S, H, D) -> o (B, S, H, D); for each (b, h) and query row i,
           o[i] = sum_j softmax_j(q[i] . k[j] / sqrt(D)) v[j]. dtypes bfloat16 or float32 (all three the same).
 Logits    s2[i, j] = fp32(q[i] . k[j]) * qk_scale with qk_scale = fp32(log2(e) / sqrt(D)): base-2 logits, so
-          exp(x / sqrt(D)) is computed as exp2(s2): CUDA's exp2f (libdevice __nv_exp2f, max 2 ulp) on the GPU,
-          numpy's exp2 in the interpreter; log2 likewise (__nv_log2f). The q . k dot has a float32 accumulator
+          exp(x / sqrt(D)) is computed as exp2(s2): CUDA's exp2f (libdevice __nv_exp2f, max 2 ulp; Triton
+          links libdevice in flush-to-zero mode, so it is one ex2.approx.ftz.f32, the same instruction as
+          tl.exp2: the sweep's exp_triton / exp_ftz variants are byte-equal) on the GPU, numpy's exp2 in the
+          interpreter; log2 likewise (__nv_log2f). The q . k dot has a float32 accumulator
           (tensor core for bf16, IEEE float32 for float32, never TF32); D is zero-padded to
           BLOCK_D = max(16, next power of two of D).
 Order     flash-style online softmax with float32 (m, l, acc) per query row. Keys are visited in the fixed order
           t = 0, 1, ..., S-1 of `key_order` (default identity: packed order) in BLOCK_N tiles, never split
           (no split-KV, no atomics). Per tile: m' = max(m, rowmax(s2)); alpha = exp2(m - m');
           p = exp2(s2 - m'); l = l * alpha + rowsum(p); acc = acc * alpha + dot(p as the input dtype, v).
-          The last tile's missing keys get s2 = -inf (p = 0 exactly). Finally o = div_rn(acc, l) (IEEE division),
+          Full tiles run unmasked; the one tail tile (S % BLOCK_N keys) gets s2 = -inf for its missing keys
+          (p = 0 exactly; on a full tile the mask was the identity, so this split keeps the bytes). bf16 on CUDA
+          in packed order reads K/V tiles through device-side TMA descriptors of each (b, h)'s (S, D) slab (rows
+          past S read as zeros and are masked); a key_order, the interpreter, float32 or a stride/alignment TMA
+          cannot take read them through pointers, the same values. Finally o = div_rn(acc, l) (IEEE division),
           one round-to-nearest-even cast to the input dtype; lse2 = m + log2(l) (float32, base 2) is saved.
 Cast pts  p (and dS in the backward) are cast to the input dtype right before each tensor-core dot (float32 stays
           float32); o, dq, dk, dv are cast once at the end. Compiled with enable_fp_fusion=False (no mul+add
@@ -23,7 +29,11 @@ Tiles     fixed per dtype (`TILES`), never from S, B or the device:
                   steps, dQ 128 queries x 32-key steps (8 warps, 3 stages)
             fp32  forward 64 x 32 (4 warps, 2 stages); backward dK/dV 64 x 32, dQ 64 x 32 (4 warps, 2 stages)
           BLOCK_N (forward), the dQ key step and the dK/dV query step fix the reduction orders; the other block
-          sizes only group independent rows. (Chosen on the H200 by `benchmarks/benchmark_attention.py --sweep`.)
+          sizes only group independent rows. Tiles chosen on the H200 by `benchmark_attention.py --sweep-tiles`;
+          the forward's loop (`FORWARD`: split tail, unmasked D, TMA) by `--sweep`, which times byte-keeping and
+          byte-changing variants against cuDNN (`benchmarks/results/attention_sweep.json`: at 37,853 rows TMA
+          takes the forward from 91.3 to 72.6 ms, byte-equal; fused multiply-add, a pre-scaled q, a reciprocal
+          or BLOCK_N 64 change bytes and gain at most 4% more, so none is adopted).
 Backward  deterministic flash backward, no atomics: delta[i] = rowsum(fp32(o[i]) * fp32(do[i]));
           dK/dV: one program per (key block, b, h) loops over all query rows in `key_order` order in fixed tiles:
           p^T = exp2(s2^T - lse2), dv += dot(p^T, do), ds^T = p^T * (dot(v, do^T) - delta), dk += dot(ds^T, q);
@@ -123,7 +133,7 @@ class ForwardVariant:
         return "+".join(parts) or "baseline"
 
 
-FORWARD = {torch.bfloat16: ForwardVariant(), torch.float32: ForwardVariant()}
+FORWARD = {torch.bfloat16: ForwardVariant(split_tail=True, even_d=True, tma=True), torch.float32: ForwardVariant()}
 PREPROCESS_BLOCK_M = 64
 
 
