@@ -2,6 +2,11 @@
 
     python benchmarks/benchmark_attention.py --out benchmarks/results/attention.json     # H200
     python benchmarks/benchmark_attention.py --dry-run --out /tmp/attention.json         # CPU interpreter, tiny
+    python benchmarks/benchmark_attention.py --sweep --precompile 12 --out benchmarks/results/attention_sweep.json
+    python benchmarks/benchmark_attention.py --sweep-tiles --out /tmp/tiles.json          # older tile candidates
+
+`--sweep`: the forward variants of `attention_sweep.py` (byte checks against the contract's kernel, timings against
+SDPA / cuDNN / flash) at 2,066 / 12,369 / 37,853 rows (`--sweep-seqs`); `--sweep-tiles`: forward and backward tiles.
 
 S in {2066, 7272}, B = 1, bfloat16, q/k/v (B, S, 56, 128) contiguous (as rope produces them).
 Time: `triton.testing.do_bench`, median of all runs; TFLOP/s = 4*B*H*S^2*D / t forward, 2.5x that backward

@@ -129,6 +129,17 @@ def test_byte_keeping_forward_variants_keep_the_bytes(S):
             assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse), (variant.describe(), key_order is None)
 
 
+def test_tma_is_taken_only_for_aligned_rows():
+    """K/V go through TMA descriptors only where the (S, D) slab of every (b, h) is 16-byte aligned with stride-1
+    rows; other views fall back to pointers (the same values)."""
+    t = torch.empty(2, 40, 3, 16, dtype=torch.bfloat16)
+    assert attn._tma_ok(t)
+    assert attn._tma_ok(torch.empty(2, 40, 3, 32, dtype=torch.bfloat16)[..., 16:])  # 32-byte rows, 32-byte offset
+    assert not attn._tma_ok(torch.empty(2, 40, 3, 17, dtype=torch.bfloat16)[..., 1:])  # 34-byte row stride
+    assert not attn._tma_ok(t.transpose(2, 3))  # last-dim stride 3
+    assert not attn._tma_ok(torch.empty(2, 40, 3, 24, dtype=torch.bfloat16)[..., 4:20])  # 8-byte base offset
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_consistent_permutation_with_canonical_key_order(dtype):
     """Permute the packed rows of q, k, v by p; visiting keys in canonical order (key_order = argsort(p)) gives the
