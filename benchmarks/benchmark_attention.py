@@ -2,6 +2,11 @@
 
     python benchmarks/benchmark_attention.py --out benchmarks/results/attention.json     # H200
     python benchmarks/benchmark_attention.py --dry-run --out /tmp/attention.json         # CPU interpreter, tiny
+    python benchmarks/benchmark_attention.py --sweep --precompile 12 --out benchmarks/results/attention_sweep.json
+    python benchmarks/benchmark_attention.py --sweep-tiles --out /tmp/tiles.json          # older tile candidates
+
+`--sweep`: the forward variants of `attention_sweep.py` (byte checks against the contract's kernel, timings against
+SDPA / cuDNN / flash) at 2,066 / 12,369 / 37,853 rows (`--sweep-seqs`); `--sweep-tiles`: forward and backward tiles.
 
 S in {2066, 7272}, B = 1, bfloat16, q/k/v (B, S, 56, 128) contiguous (as rope produces them).
 Time: `triton.testing.do_bench`, median of all runs; TFLOP/s = 4*B*H*S^2*D / t forward, 2.5x that backward
@@ -82,7 +87,7 @@ def bench_seq(S: int, heads: int, head_dim: int, device: str, backward: bool) ->
     return rows
 
 
-def sweep(seqs, device: str) -> list[dict]:
+def sweep_tiles(seqs, device: str) -> list[dict]:
     """Time candidate tile configs (exploration only: the contract's tiles are the constants in TILES)."""
     import torch
     from h3kernels import attention as attn
@@ -124,13 +129,27 @@ def sweep(seqs, device: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     parser = kernel_parser(__doc__.splitlines()[0], "attention")
     parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths S (default 2066 7272)")
+    parser.add_argument("--sweep-seqs", type=int, nargs="+",
+                        help="--sweep: sequence lengths (default 2066 12369 37853; dry run 67 130 256)")
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="time the older forward/backward tile candidates instead of the forward variants")
+    parser.add_argument("--precompile", type=int, default=0,
+                        help="--sweep on CUDA: compile the variants first in this many processes (Triton cache)")
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
     heads, head_dim = (DRY["heads"], DRY["head_dim"]) if args.dry_run else (HEADS, HEAD_DIM)
     doc = header("attention", __file__, argv, device)
     seqs = args.seqs or (DRY["seqs"] if args.dry_run else SEQS)
-    if args.sweep:
-        doc["results"] = sweep(seqs, device)
+    if args.sweep or args.sweep_tiles:
+        if args.sweep_tiles:
+            doc["results"] = sweep_tiles(seqs, device)
+        else:
+            from attention_sweep import sweep_forward
+
+            doc["variants"], doc["results"] = sweep_forward(args.sweep_seqs, heads, head_dim, device,
+                                                            args.precompile)
+            print(table(doc["results"], ["rows", "variant", "class", "bytes_equal", "median_s", "tflops",
+                                         "ratio_vs_cudnn", "ratio_vs_sdpa", "error"]))
         write(args.out, doc)
         return doc
     for S in seqs:

@@ -5,15 +5,21 @@ Contract
 Math      q, k, v (B, S, H, D) -> o (B, S, H, D); for each (b, h) and query row i,
           o[i] = sum_j softmax_j(q[i] . k[j] / sqrt(D)) v[j]. dtypes bfloat16 or float32 (all three the same).
 Logits    s2[i, j] = fp32(q[i] . k[j]) * qk_scale with qk_scale = fp32(log2(e) / sqrt(D)): base-2 logits, so
-          exp(x / sqrt(D)) is computed as exp2(s2): CUDA's exp2f (libdevice __nv_exp2f, max 2 ulp) on the GPU,
-          numpy's exp2 in the interpreter; log2 likewise (__nv_log2f). The q . k dot has a float32 accumulator
+          exp(x / sqrt(D)) is computed as exp2(s2): CUDA's exp2f (libdevice __nv_exp2f, max 2 ulp; Triton
+          links libdevice in flush-to-zero mode, so it is one ex2.approx.ftz.f32, the same instruction as
+          tl.exp2: the sweep's exp_triton / exp_ftz variants are byte-equal) on the GPU, numpy's exp2 in the
+          interpreter; log2 likewise (__nv_log2f). The q . k dot has a float32 accumulator
           (tensor core for bf16, IEEE float32 for float32, never TF32); D is zero-padded to
           BLOCK_D = max(16, next power of two of D).
 Order     flash-style online softmax with float32 (m, l, acc) per query row. Keys are visited in the fixed order
           t = 0, 1, ..., S-1 of `key_order` (default identity: packed order) in BLOCK_N tiles, never split
           (no split-KV, no atomics). Per tile: m' = max(m, rowmax(s2)); alpha = exp2(m - m');
           p = exp2(s2 - m'); l = l * alpha + rowsum(p); acc = acc * alpha + dot(p as the input dtype, v).
-          The last tile's missing keys get s2 = -inf (p = 0 exactly). Finally o = div_rn(acc, l) (IEEE division),
+          Full tiles run unmasked; the one tail tile (S % BLOCK_N keys) gets s2 = -inf for its missing keys
+          (p = 0 exactly; on a full tile the mask was the identity, so this split keeps the bytes). bf16 on CUDA
+          in packed order reads K/V tiles through device-side TMA descriptors of each (b, h)'s (S, D) slab (rows
+          past S read as zeros and are masked); a key_order, the interpreter, float32 or a stride/alignment TMA
+          cannot take read them through pointers, the same values. Finally o = div_rn(acc, l) (IEEE division),
           one round-to-nearest-even cast to the input dtype; lse2 = m + log2(l) (float32, base 2) is saved.
 Cast pts  p (and dS in the backward) are cast to the input dtype right before each tensor-core dot (float32 stays
           float32); o, dq, dk, dv are cast once at the end. Compiled with enable_fp_fusion=False (no mul+add
@@ -23,7 +29,11 @@ Tiles     fixed per dtype (`TILES`), never from S, B or the device:
                   steps, dQ 128 queries x 32-key steps (8 warps, 3 stages)
             fp32  forward 64 x 32 (4 warps, 2 stages); backward dK/dV 64 x 32, dQ 64 x 32 (4 warps, 2 stages)
           BLOCK_N (forward), the dQ key step and the dK/dV query step fix the reduction orders; the other block
-          sizes only group independent rows. (Chosen on the H200 by `benchmarks/benchmark_attention.py --sweep`.)
+          sizes only group independent rows. Tiles chosen on the H200 by `benchmark_attention.py --sweep-tiles`;
+          the forward's loop (`FORWARD`: split tail, unmasked D, TMA) by `--sweep`, which times byte-keeping and
+          byte-changing variants against cuDNN (`benchmarks/results/attention_sweep.json`: at 37,853 rows TMA
+          takes the forward from 91.3 to 72.6 ms, byte-equal; fused multiply-add, a pre-scaled q, a reciprocal
+          or BLOCK_N 64 change bytes and gain at most 4% more, so none is adopted).
 Backward  deterministic flash backward, no atomics: delta[i] = rowsum(fp32(o[i]) * fp32(do[i]));
           dK/dV: one program per (key block, b, h) loops over all query rows in `key_order` order in fixed tiles:
           p^T = exp2(s2^T - lse2), dv += dot(p^T, do), ds^T = p^T * (dot(v, do^T) - delta), dk += dot(ds^T, q);
@@ -92,6 +102,38 @@ TILES = {
     torch.bfloat16: AttentionTiles(128, 128, 8, 3, 128, 32, 128, 32, 8, 3),
     torch.float32: AttentionTiles(64, 32, 4, 2, 64, 32, 64, 32, 4, 2),
 }
+
+
+@dataclass(frozen=True)
+class ForwardVariant:
+    """How the forward kernel runs its key loop (`benchmarks/benchmark_attention.py --sweep` times the others).
+    Byte-keeping knobs (the per-row order over keys and every rounding unchanged): `split_tail` (full BLOCK_N tiles
+    unmasked, then one masked tail tile), `even_d` (no D mask when D == BLOCK_D), `tma` (K/V tiles through
+    device-side TMA descriptors; CUDA, packed order, last-dim stride 1 only), `loop_stages` / `warp_specialize`
+    (`tl.range` pipelining of the full-tile loop). Byte-changing knobs, exploration only: `exp` "triton"/"ftz",
+    `prescale_q`, `reciprocal`, `fp_fusion`."""
+
+    split_tail: bool = False
+    even_d: bool = False
+    tma: bool = False
+    loop_stages: int | None = None
+    warp_specialize: bool = False
+    exp: str = "libdevice"
+    prescale_q: bool = False
+    reciprocal: bool = False
+    fp_fusion: bool = False
+
+    def describe(self) -> str:
+        parts = [name for name in ("split_tail", "even_d", "tma", "warp_specialize", "prescale_q", "reciprocal",
+                                   "fp_fusion") if getattr(self, name)]
+        if self.loop_stages is not None:
+            parts.append(f"loop_stages{self.loop_stages}")
+        if self.exp != "libdevice":
+            parts.append(f"exp_{self.exp}")
+        return "+".join(parts) or "baseline"
+
+
+FORWARD = {torch.bfloat16: ForwardVariant(split_tail=True, even_d=True, tma=True), torch.float32: ForwardVariant()}
 PREPROCESS_BLOCK_M = 64
 
 
@@ -125,13 +167,77 @@ def _visit_rows(order_ptr, t, S, HAS_ORDER: tl.constexpr):
     return rows.to(tl.int64), valid
 
 
+@triton.jit
+def _exp2_fwd(x, EXP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """2**x in the forward: EXP "libdevice" (the contract: CUDA's exp2f), "triton" (Triton's own math.exp2
+    lowering) or "ftz" (ex2.approx.ftz.f32: subnormal results flushed to zero). Exploration knobs of the sweep;
+    the interpreter always uses numpy's exp2."""
+    if INTERPRETED:
+        return tl.exp2(x)
+    elif EXP == "ftz":
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    elif EXP == "triton":
+        return tl.exp2(x)
+    else:
+        return libdevice.exp2(x)
+
+
+@triton.jit
+def _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, MASKED: tl.constexpr, EXP: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """One BLOCK_N tile of the online softmax (the contract's per-tile update); MASKED sets s2 = -inf where not
+    kv_ok (only the tail tile needs it: on a full tile the select is the identity)."""
+    s2 = mma(q, kT, tl.zeros((q.shape[0], kT.shape[1]), dtype=tl.float32), "ieee", INTERPRETED) * scale
+    if MASKED:
+        s2 = tl.where(kv_ok[None, :], s2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    alpha = _exp2_fwd(m_i - m_new, EXP, INTERPRETED)
+    p = _exp2_fwd(s2 - m_new[:, None], EXP, INTERPRETED)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = mma(cast_rne(p, v.dtype, INTERPRETED), v, acc, "ieee", INTERPRETED)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs, svd,
+            HAS_ORDER: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """(kT (D, N), v (N, D), kv_ok (N,)) of the keys at visiting positions n0 + offs_n. TMA: through the (S, D)
+    descriptors of this (b, h) (rows past S read as zeros); else pointers, rows past S clamped to row 0."""
+    if TMA:
+        kT = tl.trans(kd.load([n0, 0]))
+        v = vd.load([n0, 0])
+        kv_ok = (n0 + offs_n) < S
+    else:
+        if MASKED:
+            kv_rows, kv_ok = _visit_rows(order_ptr, n0 + offs_n, S, HAS_ORDER)
+        else:
+            kv_ok = (n0 + offs_n) < S
+            if HAS_ORDER:
+                kv_rows = tl.load(order_ptr + n0 + offs_n).to(tl.int64)
+            else:
+                kv_rows = (n0 + offs_n).to(tl.int64)
+        k_ptrs = k_base + kv_rows[None, :] * sks + offs_d[:, None] * skd
+        v_ptrs = v_base + kv_rows[:, None] * svs + offs_d[None, :] * svd
+        if EVEN_D:
+            kT = tl.load(k_ptrs)  # (D, N)
+            v = tl.load(v_ptrs)  # (N, D)
+        else:
+            kT = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    return kT, v, kv_ok
+
+
 @triton.jit(do_not_specialize=["S"])
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, order_ptr,
     S, H, D, qk_scale,
     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
     HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_TAIL: tl.constexpr, TMA: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -147,24 +253,34 @@ def _attn_fwd_kernel(
     v_base = v_ptr + b * svb + h * svh
 
     q = tl.load(q_base + rows[:, None] * sqs + offs_d[None, :] * sqd, mask=d_ok[None, :], other=0.0)  # (M, D)
+    scale = qk_scale
+    if PRESCALE_Q:  # exploration only (changes bytes): q * qk_scale rounded to the input dtype once
+        q = (q.to(tl.float32) * qk_scale).to(q.dtype)
+        scale = 1.0
+    kd = k_base
+    vd = v_base
+    if TMA:
+        kd = tl.make_tensor_descriptor(k_base, shape=[S, D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        vd = tl.make_tensor_descriptor(v_base, shape=[S, D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, S, BLOCK_N):
-        kv_rows, kv_ok = _visit_rows(order_ptr, n0 + offs_n, S, HAS_ORDER)
-        kT = tl.load(k_base + kv_rows[None, :] * sks + offs_d[:, None] * skd, mask=d_ok[:, None], other=0.0)  # (D, N)
-        s2 = mma(q, kT, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), "ieee", INTERPRETED) * qk_scale
-        s2 = tl.where(kv_ok[None, :], s2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-        alpha = _exp2(m_i - m_new, INTERPRETED)
-        p = _exp2(s2 - m_new[:, None], INTERPRETED)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + kv_rows[:, None] * svs + offs_d[None, :] * svd, mask=d_ok[None, :], other=0.0)  # (N, D)
-        acc = acc * alpha[:, None]
-        acc = mma(cast_rne(p, v.dtype, INTERPRETED), v, acc, "ieee", INTERPRETED)
-        m_i = m_new
+    n_full = 0
+    if SPLIT_TAIL:
+        n_full = (S // BLOCK_N) * BLOCK_N
+    for n0 in tl.range(0, n_full, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
+        kT, v, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs, svd,
+                               HAS_ORDER, TMA, False, EVEN_D)
+        acc, l_i, m_i = _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, False, EXP, INTERPRETED)
+    for n0 in range(n_full, S, BLOCK_N):  # SPLIT_TAIL: the one masked tail tile (if S % BLOCK_N); else every tile
+        kT, v, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs, svd,
+                               HAS_ORDER, TMA, True, EVEN_D)
+        acc, l_i, m_i = _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, True, EXP, INTERPRETED)
 
-    out = tl.math.div_rn(acc, l_i[:, None])
+    if RECIPROCAL:  # exploration only (changes bytes): acc * (1 / l)
+        out = acc * (1.0 / l_i)[:, None]
+    else:
+        out = tl.math.div_rn(acc, l_i[:, None])
     row_ok = offs_m < S
     o_ptrs = o_ptr + b * sob + h * soh + tile_offsets(offs_m, sos, offs_d, sod)
     tl.store(o_ptrs, cast_rne(out, o_ptr.dtype.element_ty, INTERPRETED), mask=row_ok[:, None] & d_ok[None, :])
@@ -291,9 +407,29 @@ def _scales(D: int) -> tuple[float, float]:
     return sm_scale * math.log2(math.e), sm_scale
 
 
-def _forward(q, k, v, order):
+def _tma_ok(t: torch.Tensor) -> bool:
+    """K/V can be read through a (S, D) TMA descriptor per (b, h): last-dim stride 1, 16-byte aligned rows and base."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and (t.stride(1) * size) % 16 == 0 and (t.stride(0) * size) % 16 == 0
+            and (t.stride(2) * size) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _forward(q, k, v, order, variant: ForwardVariant | None = None, tiles: AttentionTiles | None = None):
+    """(o, lse2) of the forward kernel; `variant` / `tiles` default to the contract's (FORWARD, TILES); others are
+    for the sweep only. No checks."""
     B, S, H, D = q.shape
-    tiles = TILES[q.dtype]
+    tiles = TILES[q.dtype] if tiles is None else tiles
+    variant = FORWARD[q.dtype] if variant is None else variant
+    interpreted = q.device.type == "cpu"
+    block_d = _block_d(D)
+    tma = variant.tma and not interpreted and order is None and _tma_ok(k) and _tma_ok(v)
+    if tma:
+        triton.set_allocator(_tma_scratch)
     o = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     qk_scale, _ = _scales(D)
@@ -302,9 +438,11 @@ def _forward(q, k, v, order):
         q, k, v, o, lse, order if order is not None else lse,
         S, H, D, qk_scale,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        HAS_ORDER=order is not None, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=_block_d(D),
-        INTERPRETED=q.device.type == "cpu",
-        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, enable_fp_fusion=False,
+        HAS_ORDER=order is not None, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=block_d,
+        INTERPRETED=interpreted, EVEN_D=variant.even_d and D == block_d, SPLIT_TAIL=variant.split_tail,
+        TMA=tma, LOOP_STAGES=variant.loop_stages, WARP_SPECIALIZE=variant.warp_specialize, EXP=variant.exp,
+        PRESCALE_Q=variant.prescale_q, RECIPROCAL=variant.reciprocal,
+        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, enable_fp_fusion=variant.fp_fusion,
     )
     return o, lse
 

@@ -114,6 +114,32 @@ def test_strided_views_give_the_same_bytes():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("S", [128, 130])  # no tail tile / a 2-key tail tile
+def test_byte_keeping_forward_variants_keep_the_bytes(S):
+    """The contract's forward loop (split tail, unmasked D) against today's one masked loop, with and without a
+    key_order: o and lse2 bit-identical (the interpreter runs the GPU's tile loop and masks)."""
+    q, k, v = _qkv((2, S, 2, 16), torch.bfloat16, seed=40 + S)
+    order = torch.randperm(S, generator=torch.Generator().manual_seed(S))
+    one_loop = attn.ForwardVariant()
+    assert attn.FORWARD[torch.bfloat16] != one_loop and attn.FORWARD[torch.bfloat16].split_tail
+    for key_order in (None, order):
+        ref_o, ref_lse = attn._forward(q, k, v, key_order, one_loop)
+        for variant in (attn.FORWARD[torch.bfloat16], attn.ForwardVariant(split_tail=True)):
+            o, lse = attn._forward(q, k, v, key_order, variant)
+            assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse), (variant.describe(), key_order is None)
+
+
+def test_tma_is_taken_only_for_aligned_rows():
+    """K/V go through TMA descriptors only where the (S, D) slab of every (b, h) is 16-byte aligned with stride-1
+    rows; other views fall back to pointers (the same values)."""
+    t = torch.empty(2, 40, 3, 16, dtype=torch.bfloat16)
+    assert attn._tma_ok(t)
+    assert attn._tma_ok(torch.empty(2, 40, 3, 32, dtype=torch.bfloat16)[..., 16:])  # 32-byte rows, 32-byte offset
+    assert not attn._tma_ok(torch.empty(2, 40, 3, 17, dtype=torch.bfloat16)[..., 1:])  # 34-byte row stride
+    assert not attn._tma_ok(t.transpose(2, 3))  # last-dim stride 3
+    assert not attn._tma_ok(torch.empty(2, 40, 3, 24, dtype=torch.bfloat16)[..., 4:20])  # 8-byte base offset
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_consistent_permutation_with_canonical_key_order(dtype):
     """Permute the packed rows of q, k, v by p; visiting keys in canonical order (key_order = argsort(p)) gives the
@@ -212,6 +238,29 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, monkeypatch):
     for r in rows:
         assert {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(r) and r["median_s"] > 0
     assert rows[0]["batch_equal"] and rows[0]["repeat_equal"] and rows[0]["perm_equal"] and rows[2]["bwd_repeat_equal"]
+
+
+def test_forward_sweep_dry_run_reports_bytes_and_classes(tmp_path, monkeypatch):
+    """--sweep on the interpreter: every variant row carries its class and byte check; the byte-keeping ones (all
+    fall back to pointers on the CPU) equal the contract's bytes, pre-scaled q does not."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    import attention_sweep
+    import benchmark_attention
+
+    some = [v for v in attention_sweep.variants() if v[0] in ("contract", "unmasked", "tma", "prescale_q")]
+    monkeypatch.setattr(attention_sweep, "variants", lambda: some)
+    out = tmp_path / "sweep.json"
+    benchmark_attention.main(["--dry-run", "--sweep", "--sweep-seqs", "67", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"contract", "unmasked", "tma", "prescale_q", "sdpa"}
+    assert all(rows[n]["bytes_equal"] and rows[n]["class"] == "byte-keeping" for n in ("contract", "unmasked", "tma"))
+    assert rows["prescale_q"]["class"] == "byte-changing" and not rows["prescale_q"]["bytes_equal"]
+    assert all(r["median_s"] > 0 and "error" not in r for r in rows.values())
 
 
 # -------------------------------------------------------------------------------------------- registry, runtime
