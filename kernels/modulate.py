@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import tile_offsets
 from h3kernels._index_cache import IndexCache, lazy
 from h3kernels._strict_math import round_to
@@ -74,6 +75,7 @@ def _modulate_tile(x, scale_ptr, shift_ptr, t, scale_stride, shift_stride, cols,
     return round_to(y + sh, DT)  # ... + shift[i]
 
 
+@lean
 @triton.jit
 def _modulate_fwd_kernel(
     x_ptr, scale_ptr, shift_ptr, index_ptr, out_ptr, n_rows, S, R, scale_stride, shift_stride,
@@ -88,6 +90,7 @@ def _modulate_fwd_kernel(
     tl.store(out_ptr + offs, y.to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _gated_residual_fwd_kernel(
     res_ptr, gate_ptr, index_ptr, y_ptr, out_ptr, n_rows, S, R, gate_stride,
@@ -104,6 +107,7 @@ def _gated_residual_fwd_kernel(
     tl.store(out_ptr + offs, out.to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _row_scale_kernel(
     dy_ptr, table_ptr, index_ptr, out_ptr, n_rows, S, R, table_stride,
@@ -121,6 +125,7 @@ def _row_scale_kernel(
     tl.store(out_ptr + offs, round_to(dy * f, DT).to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _table_partial_kernel(
     dy_ptr, x_ptr, order_ptr, offsets_ptr, part_x_ptr, part_1_ptr, S, B, max_chunks,
@@ -154,6 +159,7 @@ def _table_partial_kernel(
         tl.store(part_1_ptr + out, tl.sum(dy, axis=0), mask=store_ok)
 
 
+@lean
 @triton.jit
 def _table_reduce_kernel(
     part_ptr, offsets_ptr, out_ptr, B, max_chunks,
