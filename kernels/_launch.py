@@ -6,21 +6,24 @@ Contract
 - `@lean` on a top-level `@triton.jit` kernel returns a `LeanKernel`; `kernel[grid](*args, **kwargs)` launches the
   same compiled kernel with the same arguments as Triton's own `kernel[grid](...)` (the same machine code on the same
   bytes, so no output byte can change). Kernels called from other kernels stay plain `@triton.jit` functions.
-- Key (`launch_key`): everything Triton's specialization reads, made stricter so a stale entry is impossible: for a
-  tensor its dtype, device and whether its address is 16-byte aligned (Triton's pointer specialization); for an int,
-  bool or float its exact value and type (a float constexpr is compiled in); a tuple element by element; for a host
-  `TensorDescriptor` the base's dtype, device and alignment, shape, strides, block shape and padding; any other
-  value (constexpr strings, None, options such as `num_warps`) by value. A new shape, dtype, stride, alignment,
-  constexpr or launch option is a new key, so it goes through Triton's own launch (which compiles or finds the
-  kernel) and its compiled kernel is kept for the next call with that key. `MAX_ENTRIES` keys per kernel (oldest
-  first out: an evicted key simply goes through Triton again).
+- Key (`launch_key`, under the current device): everything Triton's specialization reads, made stricter so a stale
+  entry is impossible: the type of every argument; a tensor's dtype and its address modulo 16 (Triton specializes
+  pointers on 16-byte alignment); an int, bool, float, str or None by value (a float constexpr is compiled in); a
+  tuple element by element; a host `TensorDescriptor` by its base's dtype and address modulo 16, shape, strides,
+  block shape and padding; any other hashable value (a dtype, launch options such as `num_warps`) by value. A new
+  shape, dtype, stride, alignment, constexpr or launch option is a new key, so it goes through Triton's own launch
+  (which compiles or finds the kernel) and its compiled kernel is kept for the next call with that key. No key
+  holds a tensor (no memory is kept alive). `MAX_ENTRIES` keys per kernel (oldest first out: an evicted key simply
+  goes through Triton again).
 - A hit launches `compiled.run(grid..., stream, function, metadata, None, None, None, *args)` -- what Triton's
   `JITFunction.run` does after its lookup -- with the arguments in the kernel's parameter order (constexprs
   included, which the launcher skips), on the current stream of the current device.
 - Triton's own path is taken whenever the lean path cannot promise the same launch: `ENABLED` False (the
   `enabled(False)` context; the benchmark's "before"), the interpreter (TRITON_INTERPRET=1: CPU tests run Triton's
-  own interpreted launch, unchanged), a launch hook installed (a Triton profiler), or a compiled object without the
-  launch interface this code was written against (another Triton version: then every launch is Triton's).
+  own interpreted launch, unchanged), a launch hook installed (a Triton profiler); a launch whose result lacks the
+  launch interface this code was written against (another Triton version, a future) is not kept, so the next call
+  of its key goes through Triton again. Triton refuses a launch after a global its kernel read has changed; a hit
+  does not re-check globals (the strict kernels read only module constants), VERIFY does.
 - `VERIFY` True (the benchmark's check, and `verified()`): every hit also asks Triton which kernel its own lookup
   would run (`JITFunction.warmup`) and raises `LeanLaunchError` unless it is the very object the lean entry launches.
 - `STATS` counts hits, misses (Triton's path, then cached) and passes (Triton's path, not cached).
@@ -50,13 +53,30 @@ def _interpreted() -> bool:
     return interpreted()
 
 
+_KNOBS: Any = None
+
+
 def _hooked() -> bool:
-    """A Triton launch hook is installed (a profiler): Triton's own launch passes it the metadata it needs."""
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - older Triton without knobs: treat as hooked, i.e. never lean
-        return True
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    """A Triton launch hook is installed (a profiler): Triton's own launch passes it the metadata it needs. (Triton
+    3.6 keeps None there; later versions an empty HookChain.)"""
+    global _KNOBS
+    if _KNOBS is None:
+        try:
+            from triton import knobs
+        except ImportError:  # pragma: no cover - a Triton without knobs: treat as hooked, i.e. never lean
+            return True
+        _KNOBS = knobs.runtime
+    for hook in (_KNOBS.launch_enter_hook, _KNOBS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+_PLAIN = frozenset((int, str, bool, float, type(None)))
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without host descriptors: `_arg_key` covers look-alikes
+    _TensorDescriptor = None
 
 
 def _arg_key(value: Any) -> Any:
@@ -80,17 +100,44 @@ def _arg_key(value: Any) -> Any:
     return ("v", type(value), value)
 
 
+def _special(a: Any) -> tuple:
+    """The key part of an argument that is no plain value: a tensor's dtype and address modulo 16 (Triton
+    specializes pointers on 16-byte alignment), else `_arg_key`."""
+    t = type(a)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        return (a.dtype, a.data_ptr() & 15)
+    if t is _TensorDescriptor:
+        base = a.base
+        return (base.dtype, base.data_ptr() & 15, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding,
+                getattr(a, "round_f32_to_tf32", None))
+    return _arg_key(a)
+
+
 def launch_key(args: tuple, kwargs: dict) -> tuple:
-    """The cache key of one launch's arguments (positional, then keyword in sorted-name order)."""
-    return (tuple(_arg_key(a) for a in args),
-            tuple((name, _arg_key(kwargs[name])) for name in sorted(kwargs)))
+    """The cache key of one launch's arguments: the type of every argument (so 1, 1.0 and True differ), each plain
+    value (int, str, bool, float, None) itself and any other argument as a `_special` tuple (a plain value is never a
+    tuple, so the two cannot be confused); keyword arguments by (name, value) in the call's order (another order is
+    only a miss) when all are plain, else name by name the same way."""
+    values = kwargs.values()
+    if _PLAIN.issuperset(map(type, values)):
+        kw = (tuple(kwargs.items()), tuple(map(type, values)))
+    else:
+        kw = tuple((n, type(v), v if type(v) in _PLAIN else _special(v)) for n, v in kwargs.items())
+    return (tuple(map(type, args)), tuple(a if type(a) in _PLAIN else _special(a) for a in args), kw)
+
+
+_DRIVER: Any = None
 
 
 def _current_stream() -> tuple[int, int]:
-    from triton.runtime import driver
+    global _DRIVER
+    if _DRIVER is None:
+        from triton.runtime import driver
 
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
+        _DRIVER = driver
+    active = _DRIVER.active
+    device = active.get_current_device()
+    return device, active.get_current_stream(device)
 
 
 def _launchable(compiled: Any) -> bool:
@@ -113,9 +160,10 @@ class LeanKernel:
                  lean_here: Callable[[], bool] | None = None) -> None:
         self.fn = fn
         self._stream = stream
-        self._lean_here = lean_here if lean_here is not None else (lambda: not _interpreted() and not _hooked())
+        if lean_here is None:  # the interpreter is fixed when the kernel is decorated (triton.jit chose it then)
+            lean_here = (lambda: False) if _interpreted() else (lambda: not _hooked())
+        self._lean_here = lean_here
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._broken = False  # the compiled object lacks the launch interface: always Triton's path
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -140,7 +188,7 @@ class LeanKernel:
         return order
 
     def launch(self, grid: tuple, args: tuple, kwargs: dict) -> Any:
-        if not ENABLED or self._broken or not self._lean_here():
+        if not ENABLED or not self._lean_here():
             STATS["passes"] += 1
             return self.fn[grid](*args, **kwargs)
         device, stream = self._stream()
@@ -149,8 +197,7 @@ class LeanKernel:
         if entry is None:
             STATS["misses"] += 1
             compiled = self.fn[grid](*args, **kwargs)  # Triton's own launch: compiles or finds the kernel
-            if not _launchable(compiled):
-                self._broken = True
+            if not _launchable(compiled):  # (a Triton whose launch returns a future, or another interface): not kept
                 return compiled
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.popitem(last=False)

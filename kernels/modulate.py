@@ -413,5 +413,16 @@ def reference_gated_residual(residual, gate, index, y):
     return residual.to(acc) + gate.to(acc).index_select(0, index) * y.to(acc)
 
 
-registry.register("modulate", run=modulate, check=check_modulate)
-registry.register("gated_residual", run=gated_residual, check=check_gated_residual)
+def _modulate_checked(x, scale, shift, index) -> torch.Tensor:
+    """`modulate` on a call `check_modulate` accepted: only the index entry is looked up again (strict dispatch)."""
+    return _Modulate.apply(x, scale, shift, index, _check_index("modulate", index, x.shape[1], scale.shape[0]))
+
+
+def _gated_residual_checked(residual, gate, index, y) -> torch.Tensor:
+    entry = _check_index("gated_residual", index, residual.shape[1], gate.shape[0])
+    return _GatedResidual.apply(residual, gate, index, y, entry)
+
+
+registry.register("modulate", run=modulate, check=check_modulate, run_checked=_modulate_checked)
+registry.register("gated_residual", run=gated_residual, check=check_gated_residual,
+                  run_checked=_gated_residual_checked)

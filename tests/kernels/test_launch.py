@@ -115,7 +115,8 @@ def test_triton_path_when_off_unlaunchable_or_interpreted():
     odd = LeanKernel(fake, stream=lambda: (0, 0), lean_here=lambda: True)
     odd[(1,)](x, 5, BLOCK=8)
     odd[(1,)](x, 4, BLOCK=8)
-    assert len(fake.own_launches) == 6 and odd.entries() == 0
+    odd[(1,)](x, 5, BLOCK=8)  # not kept: Triton's path again
+    assert len(fake.own_launches) == 7 and odd.entries() == 1
 
 
 def test_verify_catches_a_kernel_triton_would_not_run():
@@ -155,3 +156,18 @@ def test_dispatch_validates_once_same_bytes_and_still_refuses(monkeypatch):
             runtime.ops().linear_tree(torch.randn(2, 12), torch.randn(8, 12), None, point="p")
     with pytest.raises(registry.StrictUnsupported, match="mixed dtypes"):
         gemm.linear(x.bfloat16(), w, b)  # the op called directly still validates
+
+
+def test_gated_residual_and_modulate_checked_same_bytes_and_refusals():
+    r, y = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    gate, index = torch.randn(3, 8), torch.tensor([0, 2, 1, 1, 0, 2])
+    with runtime.use_mode("strict"):
+        ops = runtime.ops()
+        lean_out = (ops.gated_residual(r, gate, index, y, point="g"), ops.modulate(r, gate, gate, index, point="m"))
+        with _launch.enabled(False):
+            before = (ops.gated_residual(r, gate, index, y, point="g"), ops.modulate(r, gate, gate, index, point="m"))
+        assert all(torch.equal(a, b) for a, b in zip(lean_out, before))
+        with pytest.raises(runtime.StrictError, match="index value 3 out of range for a table of 3 rows"):
+            ops.gated_residual(r, gate, torch.tensor([0, 2, 1, 3, 0, 2]), y, point="g")
+        with pytest.raises(runtime.StrictError, match="differs from the activation dtype"):
+            ops.modulate(r, gate.double(), gate, index, point="m")
