@@ -11,10 +11,18 @@ as it comes). The ratio strict / off is measured in the same run.
 
     python benchmarks/benchmark_lora.py --out benchmarks/results/lora.json     # one H200, ~2-3 minutes
     python benchmarks/benchmark_lora.py --tiny --out /tmp/lora.json             # CPU smoke (tiny config)
+    python benchmarks/benchmark_lora.py --lean-compare --runtime-profile --out benchmarks/results/lora_lean.json
 
 `--gc default,freeze` times each setting of Python's cyclic garbage collector in turn ("freeze": `gc.freeze()` after
 the model is built, so a collection no longer walks the model's objects); every row reports the collector's seconds
 per step (`gc.callbacks`) and its collections per generation.
+
+`--lean-compare` (issue 24 item 3) times, interleaved in one process on the same weights, the strict step with the
+lean launch path off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op
+validated twice, as before `kernels/_launch.py`), the strict step as shipped ("h3lab-strict") and torch ("h3lab-off");
+it reports the SHA-256 of the LoRA gradients of each (before and lean must be equal), one strict step run with every
+lean launch verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile`
+each one's launches, syncs and GPU busy/idle time.
 
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
 `fp32_variant`: "contract" as shipped, "wave2" the FMA 64x64x32 tiles before the narrow rule); the first listed is
@@ -120,6 +128,86 @@ def fp32_variant(variant: str):
         gemm.SPLIT_MAX_N = saved[2]
 
 
+LEAN_IMPLS = (("h3lab-strict-before", "strict", False), ("h3lab-strict", "strict", True), ("h3lab-off", "off", True))
+
+
+def lean_compare(gradients, params, device: str, args, shape_name: str, rows: int, doc: dict) -> dict:
+    """`--lean-compare`: strict before / strict lean / off, interleaved (module docstring). A failure of the lean
+    path or of its verification is recorded (`lean_error`, `verify_error`) and the rest still measured; the JSON is
+    written after the timings and again after the profiles."""
+    from h3kernels import _launch
+    from h3lab.hashing import tensor_digest
+    from h3lab.training import StrictAdamW
+
+    def grad_sha(lean: bool, mode: str) -> str:
+        with _launch.enabled(lean):
+            return tensor_digest(gradients(mode).gradient, "sha256")
+
+    out: dict = {"lean_error": None, "verify_error": None}
+    impls = list(LEAN_IMPLS)
+    # gradient bytes before any optimiser step: before vs lean (twice each: repeat), off once
+    digests = {"h3lab-strict-before": [grad_sha(False, "strict"), grad_sha(False, "strict")]}
+    try:
+        digests["h3lab-strict"] = [grad_sha(True, "strict"), grad_sha(True, "strict")]
+    except Exception as exc:  # noqa: BLE001 - recorded: the before / off timings are still worth having
+        out["lean_error"] = f"{type(exc).__name__}: {exc}"
+        impls = [i for i in impls if i[0] != "h3lab-strict"]
+    digests["h3lab-off"] = [grad_sha(True, "off")]
+    sync(device)
+    verified = None
+    if device == "cuda" and out["lean_error"] is None:
+        try:
+            with _launch.verified():
+                verified = tensor_digest(gradients("strict").gradient, "sha256")
+        except Exception as exc:  # noqa: BLE001 - LeanLaunchError (a stale launcher) or another Triton interface
+            out["verify_error"] = f"{type(exc).__name__}: {exc}"
+    stats0 = dict(_launch.STATS)
+    with _launch.enabled(True):
+        gradients("strict")
+    per_step = {k: _launch.STATS[k] - stats0[k] for k in stats0}
+    optimizers = {impl: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for impl, _, _ in impls}
+
+    def step(impl: str, mode: str, lean: bool):
+        def run():
+            with _launch.enabled(lean):
+                optimizers[impl].step(gradients(mode).gradient)
+        return run
+
+    fns = {impl: step(impl, mode, lean) for impl, mode, lean in impls}
+    timings = timed_interleaved(fns, args.runs, device)
+    results = []
+    for impl, mode, lean in impls:
+        times, peak = timings[impl]
+        results.append({"shape": shape_name, "rows": rows, "impl": impl, "mode": mode, "lean_launch": lean,
+                        "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                        "peak_mem_gib": round(peak, 3) if peak == peak else None,
+                        "grad_sha256": digests[impl][0], "grad_repeat_equal": len(set(digests[impl])) == 1})
+    median = {r["impl"]: r["median_s"] for r in results}
+    off, before, lean = median["h3lab-off"], median["h3lab-strict-before"], median.get("h3lab-strict")
+    out.update({
+        "results": results,
+        "ratio_strict_over_off": lean / off if lean else None, "ratio_strict_before_over_off": before / off,
+        "speedup_lean_over_before": before / lean if lean else None,
+        "grad_bytes_equal_before_vs_lean": (digests["h3lab-strict-before"][0] == digests["h3lab-strict"][0]
+                                            if "h3lab-strict" in digests else None),
+        "grad_sha256_verified_step": verified,
+        "verified_step_equal": verified == digests["h3lab-strict"][0] if verified is not None else None,
+        "lean_launches_per_step": per_step,
+    })
+    doc.update(out)
+    write(args.out, doc)
+    if args.runtime_profile and device == "cuda":
+        for entry, (impl, _, _) in zip(results, impls):
+            rp = entry["runtime_profile"] = runtime_profile(fns[impl], no_grad=False)
+            print(f"{impl} runtime: GPU busy {rp['gpu_busy_ms']:.0f} ms, idle {rp['gpu_idle_ms']:.0f} ms; " + ", ".join(
+                f"{c['name']} x{c['calls']} {c['cpu_ms']:.0f} ms" for c in rp["runtime_calls"][:6]), flush=True)
+    print(table(results, ["impl", "shape", "rows", "median_s", "peak_mem_gib", "grad_repeat_equal"]))
+    print(f"strict / off = {out['ratio_strict_over_off']} (before: {before / off:.3f}; target <= 1.3); lean launches "
+          f"per step {per_step}; gradients before == lean: {out['grad_bytes_equal_before_vs_lean']}; verified step "
+          f"equal: {out['verified_step_equal']}; errors: {out['lean_error']} / {out['verify_error']}", flush=True)
+    return out
+
+
 def clip_request(config, shape, seed: int):
     from h3lab.layout import build_layout
     from h3lab.training import ClipRequest
@@ -156,6 +244,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile one step of each mode on the host (cProfile: the 40 functions of most own "
                              "time), to see where a host-bound step spends its Python time")
+    parser.add_argument("--lean-compare", action="store_true",
+                        help="time strict with the lean launch path off (before) and on, and off, interleaved; "
+                             "gradient hashes, a verified step, launcher statistics (module docstring)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
@@ -191,6 +282,11 @@ def main(argv=None) -> dict:
 
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
+
+    if args.lean_compare:
+        doc.update(lean_compare(gradients, params, device, args, shape_name, layout.sequence_length, doc))
+        write(args.out, doc)
+        return doc
 
     doc["ratios_strict_over_off"] = {}
     runs = [(d, v, g) for g in gc_modes for d in dtypes for v in variants]

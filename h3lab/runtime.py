@@ -475,7 +475,7 @@ class Ops:
                 reason = str(exc)
             else:
                 self._log(name, point, "strict", info, args, kwargs)
-                return kernel.run(*args, **kwargs)
+                return kernel.checked(*args, **kwargs)  # validated once, by the check above
         if self.mode == "strict":
             shapes, dtypes = _describe(args, kwargs)
             raise StrictError(

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import flat_offsets, tile_offsets
 from h3kernels._strict_math import exp_f32, libdevice_enabled, round_to
 
@@ -60,6 +61,7 @@ def _silu_grad(x, LIBDEVICE: tl.constexpr):
     return sig * (1.0 + x * (1.0 - sig))
 
 
+@lean
 @triton.jit
 def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = flat_offsets(tl.program_id(0), BLOCK)
@@ -70,6 +72,7 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, round_to(a + b, DT).to(DT), mask=ok)
 
 
+@lean
 @triton.jit
 def _silu_kernel(x_ptr, dy_ptr, out_ptr, n, BACKWARD: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     offs = flat_offsets(tl.program_id(0), BLOCK)
@@ -96,6 +99,7 @@ def _swiglu_tile(h_ptr, n_rows, F: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl
     return value, gate, h_offs, tile_offsets(rows, F, cols, 1), mask
 
 
+@lean
 @triton.jit
 def _swiglu_fwd_kernel(
     h_ptr, out_ptr, n_rows, F: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -106,6 +110,7 @@ def _swiglu_fwd_kernel(
     tl.store(out_ptr + offs, round_to(value * act, DT).to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _swiglu_bwd_kernel(
     h_ptr, dy_ptr, dh_ptr, n_rows, F: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,

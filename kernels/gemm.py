@@ -73,6 +73,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import registry
+from ._launch import lean
 from ._offsets import tile_offsets
 from ._strict_math import round_to
 
@@ -249,6 +250,7 @@ def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stri
     return x_src, w_src
 
 
+@lean
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
     x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,  # x (M, K), w (N, K) (pointers or descriptors), bias (N,), y (M, N)
@@ -304,6 +306,7 @@ def _gemm_kernel(
         tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+@lean
 @triton.jit(do_not_specialize=["M"])
 def _gemm_partials_kernel(
     x_ptr, w_ptr, x_desc, w_desc, p_ptr,  # x (M, K), w (N, K) (pointers or descriptors), partials (N_CHUNKS, M, N)
@@ -330,6 +333,7 @@ def _gemm_partials_kernel(
         tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@lean
 @triton.jit(do_not_specialize=["M"])
 def _tree_combine_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_pc, stride_pm, stride_pn, stride_ym, stride_yn,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -357,6 +361,7 @@ def _tree_combine_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_pc, stride_pm, stride
     tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+@lean
 @triton.jit(do_not_specialize=["M"])
 def _row_sum_kernel(dy_ptr, out_ptr, M, N, stride_m, stride_n,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -634,8 +639,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 def _provenance(op: str, dtype: torch.dtype, weight: torch.Tensor, tree: bool) -> dict:
     split = splits(dtype, weight.shape[0], weight.shape[1])
     tile = TREE_TILES[dtype] if tree or split else LINEAR_TILES[dtype]
+    return dict(_provenance_of(op, dtype, tree or split, tile, split))  # a copy: a caller may add keys
+
+
+@functools.lru_cache(maxsize=256)
+def _provenance_of(op: str, dtype: torch.dtype, tree: bool, tile: Tile, split: bool) -> dict:
+    """The provenance dict of one (op, dtype, tree, tile, split): built once (the trace copies its fields)."""
     return {
-        "kernel_id": f"h3kernels.gemm.{op}.{'tree8' if tree or split else 'kloop'}.{str(dtype).replace('torch.', '')}",
+        "kernel_id": f"h3kernels.gemm.{op}.{'tree8' if tree else 'kloop'}.{str(dtype).replace('torch.', '')}",
         "tile": tile.describe(split=split),
         "acc_dtype": "float32",
     }
@@ -651,5 +662,14 @@ def check_linear_tree(x, weight, bias=None) -> dict:
     return _provenance("linear_tree", x.dtype, weight, tree=True)
 
 
-registry.register("linear", run=linear, check=check_linear)
-registry.register("linear_tree", run=linear_tree, check=check_linear_tree)
+def _linear_checked(x, weight, bias=None) -> torch.Tensor:
+    """`linear` on a call `check_linear` accepted (strict dispatch validates once)."""
+    return _apply(x, weight, bias, 1, LINEAR_TILES[x.dtype])
+
+
+def _linear_tree_checked(x, weight, bias=None) -> torch.Tensor:
+    return _apply(x, weight, bias, TREE_CHUNKS, TREE_TILES[x.dtype])
+
+
+registry.register("linear", run=linear, check=check_linear, run_checked=_linear_checked)
+registry.register("linear_tree", run=linear_tree, check=check_linear_tree, run_checked=_linear_tree_checked)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import tile_offsets
 from h3kernels._index_cache import IndexCache, lazy
 from h3kernels._strict_math import round_to
@@ -74,6 +75,7 @@ def _modulate_tile(x, scale_ptr, shift_ptr, t, scale_stride, shift_stride, cols,
     return round_to(y + sh, DT)  # ... + shift[i]
 
 
+@lean
 @triton.jit
 def _modulate_fwd_kernel(
     x_ptr, scale_ptr, shift_ptr, index_ptr, out_ptr, n_rows, S, R, scale_stride, shift_stride,
@@ -88,6 +90,7 @@ def _modulate_fwd_kernel(
     tl.store(out_ptr + offs, y.to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _gated_residual_fwd_kernel(
     res_ptr, gate_ptr, index_ptr, y_ptr, out_ptr, n_rows, S, R, gate_stride,
@@ -104,6 +107,7 @@ def _gated_residual_fwd_kernel(
     tl.store(out_ptr + offs, out.to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _row_scale_kernel(
     dy_ptr, table_ptr, index_ptr, out_ptr, n_rows, S, R, table_stride,
@@ -121,6 +125,7 @@ def _row_scale_kernel(
     tl.store(out_ptr + offs, round_to(dy * f, DT).to(DT), mask=mask)
 
 
+@lean
 @triton.jit
 def _table_partial_kernel(
     dy_ptr, x_ptr, order_ptr, offsets_ptr, part_x_ptr, part_1_ptr, S, B, max_chunks,
@@ -154,6 +159,7 @@ def _table_partial_kernel(
         tl.store(part_1_ptr + out, tl.sum(dy, axis=0), mask=store_ok)
 
 
+@lean
 @triton.jit
 def _table_reduce_kernel(
     part_ptr, offsets_ptr, out_ptr, B, max_chunks,
@@ -407,5 +413,16 @@ def reference_gated_residual(residual, gate, index, y):
     return residual.to(acc) + gate.to(acc).index_select(0, index) * y.to(acc)
 
 
-registry.register("modulate", run=modulate, check=check_modulate)
-registry.register("gated_residual", run=gated_residual, check=check_gated_residual)
+def _modulate_checked(x, scale, shift, index) -> torch.Tensor:
+    """`modulate` on a call `check_modulate` accepted: only the index entry is looked up again (strict dispatch)."""
+    return _Modulate.apply(x, scale, shift, index, _check_index("modulate", index, x.shape[1], scale.shape[0]))
+
+
+def _gated_residual_checked(residual, gate, index, y) -> torch.Tensor:
+    entry = _check_index("gated_residual", index, residual.shape[1], gate.shape[0])
+    return _GatedResidual.apply(residual, gate, index, y, entry)
+
+
+registry.register("modulate", run=modulate, check=check_modulate, run_checked=_modulate_checked)
+registry.register("gated_residual", run=gated_residual, check=check_gated_residual,
+                  run_checked=_gated_residual_checked)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import modulate, registry, rms_norm
+from h3kernels._launch import lean
 from h3kernels._strict_math import round_to
 from h3kernels.modulate import _gather_tile, _modulate_tile
 from h3kernels.rms_norm import _normalize_rows
@@ -50,6 +51,7 @@ KERNEL_ID = "h3kernels.norm_modulate.norm_modulate.v1"
 
 
 # ---------------------------------------------------------------------------------------------------- kernel
+@lean
 @triton.jit
 def _norm_modulate_fwd_kernel(
     x_ptr, w_ptr, scale_ptr, shift_ptr, index_ptr, out_ptr, rstd_ptr, n_rows, S, R, scale_stride, shift_stride, eps,

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import tile_offsets
 from h3kernels._index_cache import IndexCache, lazy
 from h3kernels._strict_math import round_to
@@ -47,6 +48,7 @@ _CACHE = IndexCache()
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
+@lean
 @triton.jit
 def _pack_kernel(
     t_ptr, v_ptr, a_ptr, part_ptr, pos_ptr, out_ptr, n_rows, seq_len,
@@ -71,6 +73,7 @@ def _pack_kernel(
     tl.store(out_ptr + tile_offsets(rows, D, cols, 1), round_to(x, DT).to(DT), mask=row_ok[:, None] & col_ok)
 
 
+@lean
 @triton.jit
 def _gather_rows_kernel(
     src_ptr, index_ptr, dst_ptr, n_rows, n_dst, n_src, src_sb, src_sn,

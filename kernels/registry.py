@@ -7,6 +7,9 @@ A kernel file registers an entry with `register(op_name, run=fn, check=fn)`:
   `h3kernels.<file>.<kernel>` plus qualifiers (version, dtype, math library), e.g. `h3kernels.rope.rope.v1`,
   `h3kernels.gemm.linear.kloop.bfloat16`.
 - `run(*args, **kwargs)` computes the op (autograd-aware) with the same signature and semantics as the reference op.
+- `run_checked` (optional) computes it without validating again: what strict dispatch calls after `check` passed,
+  so a call is validated once (`StrictOp.checked`; with lean launches off, `_launch.enabled(False)`, dispatch calls
+  `run` as before). Calling `run` directly still validates.
 
 `STRICT_OPS` is filled by importing `OP_MODULES` in order; a module that is missing simply leaves its ops
 unregistered, and strict mode then fails closed on them.
@@ -19,6 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import _launch
+
 
 class StrictUnsupported(ValueError):
     """The strict kernel refuses this call (shape, dtype, device, contiguity or index range)."""
@@ -29,15 +34,23 @@ class StrictOp:
     name: str
     run: Callable[..., Any]
     check: Callable[..., dict]
+    run_checked: Callable[..., Any] | None = None
+
+    def checked(self, *args: Any, **kwargs: Any) -> Any:
+        """The op on a call `check` has accepted: `run_checked` (no second validation) when lean launches are on."""
+        if self.run_checked is not None and _launch.ENABLED:
+            return self.run_checked(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
 
 STRICT_OPS: dict[str, StrictOp] = {}
 
 
-def register(name: str, *, run: Callable[..., Any], check: Callable[..., dict]) -> None:
+def register(name: str, *, run: Callable[..., Any], check: Callable[..., dict],
+             run_checked: Callable[..., Any] | None = None) -> None:
     if name in STRICT_OPS:
         raise RuntimeError(f"strict op {name!r} registered twice")
-    STRICT_OPS[name] = StrictOp(name=name, run=run, check=check)
+    STRICT_OPS[name] = StrictOp(name=name, run=run, check=check, run_checked=run_checked)
 
 
 def interpreted() -> bool:

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import tile_offsets
 from h3kernels._strict_math import round_to
 
@@ -66,6 +67,7 @@ def _normalize_rows(x, w_ptr, cols, eps, D: tl.constexpr, HAS_WEIGHT: tl.constex
     return y, rstd
 
 
+@lean
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, eps,
@@ -84,6 +86,7 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
+@lean
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows,
@@ -118,6 +121,7 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_part_ptr + chunk.to(tl.int64) * D + cols, dw, mask=col_ok)
 
 
+@lean
 @triton.jit
 def _sum_partials_kernel(part_ptr, out_ptr, n_chunks, D: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """out[cols] = sum over chunks of part[chunk, cols], GROUP chunks per tree step, groups in chunk order."""

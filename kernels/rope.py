@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._offsets import tile_offsets
 from h3kernels._strict_math import cos_f32, libdevice_enabled, round_to, sin_f32
 
@@ -50,6 +51,7 @@ MAX_TABLE_WIDTH = 4096
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
+@lean
 @triton.jit
 def _rope_table_kernel(
     pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, F: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -67,6 +69,7 @@ def _rope_table_kernel(
     tl.store(sin_ptr + out, sin_f32(angle, LIBDEVICE), mask=ok)
 
 
+@lean
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, S,

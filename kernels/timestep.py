@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from h3kernels import registry
+from h3kernels._launch import lean
 from h3kernels._strict_math import cos_f32, exp_f32, libdevice_enabled, sin_f32
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,6 +37,7 @@ MAX_DIM = 8192
 NEG_LOG_MAX_PERIOD = -math.log(10000)  # rounded to float32 when it meets the float32 arange, as in the reference
 
 
+@lean
 @triton.jit
 def _timestep_kernel(t_ptr, out_ptr, neg_log_period, HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     i = tl.program_id(0)
