@@ -33,9 +33,11 @@ What the interpretation (`Placement._install`) amounts to for the model's plans:
   algorithm, fallback state: strict collectives never fall back).
 
 Strict rules: a forward on more than one rank runs in mode strict only (the row-parallel layers exist only as the
-declared tree; there is no production multi-rank path). With grad it runs on CP meshes only (tp 1, no SP; `autograd.py`:
-the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block projections with
-a trainable weight compute it over the gathered rows); TP / SP forwards are forward-only. A rank whose rows are not
+declared tree; there is no production multi-rank path). With grad it runs on CP, TP and TP x CP meshes (no SP;
+`autograd.py`: the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block
+projections with a trainable weight compute it over the gathered rows; `tp_autograd.py`: the TP layers' frozen base
+computes the one-process dX from the gathered dY and weight, LoRA factors stay whole, `tp_points`); SP forwards are
+forward-only. A rank whose rows are not
 the plan's (`OwnershipError`) makes the run non-comparable: every rank refuses it before computing.
 
 Hooks: a hook registered on the model sees, at every point it selects, the tensor one process has there (the view
