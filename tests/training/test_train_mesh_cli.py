@@ -72,8 +72,8 @@ def _torchrun(n: int, *tail: str, cwd) -> list[str]:
 
 
 def test_tp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, capsys, tiny_snapshot):
-    """`--tp 2` (two ranks; `--tp 2 --dp 2 --batch-size 2` on four ranks passed the same assertions, 194 s on the
-    shared CPU: too slow for CI, so the data-parallel half runs in the spawned DP2 x CP2 step test)."""
+    """`--tp 2` (two ranks). `--tp 2 --dp 2 --batch-size 2` (four ranks) passed the same assertions by hand, in
+    minutes of the shared CPU: too slow for CI; data parallelism's bytes are the spawned DP2 x CP2 step test's."""
     mesh_out, one_out = tmp_path / "mesh", tmp_path / "one"
     batch = ()
     cmd = _torchrun(2, "-m", "h3lab", "train", *_argv(clips, mesh_out, "--tp", "2", *batch), cwd=tmp_path)
