@@ -20,7 +20,7 @@ parallelizes it, and trains the same steps (`h3lab.distributed.autograd` for CP,
 so the sealed run's digest and the adapter are the one-process run's); rank 0 alone writes the job folder and
 prints. What does not compose is refused with one line before the process group starts (exit 2 on every rank):
 `--gradient-checkpointing` on a mesh, `--dp` above `--batch-size`, degrees the snapshot's heads do not admit. A rank
-that dies mid-run ends every surviving rank with one line naming it (`distributed.frontend.RankFailed`, exit 2); the
+that dies mid-run ends every surviving rank with one line naming it (`distributed.peers.watch`, exit 2); the
 job folder keeps only what rank 0 wrote atomically before.
 """
 

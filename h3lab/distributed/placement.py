@@ -345,10 +345,12 @@ class Placement:
                                                           bias)
             return inner
         kind, groups = self.tp_points.get(point, ("", 0))
+        if not torch.is_grad_enabled():  # a forward without grad serves the base layers as before
+            return None
         if kind == "row" and name == "linear_tree" and self._tree:
             def row(x, weight, bias=None):
                 forward = lambda x_, w_, b_: self._row_parallel(ops, point, frame, x_, w_, b_)  # noqa: E731
-                if not (torch.is_grad_enabled() and x.requires_grad):
+                if not x.requires_grad:
                     return forward(x, weight, bias)
                 _frozen(point, weight, bias)
                 return tp_autograd.RowParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, point)
@@ -357,7 +359,7 @@ class Placement:
         if kind == "col":
             def col(x, weight, bias=None):
                 forward = lambda x_, w_, b_: ops.dispatch(name, point, (x_, w_, b_))  # noqa: E731
-                if not (torch.is_grad_enabled() and x.requires_grad):
+                if not x.requires_grad:
                     return forward(x, weight, bias)
                 _frozen(point, weight, bias)
                 return tp_autograd.ColumnParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, groups, point)

@@ -21,6 +21,10 @@ of the model (`<module path>.weight` / `.bias`) matches exactly one entry, or sh
                   tp contiguous blocks. `collectives.row_parallel_tree` gives the one-process bytes either way.
   replicated      every rank holds the whole tensor.
 
+A peft-wrapped layer (`training.lora`) keeps its module's entry: `<module>.base_layer.weight` is read as
+`<module>.weight`; its LoRA factors (`<module>.lora_A.<adapter>.weight`, `is_lora_factor`) are replicated whole on
+every rank, and the placement serves their TP arithmetic (`tp_autograd.py`).
+
 Every sharding function takes `row_parallel` ("auto" by default) and must be given the mesh's choice.
 `shard_state_dict(sd, config, tp, rank)` slices a Diffusers-keyed state dict (a checkpoint, or a built model's
 `state_dict()`) for one rank; `unshard_state_dict([sd_0, ..., sd_tp-1], config)` reassembles the original bytes and
