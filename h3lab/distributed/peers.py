@@ -5,8 +5,10 @@ the ways a mesh job ends early into one line on every rank:
 - a rank whose own code raises (not a collective) writes "failed: <its one-line message>" under its key in the
   process group's store and re-raises its error (its own line);
 - a rank whose collective breaks (the peer's socket closed: gloo / NCCL raise) or whom the launcher stops (torchrun
-  sends SIGTERM to the survivors of a dead worker; the handler turns it into `Stopped`, once) writes "alive" and
-  waits up to `window` seconds for every other rank's word; then it raises `RankFailed`: "rank R failed: <R's line>"
+  sends SIGTERM to the survivors of a dead worker; the handler turns it into `Stopped`, once, and ignores the next
+  ones until the process exits, so its line gets printed; whatever the stop interrupted counts as the stop) writes
+  "alive" and waits up to `window` seconds for every other rank's word; then it raises `RankFailed`: "rank R failed:
+  <R's line>"
   when a peer reported its error, else "rank R died mid-<what> (no word from it after the process group broke);
   every other rank stopped" naming the ranks that never answered. If every peer answered "alive", the original
   error stands.
@@ -39,11 +41,20 @@ class Stopped(DistributedError):
 
 
 def _broken_collective(exc: BaseException) -> bool:
-    """A failure of the process group's transport (a peer gone), not of this rank's own code."""
-    if isinstance(exc, (Stopped, getattr(dist, "DistError", ()))):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "peer"))
+    """A failure of the process group's transport (a peer gone) or the launcher's stop, not of this rank's own code;
+    also when wrapped (the Triton interpreter re-raises what interrupts a kernel as its own error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (Stopped, getattr(dist, "DistError", ()))):
+            return True
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "peer")):
+            return True
+        if "stopped by the launcher" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @contextlib.contextmanager
@@ -56,13 +67,13 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
     _count[0] += 1
     prefix = f"h3lab/peers/{_count[0]}/"
     store = dist.distributed_c10d._get_default_store()
-    failing = [False]
+    failing, stopped = [False], [False]
     previous = None
     main = threading.current_thread() is threading.main_thread()
 
     def stop(signum, frame):  # noqa: ARG001 - the signal module's signature
         if not failing[0]:
-            failing[0] = True
+            failing[0] = stopped[0] = True
             raise Stopped(f"rank {mesh.rank} stopped by the launcher (SIGTERM)")
 
     if main:
@@ -71,7 +82,7 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
         yield
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then re-raised or named
         failing[0] = True
-        if not _broken_collective(exc):
+        if not (stopped[0] or _broken_collective(exc)):  # whatever the stop interrupted counts as the stop
             with contextlib.suppress(Exception):
                 store.set(prefix + str(mesh.rank), "failed: " + user_message(exc).splitlines()[0])
             raise
@@ -81,8 +92,8 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
         if verdict:
             raise RankFailed(verdict) from exc
         raise
-    finally:
-        if main and previous is not None:
+    finally:  # on failure the handler stays (it ignores a second SIGTERM), so the one line is printed before exit
+        if main and previous is not None and not failing[0]:
             signal.signal(signal.SIGTERM, previous)
 
 

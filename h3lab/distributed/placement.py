@@ -335,6 +335,9 @@ class Placement:
         frozen column- / row-parallel base computes the one-process dX in its backward. None: not a TP point."""
         base, _, factor = point.rpartition(".")
         if factor in ("lora_a", "lora_b") and base in self.tp_points:
+            if self.sp:
+                raise DistributedError(f"{point}: a LoRA adapter on topology {self.topology.name} is not served with "
+                                       "sp (the row-parallel output holds the rank's SP rows); run it without sp")
             kind, groups = self.tp_points[base]
             inner = self._linear(name, point, ops, frame)
             if kind == "col" and factor == "lora_b":

@@ -35,3 +35,11 @@ def test_which_errors_are_a_broken_collective():
     assert peers._broken_collective(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert peers._broken_collective(peers.Stopped("rank 0 stopped by the launcher (SIGTERM)"))
     assert not peers._broken_collective(ValueError("a bad clip"))
+    try:  # the interpreter re-raises what interrupted a kernel as its own error
+        try:
+            raise peers.Stopped("rank 0 stopped by the launcher (SIGTERM)")
+        except peers.Stopped as inner:
+            raise KeyError(repr(inner)) from inner
+    except KeyError as wrapped:
+        assert peers._broken_collective(wrapped)
+    assert peers._broken_collective(KeyError("InterpreterError(\"Stopped('rank 0 stopped by the launcher')\")"))
