@@ -23,17 +23,19 @@ TINY = H3Config.tiny()  # 2 heads: cp 2 gives each rank one head
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    """One clip over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5)."""
+def clips(tmp_path_factory, tiny_snapshot):
+    """One clip over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5), and the
+    session's tiny snapshot (passed with -d: the user cache's default snapshot is shared with other checkouts)."""
     layout = build_layout("t2va", [1] * 4, 1, 4, 4, 3, patch_size=TINY.patch_size)
     path = tmp_path_factory.mktemp("mesh-data") / "clips"
     save_dataset(path, [make_clip(TINY, layout, seed=9)])
-    return path
+    return path, tiny_snapshot
 
 
 def _argv(clips, out, *extra) -> list[str]:
-    return ["--clips", str(clips), "--out", str(out), "--steps", "1", "--rank", "2", "--alpha", "3", "--device",
-            "cpu", "--seed", "4", *extra]
+    path, snapshot = clips
+    return ["--clips", str(path), "--out", str(out), "--steps", "1", "--rank", "2", "--alpha", "3", "--device",
+            "cpu", "--seed", "4", "-d", str(snapshot), *extra]
 
 
 @pytest.mark.parametrize("extra, said", [
