@@ -5,6 +5,7 @@ update over sealed rollouts, with a progress bar, periodic atomic checkpoints an
     h3lab train --rollout traj/a 0.8 --rollout traj/b -0.8 --out runs/rl --steps 4 --mode strict
     h3lab train ... --resume                # continue the newest checkpoint of --out (same arguments)
     torchrun --nproc-per-node 2 -m h3lab train --clips data/ --out runs/fox --cp 2 --device cpu   # a CP2 mesh
+    torchrun --nproc-per-node 4 -m h3lab train ... --tp 2 --dp 2 --batch-size 2 --device cpu    # TP2, two replicas
     h3lab train grpo --prompts prompts.txt --group 4 --reward brightness --out runs/grpo --iterations 10
     h3lab train grpo ... --reward mypkg.rewards:score --beta 0.04 --inner-epochs 2 --passes fraction:0.6
 
@@ -12,12 +13,15 @@ A front end: it parses, checks and prints; the job is `h3lab.training.job` (`Tra
 argument, path or data file fails before any model loads with one line on stderr and exit status 2; Ctrl-C stops
 after the running step (exit 130), keeping the newest checkpoint. Output: see `h3lab.training.job`.
 
-On a mesh (`--cp C`, `--tp T`, under torchrun; `mesh_for`): every rank checks the job, builds the mesh
-(`h3lab.distributed.init_mesh`; strict only), loads the model on its device, adds the LoRA and parallelizes it, and
-trains the same steps (`h3lab.distributed.autograd`: the loss, every gradient and the weights are byte-equal to one
-process, so the sealed run's digest and the adapter are the one-process run's); rank 0 alone writes the job folder and
-prints. Training is defined on CP meshes (tp 1, no SP): `--tp` > 1 is refused with one line, like every bad value
-(exit 2 on every rank). A rank failing mid-run leaves its peers to the process group's timeout.
+On a mesh (`--cp C`, `--tp T`, `--dp D`, under torchrun with D * T * C ranks; `mesh_for`): every rank checks the
+job, builds the mesh (`h3lab.distributed.init_mesh`; strict only), loads the model on its device, adds the LoRA and
+parallelizes it, and trains the same steps (`h3lab.distributed.autograd` for CP, `tp_autograd` for TP,
+`training.data_parallel` over the DP group: the loss, every gradient and the weights are byte-equal to one process,
+so the sealed run's digest and the adapter are the one-process run's); rank 0 alone writes the job folder and
+prints. What does not compose is refused with one line before the process group starts (exit 2 on every rank):
+`--gradient-checkpointing` on a mesh, `--dp` above `--batch-size`, degrees the snapshot's heads do not admit. A rank
+that dies mid-run ends every surviving rank with one line naming it (`distributed.peers.watch`, exit 2); the
+job folder keeps only what rank 0 wrote atomically before.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
     p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree, under torchrun")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (training: 1 only)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, under torchrun")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the (tp, cp) mesh, under torchrun")
     return p
 
 
@@ -251,25 +256,30 @@ def _guarded(prog: str, work: Callable[[], dict], interrupted: str = "interrupte
 
 def mesh_for(args: argparse.Namespace, job):
     """The training mesh the flags (or torchrun's WORLD_SIZE) ask for, built on every rank; None for one process.
-    Every value is checked before the process group starts: degrees, tp 1, strict mode, the snapshot's heads."""
+    Every value is checked before the process group starts: degrees, data-parallel batch, strict mode, the
+    snapshot's heads."""
     from types import SimpleNamespace
 
     from .distributed.frontend import mesh_request
     from .distributed.mesh import check_config, check_degrees
 
-    if args.tp is None and args.cp is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if args.tp is None and args.cp is None and args.dp is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     topology = check_degrees(1 if args.tp is None else args.tp, 1 if args.cp is None else args.cp, False)
-    if topology.tp > 1:
-        raise TrainArgError(f"--tp {topology.tp}: training on a mesh is defined for context parallelism only "
-                            "(--cp C, --tp 1): TP's backward is not implemented")
+    dp = 1 if args.dp is None else args.dp
+    if dp < 1:
+        raise TrainArgError(f"--dp {dp}: must be a positive integer")
+    if dp > job.config.batch_size:
+        raise TrainArgError(f"--dp {dp} with --batch-size {job.config.batch_size}: every data-parallel replica needs "
+                            "a request of each step (--batch-size >= --dp)")
     if args.gradient_checkpointing:
-        raise TrainArgError(f"--gradient-checkpointing with --cp {topology.cp}: it recomputes blocks outside the "
+        flags = " ".join(f"--{k} {v}" for k, v in (("tp", topology.tp), ("cp", topology.cp)) if v > 1) or "--dp"
+        raise TrainArgError(f"--gradient-checkpointing with {flags}: it recomputes blocks outside the "
                             "sharded forward; train on a mesh without it (it is byte-neutral)")
     from .training.adapters import snapshot_config
 
     check_config(topology, snapshot_config(Path(job.snapshot), job.variant))
-    request = SimpleNamespace(tp=topology.tp, cp=topology.cp, sp=False, row_parallel=None, share_device=False,
+    request = SimpleNamespace(tp=topology.tp, cp=topology.cp, dp=dp, sp=False, row_parallel=None, share_device=False,
                               device=args.device, mode=None if args.mode == "strict" else args.mode)
     return mesh_request(request)
 
@@ -300,10 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if mesh is None:
             return run_job(job, load_model(job), resume=args.resume, progress=Progress())
         from .distributed.frontend import close_mesh
+        from .distributed.peers import watch
 
         lead[0] = mesh.rank == 0
-        summary = run_job(job, load_model(job, mesh.device), resume=args.resume,
-                          progress=Progress() if lead[0] else None, place=_placer(mesh), lead=lead[0])
+        with watch(mesh, "step"):  # a rank that fails or dies is named in one line on every survivor
+            summary = run_job(job, load_model(job, mesh.device), resume=args.resume,
+                              progress=Progress() if lead[0] else None, place=_placer(mesh), lead=lead[0],
+                              dp_group=mesh.dp_group)
         close_mesh()
         return summary
 

@@ -32,11 +32,15 @@ rows. Three things make that true here, and each file holds one:
 - `autograd.py`     the backward of the strict collectives (gather/slice, inverse all_to_all, never a reduce-scatter
                     sum) and weight gradients over the rows gathered in packed order: training on a CP mesh,
                     byte-equal to one process.
+- `tp_autograd.py`  the backward of the TP pieces (the frozen base's dX from the gathered dY and weight, LoRA factors
+                    replicated, split / gather with their inverse): training on TP and TP x CP meshes.
+- `peers.py`        `watch(mesh)`: a rank that fails or dies in a torchrun job named in one line on every survivor.
 - `mailbox.py`      the shared-device transport: collective bytes through slots every rank maps (CUDA IPC).
 - `replicas.py`     one weight copy per CP group on a shared device (the other CP ranks map the owner's tensors).
 
 The model never imports this package; a plan is applied to a built model from outside. A sharded forward runs in
-mode strict on more than one rank; with grad only on CP meshes (tp 1, no SP: `autograd.py`), else under no_grad.
+mode strict on more than one rank; with grad on CP, TP and TP x CP meshes (no SP: `autograd.py`, `tp_autograd.py`;
+under TP only LoRA factors train), else under no_grad.
 `init_mesh(share_device=True)` puts every rank on one GPU (gloo for control, the collectives' bytes through CUDA IPC
 slots; `benchmark_distributed.py --shared-transport staged`: host-staged over gloo) to prove a topology's bytes there; its timings are bytes
 only.

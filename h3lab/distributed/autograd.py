@@ -55,7 +55,8 @@ What it costs (per backward; S packed rows, cp ranks; a projection x (S, K) -> (
   (the LoRA input is an exact bf16 -> float32 cast) to halve its bytes, and compute layer l's dW on rank l mod cp
   only, then all-gather the (r, K) results (balances the transient memory).
 
-TP (not implemented; a placed training forward on tp > 1 is refused, see `training_problem`)
+TP: implemented in `tp_autograd.py` (the one-process dX on the gathered shapes, LoRA factors replicated). The
+analysis first written here, kept for the cheaper forms it names:
 - row-parallel `linear_tree` (k_chunks): y = tree(p_0 .. p_(tp-1)) + b; each partial enters with coefficient 1, so
   dp_r = dY (replicated) and rank r's dX columns are linear(dY, W_r^T): the kernel's own dX for those columns
   (output columns are independent), nothing moved. The backward of the all_gather of partials is the identity on
@@ -256,18 +257,24 @@ def trainable_problem(model: nn.Module) -> str:
 
 
 def training_problem(placement: Any) -> str:
-    """Why a forward with grad cannot run on `placement` ("" when it can): CP (cp > 1) with tp 1, no SP, no probe
-    faults, no gradient checkpointing, every trainable parameter served (`trainable_problem`)."""
+    """Why a forward with grad cannot run on `placement` ("" when it can): CP and / or TP (`tp_autograd.py`), no SP,
+    no probe faults, no gradient checkpointing, every trainable parameter served (`trainable_problem`; under TP only
+    LoRA factors, `tp_autograd.trainable_problem`)."""
     t = placement.topology
     name = t.name
-    if t.tp > 1 or t.sp:
-        return (f"topology {name}: a sharded forward is forward-only on tp > 1 or with sp; run it under "
-                "torch.no_grad() or freeze the parameters (mesh training is defined for cp > 1 at tp 1: TP's "
-                "backward is not implemented)")
+    if t.sp:
+        return (f"topology {name}: a sharded forward with sp is forward-only (SP's backward is not declared); run "
+                "it under torch.no_grad(), freeze the parameters, or train without sp")
     faults = getattr(placement, "faults", None)
     if faults is not None and faults.to_dict():
         return f"topology {name}: faults {faults.to_dict()} are forward-only probes; a training forward takes none"
     if getattr(placement.model, "gradient_checkpointing", False):
         return (f"topology {name}: gradient checkpointing recomputes blocks outside the sharded forward; train on a "
                 "mesh without it (it is byte-neutral)")
+    if t.tp > 1:
+        from .tp_autograd import trainable_problem as tp_problem
+
+        problem = tp_problem(placement.model, name)
+        if problem:
+            return problem
     return trainable_problem(placement.model)

@@ -56,7 +56,7 @@ moved, never changed, and the record's `transport` says "gloo (host-staged cuda)
 (`mailbox.py`: CUDA IPC, gloo moves only a few integers per call; transport "cuda ipc (shared device)").
 
 Forward only: the collectives refuse inputs that require grad while grad is enabled. Their declared backward lives in
-`autograd.py` (torch.autograd.Functions calling these functions: CP training); TP's backward is not defined. Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
+`autograd.py` / `tp_autograd.py` (torch.autograd.Functions calling these functions: CP and TP training). Inputs are expected on the mesh's device; gloo moves CPU tensors, NCCL CUDA tensors.
 """
 
 from __future__ import annotations

@@ -45,10 +45,11 @@ def mesh_request(args: Any) -> Mesh | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not asked and world == 1:
         return None
-    tp, cp = args.tp or 1, args.cp or 1
-    if tp * cp != world:
-        raise TopologyError(f"--tp {tp} --cp {cp} needs {tp * cp} rank(s), this launch has {world}: run "
-                            f"torchrun --nproc-per-node {tp * cp} -m h3lab --tp {tp} --cp {cp} ...")
+    tp, cp, dp = args.tp or 1, args.cp or 1, getattr(args, "dp", 1) or 1  # dp: `h3lab train --dp`
+    if dp * tp * cp != world:
+        flags = f"--tp {tp} --cp {cp}" + (f" --dp {dp}" if dp > 1 else "")
+        raise TopologyError(f"{flags} needs {dp * tp * cp} rank(s), this launch has {world}: run "
+                            f"torchrun --nproc-per-node {dp * tp * cp} -m h3lab {flags} ...")
     if tp * cp > 1:
         if args.mode is None:
             args.mode = "strict"
@@ -56,7 +57,7 @@ def mesh_request(args: Any) -> Mesh | None:
             raise TopologyError(f"--mode {args.mode} with --tp {tp} --cp {cp}: a forward on several ranks runs in mode "
                                 "strict only")
     mesh = init_mesh(tp=tp, cp=cp, sp=bool(args.sp), device=args.device, row_parallel=args.row_parallel or "auto",
-                     share_device=bool(getattr(args, "share_device", False)))
+                     share_device=bool(getattr(args, "share_device", False)), dp=dp)
     args.mesh = mesh
     return mesh
 

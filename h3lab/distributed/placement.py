@@ -33,9 +33,11 @@ What the interpretation (`Placement._install`) amounts to for the model's plans:
   algorithm, fallback state: strict collectives never fall back).
 
 Strict rules: a forward on more than one rank runs in mode strict only (the row-parallel layers exist only as the
-declared tree; there is no production multi-rank path). With grad it runs on CP meshes only (tp 1, no SP; `autograd.py`:
-the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block projections with
-a trainable weight compute it over the gathered rows); TP / SP forwards are forward-only. A rank whose rows are not
+declared tree; there is no production multi-rank path). With grad it runs on CP, TP and TP x CP meshes (no SP;
+`autograd.py`: the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block
+projections with a trainable weight compute it over the gathered rows; `tp_autograd.py`: the TP layers' frozen base
+computes the one-process dX from the gathered dY and weight, LoRA factors stay whole, `tp_points`); SP forwards are
+forward-only. A rank whose rows are not
 the plan's (`OwnershipError`) makes the run non-comparable: every rank refuses it before computing.
 
 Hooks: a hook registered on the model sees, at every point it selects, the tensor one process has there (the view
@@ -69,6 +71,7 @@ from .. import runtime
 from ..hashing import tensor_digest
 from ..model.hooks import HookPoint, sharded_layout, use_view
 from . import autograd as mesh_autograd
+from . import tp_autograd
 from .collectives import (
     CollectiveLog,
     begin_log,
@@ -176,6 +179,7 @@ class Placement:
         self.model, self.mesh, self.name, self.split = model, mesh, name, split
         self.tp_plan, self.cp_plan = tp_plan, cp_plan
         self._tree, self._exchanged = False, frozenset()  # set by `_install` from the plans
+        self.tp_points: dict[str, tuple[str, int]] = {}  # TP layer point -> ("col", groups) | ("row", 1): `_install`
         t = mesh.topology
         self.tp, self.cp, self.sp = t.tp, t.cp, t.sp
         self.world = t.world_size
@@ -301,14 +305,69 @@ class Placement:
         frame = _frame.get()
         if frame is None:
             return None
+        if name in ("linear", "linear_tree") and self.tp > 1:
+            served = self._tp_linear(name, point, ops, frame)
+            if served is not None:
+                return served
         if name == "linear_tree" and self._tree:
             return lambda x, weight, bias=None: self._row_parallel(ops, point, frame, x, weight, bias)
-        if (name in ("linear", "linear_tree") and self.cp > 1 and torch.is_grad_enabled()
-                and point.startswith("blocks.") and ".adaln_table" not in point):
-            return lambda x, weight, bias=None: mesh_autograd.linear(name, ops, point, x, weight, bias, self.mesh,
-                                                                     frame.cp_rows)
+        if name in ("linear", "linear_tree") and self._cp_trains(point):
+            return self._linear(name, point, ops, frame)
         if name == "attention" and point in self._exchanged:
             return lambda q, k, v, key_order=None: self.attention(ops, point, frame, q, k, v, key_order)
+        return None
+
+    def _cp_trains(self, point: str) -> bool:
+        return (self.cp > 1 and torch.is_grad_enabled() and point.startswith("blocks.")
+                and ".adaln_table" not in point)
+
+    def _linear(self, name: str, point: str, ops, frame: Frame) -> Callable[..., torch.Tensor]:
+        """A projection on the rank's rows: with grad on a CP mesh, `autograd.linear` (weight gradients over the
+        gathered rows), else the op table's call."""
+        if self._cp_trains(point):
+            return lambda x, weight, bias=None: mesh_autograd.linear(name, ops, point, x, weight, bias, self.mesh,
+                                                                     frame.cp_rows)
+        return lambda x, weight, bias=None: ops.dispatch(name, point, (x, weight, bias))
+
+    def _tp_linear(self, name: str, point: str, ops, frame: Frame) -> Callable[..., torch.Tensor] | None:
+        """TP layers and their LoRA factors (`tp_autograd.py`): a LoRA B of a column-parallel layer runs whole and
+        keeps the rank's columns, a LoRA A of a row-parallel layer runs on the gathered columns; with grad, the
+        frozen column- / row-parallel base computes the one-process dX in its backward. None: not a TP point."""
+        base, _, factor = point.rpartition(".")
+        if factor in ("lora_a", "lora_b") and base in self.tp_points:
+            if self.sp:
+                raise DistributedError(f"{point}: a LoRA adapter on topology {self.topology.name} is not served with "
+                                       "sp (the row-parallel output holds the rank's SP rows); run it without sp")
+            kind, groups = self.tp_points[base]
+            inner = self._linear(name, point, ops, frame)
+            if kind == "col" and factor == "lora_b":
+                return lambda x, weight, bias=None: tp_autograd.take_columns(inner(x, weight, bias), self.mesh,
+                                                                             groups, point)
+            if kind == "row" and factor == "lora_a":
+                return lambda x, weight, bias=None: inner(tp_autograd.full_columns(x, self.mesh, point), weight,
+                                                          bias)
+            return inner
+        kind, groups = self.tp_points.get(point, ("", 0))
+        if not torch.is_grad_enabled():  # a forward without grad serves the base layers as before
+            return None
+        if kind == "row" and name == "linear_tree" and self._tree:
+            def row(x, weight, bias=None):
+                forward = lambda x_, w_, b_: self._row_parallel(ops, point, frame, x_, w_, b_)  # noqa: E731
+                if not x.requires_grad:
+                    return forward(x, weight, bias)
+                _frozen(point, weight, bias)
+                return tp_autograd.RowParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, point)
+
+            return row
+        if kind == "col":
+            def col(x, weight, bias=None):
+                forward = lambda x_, w_, b_: ops.dispatch(name, point, (x_, w_, b_))  # noqa: E731
+                if not x.requires_grad:
+                    return forward(x, weight, bias)
+                _frozen(point, weight, bias)
+                return tp_autograd.ColumnParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, groups, point)
+
+            return col
         return None
 
     def _row_parallel(self, ops, point, frame: Frame, x, weight, bias):
@@ -503,16 +562,22 @@ class Placement:
         modules = dict(m.named_modules())
         self._tree, self._exchanged = False, frozenset()
         if self.tp > 1:
+            self.tp_points = {}
             for pattern, entry in self.tp_plan.items():
                 for path, module in _matching(modules, pattern, required=False):  # e.g. no refiner blocks
+                    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module  # peft LoRA
                     if entry.style == "colwise_adaln":
-                        groups = column_groups(path, module.weight.shape[0] * self.tp, m.config, self.tp_plan)
+                        groups = column_groups(path, base.weight.shape[0] * self.tp, m.config, self.tp_plan)
                         add(module.register_forward_hook(self._columns_post(path, groups)))
                     elif entry.style == "rowwise_tree":
-                        if not getattr(module, "tree", False):
+                        if not getattr(base, "tree", False):
                             raise DistributedError(f"plan entry {pattern!r}: style rowwise_tree on {path}, which does "
                                                    "not run linear_tree")
                         self._tree = True
+                        self.tp_points[base.point] = ("row", 1)
+                    elif entry.style.startswith("colwise"):
+                        groups = column_groups(path, base.weight.shape[0] * self.tp, m.config, self.tp_plan)
+                        self.tp_points[base.point] = ("col", groups)
         if self.cp > 1 or self.sp:
             exchanged = set()
             for path, entries in _entries_by_module(modules, self.cp_plan):
@@ -534,6 +599,11 @@ class Placement:
 
     def __repr__(self) -> str:
         return f"Placement({self.name!r}, {self.mesh!r})"
+
+
+def _frozen(point: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise DistributedError(f"{point}: a TP-sharded base weight has no declared gradient (train LoRA factors)")
 
 
 @contextlib.contextmanager

@@ -21,6 +21,10 @@ of the model (`<module path>.weight` / `.bias`) matches exactly one entry, or sh
                   tp contiguous blocks. `collectives.row_parallel_tree` gives the one-process bytes either way.
   replicated      every rank holds the whole tensor.
 
+A peft-wrapped layer (`training.lora`) keeps its module's entry: `<module>.base_layer.weight` is read as
+`<module>.weight`; its LoRA factors (`<module>.lora_A.<adapter>.weight`, `is_lora_factor`) are replicated whole on
+every rank, and the placement serves their TP arithmetic (`tp_autograd.py`).
+
 Every sharding function takes `row_parallel` ("auto" by default) and must be given the mesh's choice.
 `shard_state_dict(sd, config, tp, rank)` slices a Diffusers-keyed state dict (a checkpoint, or a built model's
 `state_dict()`) for one rank; `unshard_state_dict([sd_0, ..., sd_tp-1], config)` reassembles the original bytes and
@@ -195,8 +199,19 @@ def module_regex(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
 
 
+LORA_FACTORS = (".lora_A.", ".lora_B.")  # peft's adapter factors (`training.lora`): replicated on every TP rank
+
+
+def is_lora_factor(key: str) -> bool:
+    """True for a peft LoRA factor's key (`<module>.lora_A.<adapter>.weight`): replicated whole on every TP rank, its
+    TP arithmetic served by the placement (`tp_autograd.py`), so every rank holds the one-process factor."""
+    return any(f in key for f in LORA_FACTORS)
+
+
 def plan_entry(key: str, plan: Mapping[str, PlanEntry] = TP_PLAN) -> tuple[str, PlanEntry]:
-    """(pattern, entry) of the one plan entry whose module path owns parameter `key`."""
+    """(pattern, entry) of the one plan entry whose module path owns parameter `key` (a peft-wrapped layer's
+    `<module>.base_layer.weight` is its module's `<module>.weight`)."""
+    key = key.replace(".base_layer.", ".")
     hits = [(p, e) for p, e in plan.items() if _regex(p).fullmatch(key)]
     if len(hits) != 1:
         found = "no plan entry" if not hits else f"{len(hits)} plan entries ({', '.join(p for p, _ in hits)})"
@@ -210,6 +225,8 @@ _GROUPS = {"colwise_heads": 1, "colwise_swiglu": 2}  # colwise_adaln: out_featur
 def split_rule(key: str, shape: Sequence[int], config, tp: int, plan: Mapping[str, PlanEntry] = TP_PLAN,
                row_parallel: str = "auto") -> tuple[int, int] | None:
     """(dim, groups) by which parameter `key` of full `shape` is split over `tp` ranks, or None when replicated."""
+    if is_lora_factor(key):
+        return None
     _, entry = plan_entry(key, plan)
     style = entry.style
     if style == "replicated" or tp == 1:
@@ -291,7 +308,7 @@ def unshard_state_dict(shards: Sequence[Mapping[str, torch.Tensor]], config, pla
 def _full_shape(shard_shape, key: str, tp: int, plan) -> tuple[int, ...]:
     """The unsharded shape (only axis 0 of colwise_adaln matters to `split_rule`: its group count)."""
     shape = list(shard_shape)
-    if shape and plan_entry(key, plan)[1].style == "colwise_adaln":
+    if shape and not is_lora_factor(key) and plan_entry(key, plan)[1].style == "colwise_adaln":
         shape[0] *= tp
     return tuple(shape)
 

@@ -258,16 +258,18 @@ def load_model(job: TrainJob, device=None):
 
 def run_job(job: TrainJob, model, *, resume: bool = False,
             progress: Callable[[int, int, dict], None] | None = None,
-            place: Callable[[Any], dict] | None = None, lead: bool = True) -> dict[str, Any]:
+            place: Callable[[Any], dict] | None = None, lead: bool = True, dp_group: Any = None) -> dict[str, Any]:
     """Train `job` (checked) on `model` (its base transformer) and write its folder (module docstring); returns a
     summary {steps, loss, adapter, adapter_sha256, run, digest}. A write that fails without naming its file (a full
     disk inside an atomic write) is reported naming the job folder.
     On a mesh (`h3lab train --cp C` under torchrun) every rank calls this with the same job: `place(model)` puts the
     adapted model on the mesh and returns the record the run's manifest keeps under `meta.mesh` (beside the digest,
     never in it); only the `lead` rank (rank 0) writes the folder and reports progress, the others train alike and
-    write nothing (they read a checkpoint to resume, which rank 0 replaces only after every rank has started)."""
+    write nothing (they read a checkpoint to resume, which rank 0 replaces only after every rank has started).
+    `dp_group`: the mesh's data-parallel group (`--dp`): each step's requests are split over it
+    (`data_parallel_gradients`); None: every rank computes the whole batch."""
     try:
-        return _run_job(job, model, resume, progress, place, lead)
+        return _run_job(job, model, resume, progress, place, lead, dp_group)
     except OSError as exc:
         if exc.filename is not None:
             raise
@@ -275,7 +277,7 @@ def run_job(job: TrainJob, model, *, resume: bool = False,
                             "continue with the same command and --resume") from None
 
 
-def _run_job(job: TrainJob, model, resume: bool, progress, place, lead: bool) -> dict[str, Any]:
+def _run_job(job: TrainJob, model, resume: bool, progress, place, lead: bool, dp_group: Any) -> dict[str, Any]:
     out = Path(job.out)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
@@ -316,7 +318,8 @@ def _run_job(job: TrainJob, model, resume: bool, progress, place, lead: bool) ->
                 progress(k + 1, job.config.steps, record)
 
         try:
-            run = train(model, job.data, job.config, on_step=on_step, resume=state, meta=meta)
+            run = train(model, job.data, job.config, on_step=on_step, resume=state, meta=meta,
+                        data_parallel=dp_group is not None, group=dp_group)
         except TrainingError as exc:
             if state is not None and str(exc).startswith("resume"):  # the checkpoint is not what it recorded
                 raise TrainingError(f"checkpoint {str(last)!r}: {exc}; remove that checkpoint folder to resume from "

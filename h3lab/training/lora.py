@@ -135,10 +135,10 @@ def lora_layer_class() -> type:
                 """(gate (1, out) holding the scaling, index (rows,) zeros shared by all layers), cached per value,
                 shape and device (the strict gated_residual checks an index tensor once per object)."""
                 scaling = float(self.scaling[name])
-                key = (name, scaling, rows, ref.dtype, ref.device)
+                key = (name, scaling, rows, ref.shape[-1], ref.dtype, ref.device)
                 found = self._h3_tables.get(key)
                 if found is None:
-                    gate = torch.full((1, self.out_features), scaling, dtype=ref.dtype, device=ref.device)
+                    gate = torch.full((1, ref.shape[-1]), scaling, dtype=ref.dtype, device=ref.device)
                     index = _row_index(rows, ref.device)
                     self._h3_tables = {k: v for k, v in self._h3_tables.items() if k[0] != name or k[2] != rows}
                     found = self._h3_tables[key] = (gate, index)
@@ -159,7 +159,7 @@ def lora_layer_class() -> type:
                     d = b(a(x.to(a.weight.dtype)))  # (..., out) float32: two op-table linears
                     if out is None:
                         out = result.to(d.dtype)
-                    rows = out.numel() // self.out_features
+                    rows = out.numel() // d.shape[-1]  # d holds a TP rank's columns on a TP mesh
                     gate, index = self._tables(name, rows, d)
                     out = ops.gated_residual(out.reshape(1, rows, -1), gate, index, d.reshape(1, rows, -1),
                                              point=point).reshape(d.shape)

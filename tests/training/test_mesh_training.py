@@ -1,12 +1,14 @@
-"""Strict training on a CP (Ulysses) mesh (`h3lab.distributed.autograd`): two gloo ranks on the CPU, strict kernels
-under the interpreter.
+"""Strict training on a CP (Ulysses) and a TP mesh (`h3lab.distributed.autograd`, `tp_autograd`): two gloo ranks on
+the CPU, strict kernels under the interpreter.
 
 - A LoRA step (every attention and FFN projection, in the block and the token refiner) on a 4-head config the other
   tests do not use, over a 15-row layout (CP2 shards 8 + 7): the loss and every LoRA gradient on both ranks are
   byte-equal to the one-process strict step; and DP2 x CP2 (4 ranks, one request per replica, the data-parallel
-  tree over the DP group): the batch loss, the batch gradient and every request's digest equal one process's.
+  tree over the DP group): the batch loss, the batch gradient and every request's digest equal one process's. TP2 on
+  the same config and layout: every LoRA gradient byte-equal (the frozen base's dX from the gathered dY and weight).
 - The weight-gradient rule at tensor level: the gathered-rows form equals the one-process kernel's dW / dB / dX; the
-  rank-partials form (each rank's own rows, summed in rank order) does not -- the test that can fail.
+  rank-partials form (each rank's own rows, summed in rank order) does not -- the test that can fail. TP's dX rule
+  likewise: the gathered form equals the kernel's backward, rank partials summed do not.
 - Refusals: a trainable parameter whose gradient reduces over the split rows outside a block projection, and
   gradient checkpointing, are refused on every rank alike with one line."""
 
@@ -74,6 +76,65 @@ def test_cp2_lora_step_equals_one_process(one):
         assert "gather_rows: transformer_blocks.0 (backward)" in backward  # the block-0 cut's gradient gather
         assert "heads_to_rows: blocks.0.attention (backward)" in backward  # Ulysses' inverse exchange
         assert "gather_rows: blocks.0.q.lora_a (weight gradient)" in backward
+
+
+def _tp_step(rank: int, world: int) -> dict:
+    from h3lab.distributed import init_mesh, parallelize, placement_of
+
+    model = lora_model(config=CONFIG)
+    placement = parallelize(model, init_mesh(tp=2, config=CONFIG))
+    result = compute_gradients(model, [_request()], OBJECTIVE, mode="strict")
+    log = placement_of(model)._log
+    algorithms = sorted({f"{r.name}: {r.point}" for r in log.records if "(backward)" in r.point})
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if n.endswith("to_q.base_layer.weight")}
+    out = {"gradient": result.gradient, "loss": result.loss, "backward": "|".join(algorithms),
+           "shapes": repr(sorted(shapes.items())), "points": repr(sorted(placement.tp_points.items()))}
+    sp = lora_model(config=CONFIG)  # LoRA with sp: refused in one line, forward or not
+    parallelize(sp, init_mesh(tp=2, sp=True, config=CONFIG))
+    try:
+        with runtime.use_mode("strict"), torch.no_grad():
+            sp(**_request().sample(OBJECTIVE).canonical().model_kwargs())
+        out["sp"] = "ran"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        out["sp"] = str(exc)
+    return out
+
+
+def test_tp2_lora_step_equals_one_process(one):
+    """TP2 (4 heads, 2 a rank; to_q 16 of 32 rows, the SwiGLU [value; gate] halves, the row-parallel tree's 4 of 8
+    chunks): every LoRA factor's gradient on both ranks equals one process's, with the declared backward gathers."""
+    ranks = spawn(_tp_step, 2, timeout=900)
+    model, batch = one
+    want = split_flat(batch.request_gradients[0].gradient, trainable_parameters(model))
+    for r, out in enumerate(ranks):
+        assert "[16, 28]" in out["shapes"]  # the base weights hold the rank's shard
+        assert "('blocks.0.ffn_up', ('col', 2))" in out["points"] and "('blocks.0.o_proj', ('row', 1))" in out["points"]
+        assert torch.equal(out["loss"], batch.request_gradients[0].loss), f"rank {r}: loss differs from one process"
+        got = split_flat(out["gradient"], trainable_parameters(model))
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {r}: {name} differs from one process"
+        assert "is not served with sp" in out["sp"] and "\n" not in out["sp"], out["sp"]
+        backward = out["backward"]
+        for point in ("blocks.0.q (backward)", "blocks.0.q.lora_b (backward)", "blocks.0.ffn_up (backward)",
+                      "refiner.0.ffn_up.lora_b (backward)"):
+            assert f"gather_columns: {point}" in backward, point
+
+
+def test_tp_column_gradient_gathers_and_rank_partials_differ():
+    """The TP rule at tensor level (one process, no ranks): dX of a column-parallel layer as `tp_autograd` forms it
+    (the gathered dY and weight, `linear(dY, W^T)`) equals the strict kernel's own backward; the reduce-scatter form
+    (each rank's dY_r @ W_r, summed in rank order) does not."""
+    from h3lab.distributed import tp_autograd
+
+    g = torch.Generator().manual_seed(5)
+    x, w, dy = torch.randn(1, 37, 48, generator=g), torch.randn(256, 48, generator=g), torch.randn(1, 37, 256, generator=g)
+    with runtime.use_mode("strict"):
+        leaf = x.clone().requires_grad_()
+        runtime.mode_op("linear")(leaf, w).backward(dy)
+        assert torch.equal(tp_autograd._dx("strict", dy, w, x.dtype), leaf.grad)
+        halves = [tp_autograd._dx("strict", dy[..., i * 128:(i + 1) * 128], w[i * 128:(i + 1) * 128], x.dtype)
+                  for i in (0, 1)]
+        assert not torch.equal(halves[0] + halves[1], leaf.grad)
 
 
 def _dp_cp_step(rank: int, world: int) -> dict:

@@ -1,6 +1,8 @@
-"""`h3lab train --cp 2` under torchrun (two gloo ranks on the CPU, strict under the interpreter): the sealed training
-run, the adapter and the final weights equal the one-process run's (only rank 0 writes and prints); and the mesh
-flags' bad values, each refused with exit 2 and one stderr line before any model loads."""
+"""`h3lab train` on a mesh under torchrun (gloo ranks on the CPU, strict under the interpreter): `--tp 2` seals the
+run, the adapter and the final weights of the one-process run (only rank 0 writes and prints); a rank SIGKILLed mid-step under `--cp 2` ends the survivor
+with one line naming it, a non-zero exit and nothing half-written in the job folder; and the mesh flags' bad values,
+each refused with exit 2 and one stderr line before any model loads.
+"""
 
 from __future__ import annotations
 
@@ -21,25 +23,31 @@ TINY = H3Config.tiny()  # 2 heads: cp 2 gives each rank one head
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    """One clip over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5)."""
+def clips(tmp_path_factory, tiny_snapshot):
+    """One clip over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5), and the
+    session's tiny snapshot (passed with -d: the user cache's default snapshot is shared with other checkouts)."""
     layout = build_layout("t2va", [1] * 4, 1, 4, 4, 3, patch_size=TINY.patch_size)
     path = tmp_path_factory.mktemp("mesh-data") / "clips"
     save_dataset(path, [make_clip(TINY, layout, seed=9)])
-    return path
+    return path, tiny_snapshot
 
 
 def _argv(clips, out, *extra) -> list[str]:
-    return ["--clips", str(clips), "--out", str(out), "--steps", "1", "--rank", "2", "--alpha", "3", "--device",
-            "cpu", "--seed", "4", *extra]
+    path, snapshot = clips
+    return ["--clips", str(path), "--out", str(out), "--steps", "1", "--rank", "2", "--alpha", "3", "--device",
+            "cpu", "--seed", "4", "-d", str(snapshot), *extra]
 
 
 @pytest.mark.parametrize("extra, said", [
-    (("--tp", "2"), "--tp 2: training on a mesh is defined for context parallelism only (--cp C, --tp 1)"),
     (("--cp", "0"), "cp=0: must be a positive integer"),
+    (("--dp", "0"), "--dp 0: must be a positive integer"),
+    (("--dp", "2"), "--dp 2 with --batch-size 1: every data-parallel replica needs a request of each step"),
     (("--cp", "2", "--gradient-checkpointing"), "--gradient-checkpointing with --cp 2: it recomputes blocks"),
+    (("--tp", "2", "--gradient-checkpointing"), "--gradient-checkpointing with --tp 2: it recomputes blocks"),
     (("--cp", "3"), "cp=3: must divide the 2 heads of one tp rank"),
     (("--cp", "2"), "--tp 1 --cp 2 needs 2 rank(s), this launch has 1: run torchrun --nproc-per-node 2"),
+    (("--tp", "2", "--dp", "2", "--batch-size", "2"),
+     "--tp 2 --cp 1 --dp 2 needs 4 rank(s), this launch has 1: run torchrun --nproc-per-node 4"),
 ])
 def test_bad_mesh_values_exit_2_with_one_line(clips, tmp_path, capsys, extra, said):
     code = train.main(_argv(clips, tmp_path / "out", *extra))
@@ -57,19 +65,55 @@ def _manifest(out) -> dict:
     return json.loads((out / "run" / "manifest.json").read_text())
 
 
-def test_cp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, capsys, tiny_snapshot):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _torchrun(n: int, *tail: str, cwd) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), *tail]
+
+
+def test_tp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, capsys, tiny_snapshot):
+    """`--tp 2` (two ranks). `--tp 2 --dp 2 --batch-size 2` (four ranks) passed the same assertions by hand, in
+    minutes of the shared CPU: too slow for CI; data parallelism's bytes are the spawned DP2 x CP2 step test's."""
     mesh_out, one_out = tmp_path / "mesh", tmp_path / "one"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "h3lab", "train", *_argv(clips, mesh_out, "--cp", "2")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    batch = ()
+    cmd = _torchrun(2, "-m", "h3lab", "train", *_argv(clips, mesh_out, "--tp", "2", *batch), cwd=tmp_path)
+    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.count("trained 1 steps") == 1  # rank 0 alone reports
-    assert train.main(_argv(clips, one_out)) == 0
+    assert train.main(_argv(clips, one_out, *batch)) == 0
     capsys.readouterr()
     mesh, one = _manifest(mesh_out), _manifest(one_out)
     assert mesh["digest"] == one["digest"]  # losses, every gradient, weights and optimiser state, step by step
     assert mesh["adapter"]["final_sha256"] == one["adapter"]["final_sha256"]
     assert mesh["weights_file"] == one["weights_file"]
-    assert mesh["meta"]["mesh"]["topology"]["name"] == "tp1xcp2" and "mesh" not in one["meta"]
+    assert mesh["meta"]["mesh"]["topology"]["name"] == "tp2xcp1" and "mesh" not in one["meta"]
     assert mesh["meta"]["job"] == one["meta"]["job"]  # the topology is no part of the job (resume may change it)
+
+
+DIES = """\
+import os, signal, sys
+if os.environ["RANK"] == "1":  # SIGKILL mid-step: at block 0's Ulysses exchange, rank 0 waiting in its own
+    import h3lab.distributed.collectives as collectives
+    collectives._all_to_all = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+from h3lab.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor(clips, tmp_path, tiny_snapshot):
+    script, out, logs = tmp_path / "dies.py", tmp_path / "job", tmp_path / "logs"
+    script.write_text(DIES)
+    cmd = _torchrun(2, "--log-dir", str(logs), "--redirects", "3", str(script), *_argv(clips, out, "--cp", "2"),
+                    cwd=tmp_path)
+    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode != 0
+    (err,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
+    said = [line for line in err.read_text().splitlines() if line.startswith("h3lab train:")]
+    assert said == ["h3lab train: error: rank 1 died mid-step (no word from it after the process group broke); "
+                    "every other rank stopped"], err.read_text()[-3000:]
+    assert "Traceback" not in err.read_text()
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert not [p for p in left if p.endswith(".tmp") or "/." in f"/{p}"], left  # no temp file left behind
+    assert "job.json" in left and not (out / "run").exists() and not (out / "adapter").exists(), left
