@@ -1,10 +1,15 @@
 """Shared test setup: strict kernels run on CPU through Triton's interpreter, so the variable is set before any
-test module imports triton. `tiny_snapshot` is the seeded tiny snapshot every test that needs weights uses."""
+test module imports triton. `tiny_snapshot` is the seeded tiny snapshot every test that needs weights uses. Child processes get
+`OMP_NUM_THREADS=1` (unless set), as this process runs torch on one thread."""
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every process a test starts (notebook kernels, CLI and torchrun subprocesses, the forkserver) inherits one OpenMP
+# thread: on the 2-core CI machine two busy xdist workers leave no core for a second thread, and a spinning OpenMP
+# team made a tiny bf16 linear ~6x and a float32 one ~800x slower (1.5 -> 9.4 ms, 0.05 -> 41 ms, measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
