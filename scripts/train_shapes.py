@@ -1,6 +1,7 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
     python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S]
+        [--audio-crop SAMPLES]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
 1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
@@ -11,10 +12,15 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
 3. video VAE (`AutoencoderKLMiniMaxH3`, `VAE` below: the tiny structure with wider channels) trained as an
    autoencoder: reparameterised posterior sample -> decode, MSE in the pipeline's ImageNet-normalised pixel space
    with foreground pixels weighted `FG_WEIGHT` x, plus `KL_WEIGHT` x the per-element KL. Then the audio VAE
-   (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`) on the waveforms (each channel a batch item, as the pipeline does):
-   posterior mean -> decode, L1 on samples + log-magnitude STFT L1 at two resolutions. Each VAE's `latents_mean`
-   / `latents_std` are then the per-channel statistics of its training latents (4 decimals), so the transformer sees
-   unit-scale latents.
+   (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`: the tiny structure with an 8-wide encoder and a 256-wide decoder of
+   five upsampling stages, so it ends 8 channels wide) on hop-aligned `--audio-crop` windows of the waveforms (each
+   channel a batch item, as the pipeline does): posterior mean -> decode; the loss sees pitch and pan: multi-resolution
+   STFT magnitude L1 (linear, relative, and log, at `STFT_SIZES`) + `ENERGY_WEIGHT` x the per-latent RMS envelope L1
+   of each channel (the pan over time) + waveform L1 + `SCALE_WEIGHT` x a unit-scale term on the latents (per-channel
+   (std - 1)^2 + mean^2; the first run's latents collapsed to std 0.003 and every decode hummed ~600 Hz). After
+   training, `audio_check` round-trips 12 training clips and reads their tone and pan back with `h3lab.shapes.measure`
+   (sealed). Each VAE's `latents_mean` / `latents_std` are then the per-channel statistics of its training latents
+   (4 decimals), so the transformer sees unit-scale latents.
 4. the transformer (`TRANSFORMER`: >= 6 blocks, released classes and dtype policy) with the flow-matching objective of
    `h3lab.training.objective` on the latents the session would feed it (t2va and fl2va layouts from
    `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
@@ -73,7 +79,12 @@ TRANSFORMER = H3Config(
 )
 VAE = {**VAE_CONFIG, "block_out_channels": (16, 16, 32, 32), "decoder_num_layers": 2,
        "decoder_num_attention_heads": 4, "decoder_attention_head_dim": 16}
-AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 4, "decoder_dim": 256}
+# Five upsampling stages instead of seven, so the 256-wide decoder ends 8 channels wide (not 2) at the sample rate.
+AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 8, "decoder_dim": 256, "decoder_rates": (5, 5, 4, 4, 2),
+             "decoder_kernel_sizes": (9, 9, 8, 8, 4)}
+STFT_SIZES = (256, 1024, 2048)  # the audio loss's resolutions (2048 at 32 kHz: 15.6 Hz bins, 220/440/880 apart)
+ENERGY_WEIGHT = 4.0
+SCALE_WEIGHT = 0.1
 FG_WEIGHT = 8.0
 KL_WEIGHT = 1e-4
 EMA_DECAY = 0.999
@@ -117,6 +128,22 @@ def _schedule(opt, step: int, steps: int, lr: float, warmup: int = 100) -> None:
         group["lr"] = lr * scale
 
 
+def _update(opt, module: torch.nn.Module, loss: torch.Tensor) -> None:
+    """One optimiser step: backward, gradient-norm clip at 1, AdamW."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+
+
+def _channel_stats(z: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per-channel (axis 1) mean and std of latents, 4 decimals (std at least 1e-3): the config's latents_mean/std."""
+    dims = tuple(d for d in range(z.ndim) if d != 1)
+    mean = [round(float(v), 4) for v in z.mean(dim=dims)]
+    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=dims)]
+    return mean, std
+
+
 class Phase:
     """Step loop bookkeeping: the step cap, the wall-time cap, the loss record."""
 
@@ -129,7 +156,7 @@ class Phase:
             return False
         return self.seconds is None or time.time() - self.t0 < self.seconds
 
-    def log(self, loss: float, every: int = 100) -> None:
+    def log(self, loss: float, every: int = int(os.environ.get("H3LAB_LOG_EVERY", "100"))) -> None:
         self.losses.append(loss)
         self.done += 1
         if self.done % every == 0 or self.done == 1:
@@ -167,31 +194,63 @@ def train_video_vae(frames: np.ndarray, args, device) -> tuple[torch.nn.Module, 
         rec = ((y - x) ** 2 * w).sum() / w.expand_as(y).sum()
         kl = 0.5 * (post.mean ** 2 + post.var - 1.0 - post.logvar).mean()
         loss = rec + KL_WEIGHT * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        _update(opt, vae, loss)
         phase.log(float(rec))
     vae.eval()
     with torch.no_grad():
         z = torch.cat([vae.encode(pixels[i:i + 16]).latent_dist.mean for i in range(0, pixels.shape[0], 16)])
-    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2, 3, 4))]
-    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2, 3, 4))]
+    mean, std = _channel_stats(z)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     return vae, {**phase.record(), "latents_mean": mean, "latents_std": std}
 
 
 def _stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Multi-resolution STFT magnitude loss (linear L1 + log L1) over `STFT_SIZES`: it sees the pitch."""
     loss = 0.0
-    for n_fft in (512, 2048):
+    for n_fft in STFT_SIZES:
         window = torch.hann_window(n_fft, device=x.device)
         Y = torch.stft(y, n_fft, n_fft // 4, window=window, return_complex=True).abs()
         X = torch.stft(x, n_fft, n_fft // 4, window=window, return_complex=True).abs()
-        loss = loss + (torch.log(Y + 1e-4) - torch.log(X + 1e-4)).abs().mean() + (Y - X).abs().mean()
-    return loss
+        loss = loss + (torch.log(Y + 1e-4) - torch.log(X + 1e-4)).abs().mean() + (Y - X).abs().mean() / X.mean()
+    return loss / len(STFT_SIZES)
 
 
-def train_audio_vae(audio: np.ndarray, args, device) -> tuple[torch.nn.Module, dict]:
+def _energy_loss(y: torch.Tensor, x: torch.Tensor, hop: int = 800) -> torch.Tensor:
+    """L1 between the per-latent RMS envelopes of each channel (batch item), relative to the mean envelope: the
+    pan (the left/right energy ratio) over time."""
+    n = x.shape[-1] // hop * hop
+    ey = y[..., :n].reshape(*y.shape[:-1], -1, hop).pow(2).mean(-1).add(1e-8).sqrt()
+    ex = x[..., :n].reshape(*x.shape[:-1], -1, hop).pow(2).mean(-1).add(1e-8).sqrt()
+    return (ey - ex).abs().mean() / ex.mean()
+
+
+def audio_loss(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(loss, parts) of decoded `y` against `x`, both (B, 1, S): STFT magnitudes + `ENERGY_WEIGHT` x envelope + L1."""
+    parts = {"stft": _stft_loss(y[:, 0], x[:, 0]), "energy": _energy_loss(y[:, 0], x[:, 0]),
+             "l1": (y - x).abs().mean()}
+    return parts["stft"] + ENERGY_WEIGHT * parts["energy"] + parts["l1"], parts
+
+
+def audio_check(avae: torch.nn.Module, audio: np.ndarray, specs, device, count: int = 12) -> dict:
+    """Round-trip `count` training clips (spread over the list) through the trained audio VAE and read the decoded
+    tone and pan back with `h3lab.shapes.measure` (the eval's measurement): the fraction that say their shape's tone
+    and their direction's pan."""
+    from h3lab.shapes import matches, measure
+    from h3lab.shapes.clips import SAMPLE_RATE
+
+    picks = np.linspace(0, len(specs) - 1, min(count, len(specs))).round().astype(int)
+    tone = pan = 0
+    with torch.no_grad():
+        for i in picks:
+            x = torch.from_numpy(audio[i]).to(device)[:, None]
+            y = avae.decode(avae.encode(x).latent_dist.mode()).sample[:, 0].cpu().numpy()
+            frames = np.zeros((3, 16, 16, 3), np.uint8)
+            ok = matches(measure(frames, y, SAMPLE_RATE), specs[i].colour, specs[i].shape, specs[i].direction)
+            tone, pan = tone + ok["tone"], pan + ok["pan"]
+    return {"clips": len(picks), "tone_fraction": round(tone / len(picks), 4), "pan_fraction": round(pan / len(picks), 4)}
+
+
+def train_audio_vae(audio: np.ndarray, specs, args, device) -> tuple[torch.nn.Module, dict]:
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
     torch.manual_seed(args.seed + 2)
@@ -200,24 +259,35 @@ def train_audio_vae(audio: np.ndarray, args, device) -> tuple[torch.nn.Module, d
     opt = torch.optim.AdamW(avae.parameters(), lr=args.audio_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(args.seed + 3)
     phase = Phase("audio VAE", args.audio_steps, args.audio_seconds)
+    parts_log: dict[str, list] = {"stft": [], "energy": [], "l1": [], "scale": []}
     while phase.running():
         _schedule(opt, phase.done, args.audio_steps, args.audio_lr)
         idx = torch.randint(0, wave.shape[0], (args.audio_batch,), generator=g).to(device)
         x = wave[idx]
-        y = avae.decode(avae.encode(x).latent_dist.mode()).sample
-        loss = (y - x).abs().mean() + _stft_loss(y[:, 0], x[:, 0])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(avae.parameters(), 1.0)
-        opt.step()
+        if args.audio_crop < x.shape[-1]:  # one hop-aligned window of `--audio-crop` samples per step
+            start = int(torch.randint(0, (x.shape[-1] - args.audio_crop) // 800 + 1, (1,), generator=g)) * 800
+            x = x[..., start:start + args.audio_crop]
+        z = avae.encode(x).latent_dist.mode()
+        y = avae.decode(z).sample
+        loss, parts = audio_loss(y, x)
+        # Keep the latents at unit scale per channel (the first run's collapsed to std 0.003-0.025 and the decoder
+        # ignored them): (std - 1)^2 + mean^2 over the batch and time, averaged over channels.
+        parts["scale"] = ((z.std(dim=(0, 2)) - 1.0) ** 2 + z.mean(dim=(0, 2)) ** 2).mean()
+        loss = loss + SCALE_WEIGHT * parts["scale"]
+        _update(opt, avae, loss)
+        for k, v in parts.items():
+            parts_log[k].append(float(v.detach()))
         phase.log(float(loss))
     avae.eval()
     with torch.no_grad():
         z = torch.cat([avae.encode(wave[i:i + 32]).latent_dist.mode() for i in range(0, wave.shape[0], 32)])
-    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2))]
-    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2))]
+    mean, std = _channel_stats(z)
     avae.register_to_config(latents_mean=mean, latents_std=std)
-    return avae, {**phase.record(), "latents_mean": mean, "latents_std": std}
+    check = audio_check(avae, audio, specs, device)
+    print(f"[audio VAE] latents std {std}; round trip: {check}", flush=True)
+    final_parts = {k: round(float(np.mean(v[-100:])), 5) for k, v in parts_log.items() if v}
+    return avae, {**phase.record(), "final_parts": final_parts, "latents_mean": mean, "latents_std": std,
+                  "round_trip": check}
 
 
 # ------------------------------------------------------------------------------------------ the transformer
@@ -304,10 +374,7 @@ def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
             loss_v = ((v_video[:, ncv:] - (x0v[:, ncv:] - nv[:, ncv:])) ** 2).mean()
             loss_a = ((v_audio[:, nca:] - (x0a[:, nca:] - na[:, nca:])) ** 2).mean()
             loss = objective.video_weight * loss_v + objective.audio_weight * loss_a
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            _update(opt, model, loss)
             decay = min(EMA_DECAY, (1 + phase.done) / (10 + phase.done))
             with torch.no_grad():
                 for n, p in model.named_parameters():
@@ -403,6 +470,7 @@ def main(argv=None) -> int:
     p.add_argument("--audio-steps", type=int, default=2000)
     p.add_argument("--audio-batch", type=int, default=8)
     p.add_argument("--audio-lr", type=float, default=2e-3)
+    p.add_argument("--audio-crop", type=int, default=8000, help="audio VAE training window, samples (hop multiple)")
     p.add_argument("--dit-steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dit-lr", type=float, default=1e-3)
@@ -433,7 +501,7 @@ def main(argv=None) -> int:
           flush=True)
     base = make_tiny_snapshot(out / "base", seed=0)
     vae, vae_rec = train_video_vae(frames, args, device)
-    avae, audio_rec = train_audio_vae(audio, args, device)
+    avae, audio_rec = train_audio_vae(audio, specs, args, device)
     stage = out / "stage"  # the base with the trained VAEs: the encoders the transformer's data go through
     shutil.copytree(base, stage)
     for sub, model in (("vae", vae), ("audio_vae", avae)):
