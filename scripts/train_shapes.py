@@ -1,6 +1,6 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
-    python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S]
+    python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S] [--ref-seconds S]
         [--audio-crop SAMPLES]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
@@ -14,13 +14,17 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    with foreground pixels weighted `FG_WEIGHT` x, plus `KL_WEIGHT` x the per-element KL. Then the audio VAE
    (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`: the tiny structure with an 8-wide encoder and a 256-wide decoder of
    five upsampling stages, so it ends 8 channels wide) on hop-aligned `--audio-crop` windows of the waveforms (each
-   channel a batch item, as the pipeline does): posterior mean -> decode; the loss sees pitch and pan: multi-resolution
-   STFT magnitude L1 (linear, relative, and log, at `STFT_SIZES`) + `ENERGY_WEIGHT` x the per-latent RMS envelope L1
-   of each channel (the pan over time) + waveform L1 + `SCALE_WEIGHT` x a unit-scale term on the latents (per-channel
-   (std - 1)^2 + mean^2; the first run's latents collapsed to std 0.003 and every decode hummed ~600 Hz). After
-   training, `audio_check` round-trips 12 training clips and reads their tone and pan back with `h3lab.shapes.measure`
+   channel a batch item, as the pipeline does): posterior mean -> decode; the loss (`audio_loss`) sees pitch and
+   pan: multi-resolution STFT magnitudes (spectral convergence + log magnitude above a floor, at `STFT_SIZES`) +
+   `ENERGY_WEIGHT` x the log AC-RMS envelope per latent of each channel (the pan over time; the window mean is taken
+   out, so a DC level cannot pass for a tone) + `DC_WEIGHT` x the windows' mean + waveform L1, plus `latent_terms`:
+   `SCALE_WEIGHT` x a unit-scale term on each clip's time-mean latent standardised ACROSS the batch's clips (the
+   latents must differ between clips) and `TRUNK_WEIGHT` x (log RMS of the encoder trunk)^2 (the trunk feeds a
+   LayerNorm, nothing else bounds it: the second run's grew to ~1e7 and lost the loudness). After training,
+   `audio_check` round-trips 12 training clips and reads their tone and pan back with `h3lab.shapes.measure`
    (sealed). Each VAE's `latents_mean` / `latents_std` are then the per-channel statistics of its training latents
-   (4 decimals), so the transformer sees unit-scale latents.
+   (4 decimals), so the transformer sees unit-scale latents. `text_check` seals how far apart the text features of
+   prompts differing in one word are.
 4. the transformer (`TRANSFORMER`: >= 6 blocks, released classes and dtype policy) with the flow-matching objective of
    `h3lab.training.objective` on the latents the session would feed it (t2va and fl2va layouts from
    `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
@@ -30,13 +34,14 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    training on the CPU interpreter is far too slow), each step is one batched forward of `--batch` clips of one
    layout sharing one sigma draw (H3's forward takes one timestep table per batch; the strict step's per-request
    micro-batches are ~15x slower here), the weights train in float32 with torch AdamW and an EMA (decay
-   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` has
-   the same config and stays random (seeded), not trained.
+   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` (same
+   config) starts from the trained transformer and is tuned `--ref-steps` on ref2va requests (the shape's centred
+   still, `h3lab.shapes.reference_image`, as the image reference) of `--ref2va-variants` seeds per triple.
 5. the snapshot folder `OUT/h3-shapes/` (released layout) with `h3lab_training.json` (the seal: command, device,
    versions, git revision, data digest, steps run, losses, seconds, weight hashes) and `h3lab_manifest.json`
    (SHA-256 of every other file), and `OUT/h3-shapes.tar` of it.
 
-`--vae-seconds / --audio-seconds / --dit-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
+`--vae-seconds / --audio-seconds / --dit-seconds / --ref-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
 repeated with `--vae-steps/--audio-steps/--dit-steps` set to them); `--quick` is a smoke run (a few clips and steps)
 for checking the script on a CPU. `--verify DIR` re-renders the data and checks a snapshot's seal and manifest.
 """
@@ -63,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG, randomize_  # noqa: E402
+from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG  # noqa: E402
 from h3lab.config import H3Config  # noqa: E402
 from h3lab.shapes import ClipSpec, prompt, render_clip, training_combos  # noqa: E402
 from h3lab.shapes.clips import BACKGROUND  # noqa: E402
@@ -72,8 +77,9 @@ SNAPSHOT_NAME = "h3-shapes"
 TRAINED_VERSION = "shapes-v1"
 SEAL = "h3lab_training.json"
 MANIFEST = "h3lab_manifest.json"
+# 4 heads: context parallelism (Ulysses) splits heads over 2 or 4 ranks (the second run's 3 refused CP2).
 TRANSFORMER = H3Config(
-    num_attention_heads=3, attention_head_dim=32, hidden_size=64, num_layers=6, num_refiner_layers=2, ffn_dim=192,
+    num_attention_heads=4, attention_head_dim=32, hidden_size=64, num_layers=6, num_refiner_layers=2, ffn_dim=192,
     in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=16, freq_dim=32, time_embed_hidden_dim=64,
     time_embed_dim=32, rope_freq_dim=4,
 )
@@ -83,8 +89,11 @@ VAE = {**VAE_CONFIG, "block_out_channels": (16, 16, 32, 32), "decoder_num_layers
 AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 8, "decoder_dim": 256, "decoder_rates": (5, 5, 4, 4, 2),
              "decoder_kernel_sizes": (9, 9, 8, 8, 4)}
 STFT_SIZES = (256, 1024, 2048)  # the audio loss's resolutions (2048 at 32 kHz: 15.6 Hz bins, 220/440/880 apart)
-ENERGY_WEIGHT = 4.0
-SCALE_WEIGHT = 0.1
+ENERGY_WEIGHT = 1.0
+DC_WEIGHT = 10.0
+SCALE_WEIGHT = 1.0
+TRUNK_WEIGHT = 0.1
+LOG_FLOOR = 1e-3
 FG_WEIGHT = 8.0
 KL_WEIGHT = 1e-4
 EMA_DECAY = 0.999
@@ -205,30 +214,54 @@ def train_video_vae(frames: np.ndarray, args, device) -> tuple[torch.nn.Module, 
 
 
 def _stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Multi-resolution STFT magnitude loss (linear L1 + log L1) over `STFT_SIZES`: it sees the pitch."""
+    """Multi-resolution STFT magnitudes over `STFT_SIZES`: spectral convergence (||Y - X|| / ||X||, it sees the
+    peak: the pitch) + log-magnitude L1 with a floor of `LOG_FLOOR` x n_fft (bins 40 dB below a tone's peak count
+    as silence; a tiny floor made the empty bins of a pure tone dominate and the decoder settled on one hum)."""
     loss = 0.0
     for n_fft in STFT_SIZES:
         window = torch.hann_window(n_fft, device=x.device)
         Y = torch.stft(y, n_fft, n_fft // 4, window=window, return_complex=True).abs()
         X = torch.stft(x, n_fft, n_fft // 4, window=window, return_complex=True).abs()
-        loss = loss + (torch.log(Y + 1e-4) - torch.log(X + 1e-4)).abs().mean() + (Y - X).abs().mean() / X.mean()
+        floor = LOG_FLOOR * n_fft
+        loss = loss + (Y - X).norm() / X.norm().clamp_min(1e-6) + (torch.log(Y + floor) - torch.log(X + floor)).abs().mean()
     return loss / len(STFT_SIZES)
 
 
-def _energy_loss(y: torch.Tensor, x: torch.Tensor, hop: int = 800) -> torch.Tensor:
-    """L1 between the per-latent RMS envelopes of each channel (batch item), relative to the mean envelope: the
-    pan (the left/right energy ratio) over time."""
-    n = x.shape[-1] // hop * hop
-    ey = y[..., :n].reshape(*y.shape[:-1], -1, hop).pow(2).mean(-1).add(1e-8).sqrt()
-    ex = x[..., :n].reshape(*x.shape[:-1], -1, hop).pow(2).mean(-1).add(1e-8).sqrt()
-    return (ey - ex).abs().mean() / ex.mean()
+def _envelope(w: torch.Tensor, hop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AC RMS, mean) per `hop`-sample window of each item: the loudness with the window's offset taken out (a DC
+    level must not pass for a tone), and the offset itself."""
+    n = w.shape[-1] // hop * hop
+    frames = w[..., :n].reshape(*w.shape[:-1], -1, hop)
+    mean = frames.mean(-1, keepdim=True)
+    return (frames - mean).pow(2).mean(-1).add(1e-10).sqrt(), mean[..., 0]
+
+
+def _energy_loss(y: torch.Tensor, x: torch.Tensor, hop: int = 800) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loudness, offset): L1 of log AC-RMS envelopes per latent of each channel (batch item), so the quiet side
+    of a panned tone counts as much as the loud one (the pan is their ratio), and the decoded windows' mean
+    (the clips have none)."""
+    ey, my = _envelope(y, hop)
+    ex, _ = _envelope(x, hop)
+    return (torch.log(ey + 1e-3) - torch.log(ex + 1e-3)).abs().mean(), my.abs().mean()
 
 
 def audio_loss(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """(loss, parts) of decoded `y` against `x`, both (B, 1, S): STFT magnitudes + `ENERGY_WEIGHT` x envelope + L1."""
-    parts = {"stft": _stft_loss(y[:, 0], x[:, 0]), "energy": _energy_loss(y[:, 0], x[:, 0]),
-             "l1": (y - x).abs().mean()}
-    return parts["stft"] + ENERGY_WEIGHT * parts["energy"] + parts["l1"], parts
+    """(loss, parts) of decoded `y` against `x`, both (B, 1, S): STFT magnitudes + `ENERGY_WEIGHT` x loudness +
+    `DC_WEIGHT` x offset + waveform L1."""
+    energy, offset = _energy_loss(y[:, 0], x[:, 0])
+    parts = {"stft": _stft_loss(y[:, 0], x[:, 0]), "energy": energy, "dc": offset, "l1": (y - x).abs().mean()}
+    return parts["stft"] + ENERGY_WEIGHT * parts["energy"] + DC_WEIGHT * parts["dc"] + parts["l1"], parts
+
+
+def latent_terms(z: torch.Tensor, trunk: torch.Tensor) -> dict:
+    """The audio VAE's regularisers. scale: each clip's time-mean latent (B, C), standardised ACROSS the clips of
+    the batch ((std - 1)^2 + mean^2 per channel): the latents must differ between clips (a per-clip or per-window
+    term was met by window-edge effects while every clip encoded the same). trunk: (log RMS of the encoder trunk)^2:
+    the trunk feeds a LayerNorm, so nothing else bounds it (the second run's grew to ~1e7, where Snake is linear and
+    the LayerNorm removes the loudness, i.e. the pan)."""
+    zc = z.mean(dim=2)
+    scale = ((zc.std(dim=0) - 1.0) ** 2 + zc.mean(dim=0) ** 2).mean()
+    return {"scale": scale, "trunk": torch.log(trunk.pow(2).mean().add(1e-12).sqrt()) ** 2}
 
 
 def audio_check(avae: torch.nn.Module, audio: np.ndarray, specs, device, count: int = 12) -> dict:
@@ -256,10 +289,12 @@ def train_audio_vae(audio: np.ndarray, specs, args, device) -> tuple[torch.nn.Mo
     torch.manual_seed(args.seed + 2)
     avae = AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE).to(device)
     wave = torch.from_numpy(audio).to(device).reshape(-1, 1, audio.shape[-1])  # (2N, 1, S): channels as items
+    trunk: dict[str, torch.Tensor] = {}  # the encoder trunk's output of the current step (latent_terms)
+    hook = avae.encoder.register_forward_hook(lambda _m, _i, out: trunk.__setitem__("h", out))
     opt = torch.optim.AdamW(avae.parameters(), lr=args.audio_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(args.seed + 3)
     phase = Phase("audio VAE", args.audio_steps, args.audio_seconds)
-    parts_log: dict[str, list] = {"stft": [], "energy": [], "l1": [], "scale": []}
+    parts_log: dict[str, list] = {"stft": [], "energy": [], "dc": [], "l1": [], "scale": [], "trunk": []}
     while phase.running():
         _schedule(opt, phase.done, args.audio_steps, args.audio_lr)
         idx = torch.randint(0, wave.shape[0], (args.audio_batch,), generator=g).to(device)
@@ -270,14 +305,13 @@ def train_audio_vae(audio: np.ndarray, specs, args, device) -> tuple[torch.nn.Mo
         z = avae.encode(x).latent_dist.mode()
         y = avae.decode(z).sample
         loss, parts = audio_loss(y, x)
-        # Keep the latents at unit scale per channel (the first run's collapsed to std 0.003-0.025 and the decoder
-        # ignored them): (std - 1)^2 + mean^2 over the batch and time, averaged over channels.
-        parts["scale"] = ((z.std(dim=(0, 2)) - 1.0) ** 2 + z.mean(dim=(0, 2)) ** 2).mean()
-        loss = loss + SCALE_WEIGHT * parts["scale"]
+        parts.update(latent_terms(z, trunk["h"]))
+        loss = loss + SCALE_WEIGHT * parts["scale"] + TRUNK_WEIGHT * parts["trunk"]
         _update(opt, avae, loss)
         for k, v in parts.items():
             parts_log[k].append(float(v.detach()))
         phase.log(float(loss))
+    hook.remove()
     avae.eval()
     with torch.no_grad():
         z = torch.cat([avae.encode(wave[i:i + 32]).latent_dist.mode() for i in range(0, wave.shape[0], 32)])
@@ -295,8 +329,9 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
     """Layout groups {key: dict(layout, text, video, audio)} of clean latent rows, as the session would feed them."""
     from h3lab import layout as L
     from h3lab.components.audio_vae import AudioVAE
-    from h3lab.components.references import Keyframe
+    from h3lab.components.references import ImageRef, Keyframe
     from h3lab.components.text_encoder import TextEncoder
+    from h3lab.shapes.clips import reference_image
     from h3lab.components.video_vae import VideoVAE, patchify
 
     text_encoder = TextEncoder.from_pretrained(snapshot, device="cpu")
@@ -313,20 +348,27 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
             z = ((z - vvae.latents_mean) / vvae.latents_std)[0]  # (C, T, h, w), the wrappers' normalisation
             target = patchify(z)
             rows_a = avae.encode(torch.from_numpy(audio[i]))
-            tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else [])
+            tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else []) + (
+                ["ref2va"] if spec.seed < args.ref2va_variants else [])
             for task in tasks:
-                anchors = ()
+                anchors, refs = (), ()
                 if task == "fl2va":
                     anchors = (Keyframe(frames[i, 0], "first"), Keyframe(frames[i, -1], "last"))
+                if task == "ref2va":  # the shape's still, centred, as the reference image (transformer_ref/)
+                    refs = (ImageRef(reference_image(spec.colour, spec.shape, GEOMETRY["width"], GEOMETRY["height"]),
+                                     source="shapes"),)
                 if task == "t2va":  # the text rows of a t2va request depend on the prompt alone
                     if prompt(spec) not in t2va_text:
                         t2va_text[prompt(spec)] = text_encoder.encode(prompt(spec))
                     enc = t2va_text[prompt(spec)]
-                else:  # fl2va: the anchors are presented to the text encoder too
-                    enc = text_encoder.encode(prompt(spec), anchors)
-                cond = [patchify(vvae.encode_condition(k.image[None])) for k in anchors]
+                else:  # fl2va / ref2va: the anchors / references are presented to the text encoder too
+                    enc = text_encoder.encode(prompt(spec), anchors, refs)
+                cond_lat = [vvae.encode_condition(k.image[None]) for k in anchors + refs]
+                cond = [patchify(c) for c in cond_lat]
                 lay = L.build_layout(task, enc.tags.cpu(), t_lat, h_lat, w_lat, a_lat,
-                                     anchors=tuple(k.anchor for k in anchors), patch_size=TRANSFORMER.patch_size)
+                                     anchors=tuple(k.anchor for k in anchors),
+                                     references=tuple(L.Reference.image(c.shape[2], c.shape[3]) for c in cond_lat[len(anchors):]),
+                                     patch_size=TRANSFORMER.patch_size)
                 key = (task, tuple(enc.tags.tolist()))
                 grp = groups.setdefault(key, {"layout": lay, "text": [], "video": [], "audio": []})
                 grp["text"].append(enc.embeds.detach().float().cpu()[0])
@@ -336,24 +378,54 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
             for k, g in groups.items()}
 
 
-def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
+def text_check(snapshot: Path) -> dict:
+    """Do the text features of two prompts that differ in one word differ? For each attribute (colour, shape,
+    direction), over the training prompts that differ only in it, the smallest mean relative difference of the
+    text encoder's rows aligned from the prompt's end (the rows after the differing word; the encoder is causal)."""
+    from h3lab.components.text_encoder import TextEncoder
+
+    text_encoder = TextEncoder.from_pretrained(snapshot, device="cpu")
+    combos = training_combos()
+    feats = {c: text_encoder.encode(prompt(ClipSpec(*c))).embeds.detach().float()[0] for c in combos}
+    out = {}
+    for axis, name in enumerate(("colour", "shape", "direction")):
+        diffs = []
+        for a in combos:
+            for b in combos:
+                if a < b and sum(x != y for x, y in zip(a, b)) == 1 and a[axis] != b[axis]:
+                    n = min(len(feats[a]), len(feats[b]), 8)
+                    fa, fb = feats[a][-n:], feats[b][-n:]
+                    diffs.append(float(((fa - fb).norm(dim=-1) / fb.norm(dim=-1)).mean()))
+        out[name] = {"pairs": len(diffs), "min_relative_difference": round(min(diffs), 4),
+                     "mean_relative_difference": round(float(np.mean(diffs)), 4)}
+    return out
+
+
+def train_transformer(groups, args, device, *, name="transformer", tasks=("t2va", "fl2va"), steps=None,
+                      seconds=None, lr=None, init=None, seed_offset=4) -> tuple[torch.nn.Module, dict]:
+    """Flow-matching training on the layout groups of `tasks`: from a seeded init, or from `init` (a state dict:
+    transformer_ref/ starts from the trained transformer/ and is tuned on ref2va)."""
     from h3lab import H3Transformer, runtime
     from h3lab.sampler import draw_noise, noise_mix
     from h3lab.training.objective import CONDITION_T, Objective, shifted_sigma
 
+    steps = args.dit_steps if steps is None else steps
+    lr = args.dit_lr if lr is None else lr
     objective = Objective()
-    torch.manual_seed(args.seed + 4)
+    torch.manual_seed(args.seed + seed_offset)
     model = H3Transformer(TRANSFORMER).to(device).float().train()
+    if init is not None:
+        model.load_state_dict(init)
     ema = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, weight_decay=0.01)
-    keys = sorted(groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    keys = sorted(k for k in groups if k[0] in tasks)
     sizes = torch.tensor([groups[k]["video"].shape[0] for k in keys], dtype=torch.float64)
     inputs = {k: groups[k]["layout"].model_inputs(device) for k in keys}
-    g = torch.Generator().manual_seed(args.seed + 5)
-    phase = Phase("transformer", args.dit_steps, args.dit_seconds)
+    g = torch.Generator().manual_seed(args.seed + seed_offset + 1)
+    phase = Phase(name, steps, seconds)
     with runtime.use_mode("off"):
         while phase.running():
-            _schedule(opt, phase.done, args.dit_steps, args.dit_lr, warmup=200)
+            _schedule(opt, phase.done, steps, lr, warmup=200 if init is None else 50)
             key = keys[int(torch.multinomial(sizes, 1, generator=g))]
             grp, lay = groups[key], groups[key]["layout"]
             idx = torch.randint(0, grp["video"].shape[0], (args.batch,), generator=g).to(device)
@@ -383,7 +455,8 @@ def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(ema[n])
-    return model.eval(), {**phase.record(), "ema_decay": EMA_DECAY, "layout_groups": len(keys)}
+    return model.eval(), {**phase.record(), "ema_decay": EMA_DECAY, "layout_groups": len(keys), "tasks": list(tasks),
+                          "lr": lr, "init": "transformer" if init is not None else "seeded"}
 
 
 # ------------------------------------------------------------------------------------------------ the snapshot
@@ -418,17 +491,15 @@ def _git_rev() -> str:
         return "unknown"
 
 
-def assemble(out: Path, base: Path, vae, avae, dit, seal: dict) -> Path:
-    from diffusers import MiniMaxH3Transformer3DModel
-
+def assemble(out: Path, base: Path, vae, avae, dit, dit_ref, seal: dict) -> Path:
     snap = out / SNAPSHOT_NAME
     shutil.copytree(base, snap)
     for sub in ("transformer", "transformer_ref", "vae", "audio_vae"):
         shutil.rmtree(snap / sub)
     (snap / MANIFEST).unlink()
     _save_transformer(snap / "transformer", {k: v.detach().cpu() for k, v in dit.state_dict().items()}, TRANSFORMER)
-    ref = randomize_(MiniMaxH3Transformer3DModel(**TRANSFORMER.to_diffusers()), args_seed(seal), "transformer_ref")
-    _save_transformer(snap / "transformer_ref", ref.state_dict(), TRANSFORMER)
+    _save_transformer(snap / "transformer_ref", {k: v.detach().cpu() for k, v in dit_ref.state_dict().items()},
+                      TRANSFORMER)
     vae.to("cpu").save_pretrained(snap / "vae", safe_serialization=True)
     avae.to("cpu").save_pretrained(snap / "audio_vae", safe_serialization=True)
     seal["weights"] = {k: v for k, v in file_hashes(snap).items() if k.endswith(".safetensors")}
@@ -438,10 +509,6 @@ def assemble(out: Path, base: Path, vae, avae, dit, seal: dict) -> Path:
     with tarfile.open(out / f"{SNAPSHOT_NAME}.tar", "w") as tar:
         tar.add(snap, arcname=SNAPSHOT_NAME)
     return snap
-
-
-def args_seed(seal: dict) -> int:
-    return int(seal["seed"])
 
 
 def verify(snapshot: Path, workers: int) -> int:
@@ -468,13 +535,16 @@ def main(argv=None) -> int:
     p.add_argument("--vae-batch", type=int, default=4)
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--audio-steps", type=int, default=2000)
-    p.add_argument("--audio-batch", type=int, default=8)
-    p.add_argument("--audio-lr", type=float, default=2e-3)
+    p.add_argument("--audio-batch", type=int, default=32)
+    p.add_argument("--audio-lr", type=float, default=1e-3)
     p.add_argument("--audio-crop", type=int, default=8000, help="audio VAE training window, samples (hop multiple)")
     p.add_argument("--dit-steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dit-lr", type=float, default=1e-3)
-    for name in ("vae", "audio", "dit"):
+    p.add_argument("--ref2va-variants", type=int, default=2, help="of the variants, how many also train as ref2va")
+    p.add_argument("--ref-steps", type=int, default=1500, help="transformer_ref/ tuning steps (ref2va)")
+    p.add_argument("--ref-lr", type=float, default=3e-4)
+    for name in ("vae", "audio", "dit", "ref"):
         p.add_argument(f"--{name}-seconds", type=float, default=None, help=f"wall-time cap of the {name} phase")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true", help="smoke run: 1 variant, a few steps per phase")
@@ -487,6 +557,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.variants, args.fl2va_variants = 1, 1
         args.vae_steps, args.audio_steps, args.dit_steps, args.batch, args.vae_batch, args.audio_batch = 2, 2, 3, 2, 1, 2
+        args.ref_steps = 2
     out = Path(args.out)
     if out.exists():
         p.error(f"--out {out}: exists; give a fresh folder")
@@ -507,23 +578,31 @@ def main(argv=None) -> int:
     for sub, model in (("vae", vae), ("audio_vae", avae)):
         shutil.rmtree(stage / sub)
         model.save_pretrained(stage / sub, safe_serialization=True)
+    text_rec = text_check(stage)
+    print(f"text check: {text_rec}", flush=True)
     groups = build_requests(stage, specs, frames, audio, args, device)
     print(f"requests: {sum(g['video'].shape[0] for g in groups.values())} in {len(groups)} layouts "
           f"({time.time() - t0:.1f} s)", flush=True)
-    dit, dit_rec = train_transformer(groups, args, device)
+    dit, dit_rec = train_transformer(groups, args, device, seconds=args.dit_seconds)
+    dit_ref, ref_rec = train_transformer(groups, args, device, name="transformer_ref", tasks=("ref2va",),
+                                         steps=args.ref_steps, seconds=args.ref_seconds, lr=args.ref_lr,
+                                         init={k: v.detach().clone() for k, v in dit.state_dict().items()},
+                                         seed_offset=6)
     seal = {
         "name": SNAPSHOT_NAME, "version": TRAINED_VERSION, "seed": args.seed, "variants": args.variants,
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "git_rev": _git_rev(), "data_digest": digest, "clips": len(specs),
-        "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec},
+        "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec,
+                   "transformer_ref": ref_rec},
+        "text_check": text_rec,
         "configs": {"transformer": TRANSFORMER.to_diffusers(), "vae": {k: list(v) if isinstance(v, tuple) else v
                                                                        for k, v in VAE.items()},
                     "audio_vae": {k: list(v) if isinstance(v, tuple) else v for k, v in AUDIO_VAE.items()}},
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "verify", "workers")},
         "seconds": round(time.time() - t0, 1),
     }
-    snap = assemble(out, base, vae, avae, dit, seal)
+    snap = assemble(out, base, vae, avae, dit, dit_ref, seal)
     shutil.rmtree(out / "base")
     shutil.rmtree(stage)
     print(f"wrote {snap} ({sum(f.stat().st_size for f in snap.rglob('*') if f.is_file()) / 1e6:.2f} MB) in "
