@@ -17,7 +17,7 @@ from h3lab import H3Config, train
 from h3lab.layout import build_layout
 from h3lab.training.dataset import save_dataset
 
-TINY = H3Config.tiny()  # 2 heads: cp 2 gives each rank one head
+TINY = H3Config.tiny()  # the clips' widths; the default snapshot (h3-shapes) trains on them: 4 heads, cp 2 gives each rank 2
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _argv(clips, out, *extra) -> list[str]:
     (("--tp", "2"), "--tp 2: training on a mesh is defined for context parallelism only (--cp C, --tp 1)"),
     (("--cp", "0"), "cp=0: must be a positive integer"),
     (("--cp", "2", "--gradient-checkpointing"), "--gradient-checkpointing with --cp 2: it recomputes blocks"),
-    (("--cp", "3"), "cp=3: must divide the 2 heads of one tp rank"),
+    (("--cp", "3"), "cp=3: must divide the 4 heads of one tp rank"),
     (("--cp", "2"), "--tp 1 --cp 2 needs 2 rank(s), this launch has 1: run torchrun --nproc-per-node 2"),
 ])
 def test_bad_mesh_values_exit_2_with_one_line(clips, tmp_path, capsys, extra, said):
