@@ -18,7 +18,7 @@ setup: $(STAMP)
 # Main job on the embedded tiny snapshot: a generation with sound, its sealed trajectory and phase timings.
 demo: $(STAMP)
 	mkdir -p outputs
-	$(BIN)/h3lab --profile -p "A red fox walks through fresh snow." -o outputs/fox.mp4
+	$(BIN)/h3lab --profile --width 64 --height 64 -p "a blue square moves right, a middle tone" -o outputs/demo.mp4
 
 # Strict on the CPU: every transformer op through a Triton kernel in Triton's interpreter (exact, slow), on a small
 # canvas with few passes so it ends within a minute (measured: README, "Strict on a CPU").

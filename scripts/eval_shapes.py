@@ -1,14 +1,14 @@
 """Measure the embedded default on prompts it never saw: what the decoded clips show and sound like.
 
     python scripts/eval_shapes.py [--snapshot DIR] [--seeds 42 43] [--steps 20] [--out benchmarks/results/shapes_eval.json]
-                                  [--strip docs/screenshots/shapes_demo_strip.png]
+                                  [--strip docs/screenshots/shapes_demo_strip.png] [--device cpu]
 
 - Held-out set: the 12 (colour, shape, direction) triples of `h3lab.shapes.held_out_combos()`, whose prompts never
   appear in training, each generated (t2va, 64x64, 22 frames, `--steps` passes, mode off, on the CPU) under every
   `--seeds` seed. Each decoded clip is measured (`h3lab.shapes.measure`) and compared with its prompt
   (`matches`): colour, direction, tone, pan; a clip matches when all four hold. Reported: per-attribute and
   all-four fractions, and every clip's measurement.
-- FL2VA: for each held-out triple, a fresh rendered clip (seed 1000) gives its first and last frames as anchors;
+- FL2VA: for each of the first `--fl2va` held-out triples, a fresh rendered clip (seed 1000) gives its first and last frames as anchors;
   the generated clip's first and last decoded frames are compared with them (PSNR in dB over uint8 RGB).
 - `--strip`: a frame strip (frames 0, 5, 10, 16, 21 side by side, 3x nearest upscale) of the first held-out clip.
 - Output JSON in the benchmarks schema (name, date, gpu, torch, triton, git_rev, command, results).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--snapshot", default=None, help="snapshot (default: the embedded default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--fl2va", type=int, default=12, help="how many held-out triples also run as fl2va")
+    p.add_argument("--device", default="cpu", help="where the session runs (the shipped numbers: cpu)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "shapes_eval.json"))
     p.add_argument("--strip", default=str(ROOT / "docs" / "screenshots" / "shapes_demo_strip.png"))
     args = p.parse_args(argv)
@@ -63,8 +66,8 @@ def main(argv=None) -> int:
 
     from h3lab import Session
 
-    torch.set_num_threads(1)
-    session = Session(args.snapshot, device="cpu")
+    torch.set_num_threads(2)
+    session = Session(args.snapshot, device=args.device)
     rows, t0 = [], time.time()
     for (colour, shape, direction) in held_out_combos():
         spec = ClipSpec(colour, shape, direction)
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
                 Image.fromarray(strip(res.frames)).save(args.strip)
     fl = []
     with tempfile.TemporaryDirectory() as tmp:
-        for (colour, shape, direction) in held_out_combos():
+        for (colour, shape, direction) in held_out_combos()[:args.fl2va]:
             spec = ClipSpec(colour, shape, direction, seed=1000)
             first, last = first_last(spec)
             fp, lp = Path(tmp) / "first.png", Path(tmp) / "last.png"
@@ -106,13 +109,14 @@ def main(argv=None) -> int:
         "median_s": round(float(np.median([r["seconds"] for r in rows])), 2), "peak_mem_gib": None,
     }
     try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+        rev = os.environ.get("H3LAB_GIT_REV") or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         rev = "unknown"
     report = {
         "name": "shapes_eval", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": "none (CPU)", "torch": torch.__version__, "triton": triton.__version__, "git_rev": rev,
+        "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "none (CPU)",
+        "torch": torch.__version__, "triton": triton.__version__, "git_rev": rev,
         "command": " ".join(["python", *sys.argv]), "snapshot": str(session.store.path) if hasattr(session, "store")
         else None, "results": [summary], "clips": rows, "fl2va": fl, "seconds": round(time.time() - t0, 1),
     }

@@ -1,6 +1,7 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
-    python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S]
+    python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S] [--ref-seconds S]
+        [--audio-crop SAMPLES]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
 1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
@@ -11,10 +12,19 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
 3. video VAE (`AutoencoderKLMiniMaxH3`, `VAE` below: the tiny structure with wider channels) trained as an
    autoencoder: reparameterised posterior sample -> decode, MSE in the pipeline's ImageNet-normalised pixel space
    with foreground pixels weighted `FG_WEIGHT` x, plus `KL_WEIGHT` x the per-element KL. Then the audio VAE
-   (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`) on the waveforms (each channel a batch item, as the pipeline does):
-   posterior mean -> decode, L1 on samples + log-magnitude STFT L1 at two resolutions. Each VAE's `latents_mean`
-   / `latents_std` are then the per-channel statistics of its training latents (4 decimals), so the transformer sees
-   unit-scale latents.
+   (`AutoencoderKLMiniMaxH3Audio`, `AUDIO_VAE`: the tiny structure with an 8-wide encoder and a 256-wide decoder of
+   five upsampling stages, so it ends 8 channels wide) on hop-aligned `--audio-crop` windows of the waveforms (each
+   channel a batch item, as the pipeline does): posterior mean -> decode; the loss (`audio_loss`) sees pitch and
+   pan: multi-resolution STFT magnitudes (spectral convergence + log magnitude above a floor, at `STFT_SIZES`) +
+   `ENERGY_WEIGHT` x the log AC-RMS envelope per latent of each channel (the pan over time; the window mean is taken
+   out, so a DC level cannot pass for a tone) + `DC_WEIGHT` x the windows' mean + waveform L1, plus `latent_terms`:
+   `SCALE_WEIGHT` x a unit-scale term on each clip's time-mean latent standardised ACROSS the batch's clips (the
+   latents must differ between clips) and `TRUNK_WEIGHT` x (log RMS of the encoder trunk)^2 (the trunk feeds a
+   LayerNorm, nothing else bounds it: the second run's grew to ~1e7 and lost the loudness). After training,
+   `audio_check` round-trips 12 training clips and reads their tone and pan back with `h3lab.shapes.measure`
+   (sealed). Each VAE's `latents_mean` / `latents_std` are then the per-channel statistics of its training latents
+   (4 decimals), so the transformer sees unit-scale latents. `text_check` seals how far apart the text features of
+   prompts differing in one word are.
 4. the transformer (`TRANSFORMER`: >= 6 blocks, released classes and dtype policy) with the flow-matching objective of
    `h3lab.training.objective` on the latents the session would feed it (t2va and fl2va layouts from
    `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
@@ -24,13 +34,14 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    training on the CPU interpreter is far too slow), each step is one batched forward of `--batch` clips of one
    layout sharing one sigma draw (H3's forward takes one timestep table per batch; the strict step's per-request
    micro-batches are ~15x slower here), the weights train in float32 with torch AdamW and an EMA (decay
-   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` has
-   the same config and stays random (seeded), not trained.
+   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` (same
+   config) starts from the trained transformer and is tuned `--ref-steps` on ref2va requests (the shape's centred
+   still, `h3lab.shapes.reference_image`, as the image reference) of `--ref2va-variants` seeds per triple.
 5. the snapshot folder `OUT/h3-shapes/` (released layout) with `h3lab_training.json` (the seal: command, device,
    versions, git revision, data digest, steps run, losses, seconds, weight hashes) and `h3lab_manifest.json`
    (SHA-256 of every other file), and `OUT/h3-shapes.tar` of it.
 
-`--vae-seconds / --audio-seconds / --dit-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
+`--vae-seconds / --audio-seconds / --dit-seconds / --ref-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
 repeated with `--vae-steps/--audio-steps/--dit-steps` set to them); `--quick` is a smoke run (a few clips and steps)
 for checking the script on a CPU. `--verify DIR` re-renders the data and checks a snapshot's seal and manifest.
 """
@@ -57,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG, randomize_  # noqa: E402
+from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG  # noqa: E402
 from h3lab.config import H3Config  # noqa: E402
 from h3lab.shapes import ClipSpec, prompt, render_clip, training_combos  # noqa: E402
 from h3lab.shapes.clips import BACKGROUND  # noqa: E402
@@ -66,14 +77,23 @@ SNAPSHOT_NAME = "h3-shapes"
 TRAINED_VERSION = "shapes-v1"
 SEAL = "h3lab_training.json"
 MANIFEST = "h3lab_manifest.json"
+# 4 heads: context parallelism (Ulysses) splits heads over 2 or 4 ranks (the second run's 3 refused CP2).
 TRANSFORMER = H3Config(
-    num_attention_heads=3, attention_head_dim=32, hidden_size=64, num_layers=6, num_refiner_layers=2, ffn_dim=192,
+    num_attention_heads=4, attention_head_dim=32, hidden_size=64, num_layers=6, num_refiner_layers=2, ffn_dim=192,
     in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=16, freq_dim=32, time_embed_hidden_dim=64,
     time_embed_dim=32, rope_freq_dim=4,
 )
 VAE = {**VAE_CONFIG, "block_out_channels": (16, 16, 32, 32), "decoder_num_layers": 2,
        "decoder_num_attention_heads": 4, "decoder_attention_head_dim": 16}
-AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 4, "decoder_dim": 256}
+# Five upsampling stages instead of seven, so the 256-wide decoder ends 8 channels wide (not 2) at the sample rate.
+AUDIO_VAE = {**AUDIO_VAE_CONFIG, "encoder_dim": 8, "decoder_dim": 256, "decoder_rates": (5, 5, 4, 4, 2),
+             "decoder_kernel_sizes": (9, 9, 8, 8, 4)}
+STFT_SIZES = (256, 1024, 2048)  # the audio loss's resolutions (2048 at 32 kHz: 15.6 Hz bins, 220/440/880 apart)
+ENERGY_WEIGHT = 1.0
+DC_WEIGHT = 10.0
+SCALE_WEIGHT = 1.0
+TRUNK_WEIGHT = 0.1
+LOG_FLOOR = 1e-3
 FG_WEIGHT = 8.0
 KL_WEIGHT = 1e-4
 EMA_DECAY = 0.999
@@ -117,6 +137,22 @@ def _schedule(opt, step: int, steps: int, lr: float, warmup: int = 100) -> None:
         group["lr"] = lr * scale
 
 
+def _update(opt, module: torch.nn.Module, loss: torch.Tensor) -> None:
+    """One optimiser step: backward, gradient-norm clip at 1, AdamW."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+
+
+def _channel_stats(z: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per-channel (axis 1) mean and std of latents, 4 decimals (std at least 1e-3): the config's latents_mean/std."""
+    dims = tuple(d for d in range(z.ndim) if d != 1)
+    mean = [round(float(v), 4) for v in z.mean(dim=dims)]
+    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=dims)]
+    return mean, std
+
+
 class Phase:
     """Step loop bookkeeping: the step cap, the wall-time cap, the loss record."""
 
@@ -129,7 +165,7 @@ class Phase:
             return False
         return self.seconds is None or time.time() - self.t0 < self.seconds
 
-    def log(self, loss: float, every: int = 100) -> None:
+    def log(self, loss: float, every: int = int(os.environ.get("H3LAB_LOG_EVERY", "100"))) -> None:
         self.losses.append(loss)
         self.done += 1
         if self.done % every == 0 or self.done == 1:
@@ -167,57 +203,125 @@ def train_video_vae(frames: np.ndarray, args, device) -> tuple[torch.nn.Module, 
         rec = ((y - x) ** 2 * w).sum() / w.expand_as(y).sum()
         kl = 0.5 * (post.mean ** 2 + post.var - 1.0 - post.logvar).mean()
         loss = rec + KL_WEIGHT * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        _update(opt, vae, loss)
         phase.log(float(rec))
     vae.eval()
     with torch.no_grad():
         z = torch.cat([vae.encode(pixels[i:i + 16]).latent_dist.mean for i in range(0, pixels.shape[0], 16)])
-    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2, 3, 4))]
-    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2, 3, 4))]
+    mean, std = _channel_stats(z)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     return vae, {**phase.record(), "latents_mean": mean, "latents_std": std}
 
 
 def _stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Multi-resolution STFT magnitudes over `STFT_SIZES`: spectral convergence (||Y - X|| / ||X||, it sees the
+    peak: the pitch) + log-magnitude L1 with a floor of `LOG_FLOOR` x n_fft (bins 40 dB below a tone's peak count
+    as silence; a tiny floor made the empty bins of a pure tone dominate and the decoder settled on one hum)."""
     loss = 0.0
-    for n_fft in (512, 2048):
+    for n_fft in STFT_SIZES:
         window = torch.hann_window(n_fft, device=x.device)
         Y = torch.stft(y, n_fft, n_fft // 4, window=window, return_complex=True).abs()
         X = torch.stft(x, n_fft, n_fft // 4, window=window, return_complex=True).abs()
-        loss = loss + (torch.log(Y + 1e-4) - torch.log(X + 1e-4)).abs().mean() + (Y - X).abs().mean()
-    return loss
+        floor = LOG_FLOOR * n_fft
+        loss = loss + (Y - X).norm() / X.norm().clamp_min(1e-6) + (torch.log(Y + floor) - torch.log(X + floor)).abs().mean()
+    return loss / len(STFT_SIZES)
 
 
-def train_audio_vae(audio: np.ndarray, args, device) -> tuple[torch.nn.Module, dict]:
+def _envelope(w: torch.Tensor, hop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AC RMS, mean) per `hop`-sample window of each item: the loudness with the window's offset taken out (a DC
+    level must not pass for a tone), and the offset itself."""
+    n = w.shape[-1] // hop * hop
+    frames = w[..., :n].reshape(*w.shape[:-1], -1, hop)
+    mean = frames.mean(-1, keepdim=True)
+    return (frames - mean).pow(2).mean(-1).add(1e-10).sqrt(), mean[..., 0]
+
+
+def _energy_loss(y: torch.Tensor, x: torch.Tensor, hop: int = 800) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loudness, offset): L1 of log AC-RMS envelopes per latent of each channel (batch item), so the quiet side
+    of a panned tone counts as much as the loud one (the pan is their ratio), and the decoded windows' mean
+    (the clips have none)."""
+    ey, my = _envelope(y, hop)
+    ex, _ = _envelope(x, hop)
+    return (torch.log(ey + 1e-3) - torch.log(ex + 1e-3)).abs().mean(), my.abs().mean()
+
+
+def audio_loss(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(loss, parts) of decoded `y` against `x`, both (B, 1, S): STFT magnitudes + `ENERGY_WEIGHT` x loudness +
+    `DC_WEIGHT` x offset + waveform L1."""
+    energy, offset = _energy_loss(y[:, 0], x[:, 0])
+    parts = {"stft": _stft_loss(y[:, 0], x[:, 0]), "energy": energy, "dc": offset, "l1": (y - x).abs().mean()}
+    return parts["stft"] + ENERGY_WEIGHT * parts["energy"] + DC_WEIGHT * parts["dc"] + parts["l1"], parts
+
+
+def latent_terms(z: torch.Tensor, trunk: torch.Tensor) -> dict:
+    """The audio VAE's regularisers. scale: each clip's time-mean latent (B, C), standardised ACROSS the clips of
+    the batch ((std - 1)^2 + mean^2 per channel): the latents must differ between clips (a per-clip or per-window
+    term was met by window-edge effects while every clip encoded the same). trunk: (log RMS of the encoder trunk)^2:
+    the trunk feeds a LayerNorm, so nothing else bounds it (the second run's grew to ~1e7, where Snake is linear and
+    the LayerNorm removes the loudness, i.e. the pan)."""
+    zc = z.mean(dim=2)
+    scale = ((zc.std(dim=0) - 1.0) ** 2 + zc.mean(dim=0) ** 2).mean()
+    return {"scale": scale, "trunk": torch.log(trunk.pow(2).mean().add(1e-12).sqrt()) ** 2}
+
+
+def audio_check(avae: torch.nn.Module, audio: np.ndarray, specs, device, count: int = 12) -> dict:
+    """Round-trip `count` training clips (spread over the list) through the trained audio VAE and read the decoded
+    tone and pan back with `h3lab.shapes.measure` (the eval's measurement): the fraction that say their shape's tone
+    and their direction's pan."""
+    from h3lab.shapes import matches, measure
+    from h3lab.shapes.clips import SAMPLE_RATE
+
+    picks = np.linspace(0, len(specs) - 1, min(count, len(specs))).round().astype(int)
+    tone = pan = 0
+    with torch.no_grad():
+        for i in picks:
+            x = torch.from_numpy(audio[i]).to(device)[:, None]
+            y = avae.decode(avae.encode(x).latent_dist.mode()).sample[:, 0].cpu().numpy()
+            frames = np.zeros((3, 16, 16, 3), np.uint8)
+            ok = matches(measure(frames, y, SAMPLE_RATE), specs[i].colour, specs[i].shape, specs[i].direction)
+            tone, pan = tone + ok["tone"], pan + ok["pan"]
+    return {"clips": len(picks), "tone_fraction": round(tone / len(picks), 4), "pan_fraction": round(pan / len(picks), 4)}
+
+
+def train_audio_vae(audio: np.ndarray, specs, args, device) -> tuple[torch.nn.Module, dict]:
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
     torch.manual_seed(args.seed + 2)
     avae = AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE).to(device)
     wave = torch.from_numpy(audio).to(device).reshape(-1, 1, audio.shape[-1])  # (2N, 1, S): channels as items
+    trunk: dict[str, torch.Tensor] = {}  # the encoder trunk's output of the current step (latent_terms)
+    hook = avae.encoder.register_forward_hook(lambda _m, _i, out: trunk.__setitem__("h", out))
     opt = torch.optim.AdamW(avae.parameters(), lr=args.audio_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(args.seed + 3)
     phase = Phase("audio VAE", args.audio_steps, args.audio_seconds)
+    parts_log: dict[str, list] = {"stft": [], "energy": [], "dc": [], "l1": [], "scale": [], "trunk": []}
     while phase.running():
         _schedule(opt, phase.done, args.audio_steps, args.audio_lr)
         idx = torch.randint(0, wave.shape[0], (args.audio_batch,), generator=g).to(device)
         x = wave[idx]
-        y = avae.decode(avae.encode(x).latent_dist.mode()).sample
-        loss = (y - x).abs().mean() + _stft_loss(y[:, 0], x[:, 0])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(avae.parameters(), 1.0)
-        opt.step()
+        if args.audio_crop < x.shape[-1]:  # one hop-aligned window of `--audio-crop` samples per step
+            start = int(torch.randint(0, (x.shape[-1] - args.audio_crop) // 800 + 1, (1,), generator=g)) * 800
+            x = x[..., start:start + args.audio_crop]
+        z = avae.encode(x).latent_dist.mode()
+        y = avae.decode(z).sample
+        loss, parts = audio_loss(y, x)
+        parts.update(latent_terms(z, trunk["h"]))
+        loss = loss + SCALE_WEIGHT * parts["scale"] + TRUNK_WEIGHT * parts["trunk"]
+        _update(opt, avae, loss)
+        for k, v in parts.items():
+            parts_log[k].append(float(v.detach()))
         phase.log(float(loss))
+    hook.remove()
     avae.eval()
     with torch.no_grad():
         z = torch.cat([avae.encode(wave[i:i + 32]).latent_dist.mode() for i in range(0, wave.shape[0], 32)])
-    mean = [round(float(v), 4) for v in z.mean(dim=(0, 2))]
-    std = [round(max(float(v), 1e-3), 4) for v in z.std(dim=(0, 2))]
+    mean, std = _channel_stats(z)
     avae.register_to_config(latents_mean=mean, latents_std=std)
-    return avae, {**phase.record(), "latents_mean": mean, "latents_std": std}
+    check = audio_check(avae, audio, specs, device)
+    print(f"[audio VAE] latents std {std}; round trip: {check}", flush=True)
+    final_parts = {k: round(float(np.mean(v[-100:])), 5) for k, v in parts_log.items() if v}
+    return avae, {**phase.record(), "final_parts": final_parts, "latents_mean": mean, "latents_std": std,
+                  "round_trip": check}
 
 
 # ------------------------------------------------------------------------------------------ the transformer
@@ -225,8 +329,9 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
     """Layout groups {key: dict(layout, text, video, audio)} of clean latent rows, as the session would feed them."""
     from h3lab import layout as L
     from h3lab.components.audio_vae import AudioVAE
-    from h3lab.components.references import Keyframe
+    from h3lab.components.references import ImageRef, Keyframe
     from h3lab.components.text_encoder import TextEncoder
+    from h3lab.shapes.clips import reference_image
     from h3lab.components.video_vae import VideoVAE, patchify
 
     text_encoder = TextEncoder.from_pretrained(snapshot, device="cpu")
@@ -243,20 +348,27 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
             z = ((z - vvae.latents_mean) / vvae.latents_std)[0]  # (C, T, h, w), the wrappers' normalisation
             target = patchify(z)
             rows_a = avae.encode(torch.from_numpy(audio[i]))
-            tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else [])
+            tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else []) + (
+                ["ref2va"] if spec.seed < args.ref2va_variants else [])
             for task in tasks:
-                anchors = ()
+                anchors, refs = (), ()
                 if task == "fl2va":
                     anchors = (Keyframe(frames[i, 0], "first"), Keyframe(frames[i, -1], "last"))
+                if task == "ref2va":  # the shape's still, centred, as the reference image (transformer_ref/)
+                    refs = (ImageRef(reference_image(spec.colour, spec.shape, GEOMETRY["width"], GEOMETRY["height"]),
+                                     source="shapes"),)
                 if task == "t2va":  # the text rows of a t2va request depend on the prompt alone
                     if prompt(spec) not in t2va_text:
                         t2va_text[prompt(spec)] = text_encoder.encode(prompt(spec))
                     enc = t2va_text[prompt(spec)]
-                else:  # fl2va: the anchors are presented to the text encoder too
-                    enc = text_encoder.encode(prompt(spec), anchors)
-                cond = [patchify(vvae.encode_condition(k.image[None])) for k in anchors]
+                else:  # fl2va / ref2va: the anchors / references are presented to the text encoder too
+                    enc = text_encoder.encode(prompt(spec), anchors, refs)
+                cond_lat = [vvae.encode_condition(k.image[None]) for k in anchors + refs]
+                cond = [patchify(c) for c in cond_lat]
                 lay = L.build_layout(task, enc.tags.cpu(), t_lat, h_lat, w_lat, a_lat,
-                                     anchors=tuple(k.anchor for k in anchors), patch_size=TRANSFORMER.patch_size)
+                                     anchors=tuple(k.anchor for k in anchors),
+                                     references=tuple(L.Reference.image(c.shape[2], c.shape[3]) for c in cond_lat[len(anchors):]),
+                                     patch_size=TRANSFORMER.patch_size)
                 key = (task, tuple(enc.tags.tolist()))
                 grp = groups.setdefault(key, {"layout": lay, "text": [], "video": [], "audio": []})
                 grp["text"].append(enc.embeds.detach().float().cpu()[0])
@@ -266,24 +378,54 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
             for k, g in groups.items()}
 
 
-def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
+def text_check(snapshot: Path) -> dict:
+    """Do the text features of two prompts that differ in one word differ? For each attribute (colour, shape,
+    direction), over the training prompts that differ only in it, the smallest mean relative difference of the
+    text encoder's rows aligned from the prompt's end (the rows after the differing word; the encoder is causal)."""
+    from h3lab.components.text_encoder import TextEncoder
+
+    text_encoder = TextEncoder.from_pretrained(snapshot, device="cpu")
+    combos = training_combos()
+    feats = {c: text_encoder.encode(prompt(ClipSpec(*c))).embeds.detach().float()[0] for c in combos}
+    out = {}
+    for axis, name in enumerate(("colour", "shape", "direction")):
+        diffs = []
+        for a in combos:
+            for b in combos:
+                if a < b and sum(x != y for x, y in zip(a, b)) == 1 and a[axis] != b[axis]:
+                    n = min(len(feats[a]), len(feats[b]), 8)
+                    fa, fb = feats[a][-n:], feats[b][-n:]
+                    diffs.append(float(((fa - fb).norm(dim=-1) / fb.norm(dim=-1)).mean()))
+        out[name] = {"pairs": len(diffs), "min_relative_difference": round(min(diffs), 4),
+                     "mean_relative_difference": round(float(np.mean(diffs)), 4)}
+    return out
+
+
+def train_transformer(groups, args, device, *, name="transformer", tasks=("t2va", "fl2va"), steps=None,
+                      seconds=None, lr=None, init=None, seed_offset=4) -> tuple[torch.nn.Module, dict]:
+    """Flow-matching training on the layout groups of `tasks`: from a seeded init, or from `init` (a state dict:
+    transformer_ref/ starts from the trained transformer/ and is tuned on ref2va)."""
     from h3lab import H3Transformer, runtime
     from h3lab.sampler import draw_noise, noise_mix
     from h3lab.training.objective import CONDITION_T, Objective, shifted_sigma
 
+    steps = args.dit_steps if steps is None else steps
+    lr = args.dit_lr if lr is None else lr
     objective = Objective()
-    torch.manual_seed(args.seed + 4)
+    torch.manual_seed(args.seed + seed_offset)
     model = H3Transformer(TRANSFORMER).to(device).float().train()
+    if init is not None:
+        model.load_state_dict(init)
     ema = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, weight_decay=0.01)
-    keys = sorted(groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    keys = sorted(k for k in groups if k[0] in tasks)
     sizes = torch.tensor([groups[k]["video"].shape[0] for k in keys], dtype=torch.float64)
     inputs = {k: groups[k]["layout"].model_inputs(device) for k in keys}
-    g = torch.Generator().manual_seed(args.seed + 5)
-    phase = Phase("transformer", args.dit_steps, args.dit_seconds)
+    g = torch.Generator().manual_seed(args.seed + seed_offset + 1)
+    phase = Phase(name, steps, seconds)
     with runtime.use_mode("off"):
         while phase.running():
-            _schedule(opt, phase.done, args.dit_steps, args.dit_lr, warmup=200)
+            _schedule(opt, phase.done, steps, lr, warmup=200 if init is None else 50)
             key = keys[int(torch.multinomial(sizes, 1, generator=g))]
             grp, lay = groups[key], groups[key]["layout"]
             idx = torch.randint(0, grp["video"].shape[0], (args.batch,), generator=g).to(device)
@@ -304,10 +446,7 @@ def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
             loss_v = ((v_video[:, ncv:] - (x0v[:, ncv:] - nv[:, ncv:])) ** 2).mean()
             loss_a = ((v_audio[:, nca:] - (x0a[:, nca:] - na[:, nca:])) ** 2).mean()
             loss = objective.video_weight * loss_v + objective.audio_weight * loss_a
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            _update(opt, model, loss)
             decay = min(EMA_DECAY, (1 + phase.done) / (10 + phase.done))
             with torch.no_grad():
                 for n, p in model.named_parameters():
@@ -316,7 +455,8 @@ def train_transformer(groups, args, device) -> tuple[torch.nn.Module, dict]:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(ema[n])
-    return model.eval(), {**phase.record(), "ema_decay": EMA_DECAY, "layout_groups": len(keys)}
+    return model.eval(), {**phase.record(), "ema_decay": EMA_DECAY, "layout_groups": len(keys), "tasks": list(tasks),
+                          "lr": lr, "init": "transformer" if init is not None else "seeded"}
 
 
 # ------------------------------------------------------------------------------------------------ the snapshot
@@ -351,17 +491,15 @@ def _git_rev() -> str:
         return "unknown"
 
 
-def assemble(out: Path, base: Path, vae, avae, dit, seal: dict) -> Path:
-    from diffusers import MiniMaxH3Transformer3DModel
-
+def assemble(out: Path, base: Path, vae, avae, dit, dit_ref, seal: dict) -> Path:
     snap = out / SNAPSHOT_NAME
     shutil.copytree(base, snap)
     for sub in ("transformer", "transformer_ref", "vae", "audio_vae"):
         shutil.rmtree(snap / sub)
     (snap / MANIFEST).unlink()
     _save_transformer(snap / "transformer", {k: v.detach().cpu() for k, v in dit.state_dict().items()}, TRANSFORMER)
-    ref = randomize_(MiniMaxH3Transformer3DModel(**TRANSFORMER.to_diffusers()), args_seed(seal), "transformer_ref")
-    _save_transformer(snap / "transformer_ref", ref.state_dict(), TRANSFORMER)
+    _save_transformer(snap / "transformer_ref", {k: v.detach().cpu() for k, v in dit_ref.state_dict().items()},
+                      TRANSFORMER)
     vae.to("cpu").save_pretrained(snap / "vae", safe_serialization=True)
     avae.to("cpu").save_pretrained(snap / "audio_vae", safe_serialization=True)
     seal["weights"] = {k: v for k, v in file_hashes(snap).items() if k.endswith(".safetensors")}
@@ -371,10 +509,6 @@ def assemble(out: Path, base: Path, vae, avae, dit, seal: dict) -> Path:
     with tarfile.open(out / f"{SNAPSHOT_NAME}.tar", "w") as tar:
         tar.add(snap, arcname=SNAPSHOT_NAME)
     return snap
-
-
-def args_seed(seal: dict) -> int:
-    return int(seal["seed"])
 
 
 def verify(snapshot: Path, workers: int) -> int:
@@ -401,12 +535,16 @@ def main(argv=None) -> int:
     p.add_argument("--vae-batch", type=int, default=4)
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--audio-steps", type=int, default=2000)
-    p.add_argument("--audio-batch", type=int, default=8)
-    p.add_argument("--audio-lr", type=float, default=2e-3)
+    p.add_argument("--audio-batch", type=int, default=32)
+    p.add_argument("--audio-lr", type=float, default=1e-3)
+    p.add_argument("--audio-crop", type=int, default=8000, help="audio VAE training window, samples (hop multiple)")
     p.add_argument("--dit-steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dit-lr", type=float, default=1e-3)
-    for name in ("vae", "audio", "dit"):
+    p.add_argument("--ref2va-variants", type=int, default=2, help="of the variants, how many also train as ref2va")
+    p.add_argument("--ref-steps", type=int, default=1500, help="transformer_ref/ tuning steps (ref2va)")
+    p.add_argument("--ref-lr", type=float, default=3e-4)
+    for name in ("vae", "audio", "dit", "ref"):
         p.add_argument(f"--{name}-seconds", type=float, default=None, help=f"wall-time cap of the {name} phase")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true", help="smoke run: 1 variant, a few steps per phase")
@@ -419,6 +557,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.variants, args.fl2va_variants = 1, 1
         args.vae_steps, args.audio_steps, args.dit_steps, args.batch, args.vae_batch, args.audio_batch = 2, 2, 3, 2, 1, 2
+        args.ref_steps = 2
     out = Path(args.out)
     if out.exists():
         p.error(f"--out {out}: exists; give a fresh folder")
@@ -433,29 +572,37 @@ def main(argv=None) -> int:
           flush=True)
     base = make_tiny_snapshot(out / "base", seed=0)
     vae, vae_rec = train_video_vae(frames, args, device)
-    avae, audio_rec = train_audio_vae(audio, args, device)
+    avae, audio_rec = train_audio_vae(audio, specs, args, device)
     stage = out / "stage"  # the base with the trained VAEs: the encoders the transformer's data go through
     shutil.copytree(base, stage)
     for sub, model in (("vae", vae), ("audio_vae", avae)):
         shutil.rmtree(stage / sub)
         model.save_pretrained(stage / sub, safe_serialization=True)
+    text_rec = text_check(stage)
+    print(f"text check: {text_rec}", flush=True)
     groups = build_requests(stage, specs, frames, audio, args, device)
     print(f"requests: {sum(g['video'].shape[0] for g in groups.values())} in {len(groups)} layouts "
           f"({time.time() - t0:.1f} s)", flush=True)
-    dit, dit_rec = train_transformer(groups, args, device)
+    dit, dit_rec = train_transformer(groups, args, device, seconds=args.dit_seconds)
+    dit_ref, ref_rec = train_transformer(groups, args, device, name="transformer_ref", tasks=("ref2va",),
+                                         steps=args.ref_steps, seconds=args.ref_seconds, lr=args.ref_lr,
+                                         init={k: v.detach().clone() for k, v in dit.state_dict().items()},
+                                         seed_offset=6)
     seal = {
         "name": SNAPSHOT_NAME, "version": TRAINED_VERSION, "seed": args.seed, "variants": args.variants,
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "git_rev": _git_rev(), "data_digest": digest, "clips": len(specs),
-        "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec},
+        "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec,
+                   "transformer_ref": ref_rec},
+        "text_check": text_rec,
         "configs": {"transformer": TRANSFORMER.to_diffusers(), "vae": {k: list(v) if isinstance(v, tuple) else v
                                                                        for k, v in VAE.items()},
                     "audio_vae": {k: list(v) if isinstance(v, tuple) else v for k, v in AUDIO_VAE.items()}},
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "verify", "workers")},
         "seconds": round(time.time() - t0, 1),
     }
-    snap = assemble(out, base, vae, avae, dit, seal)
+    snap = assemble(out, base, vae, avae, dit, dit_ref, seal)
     shutil.rmtree(out / "base")
     shutil.rmtree(stage)
     print(f"wrote {snap} ({sum(f.stat().st_size for f in snap.rglob('*') if f.is_file()) / 1e6:.2f} MB) in "

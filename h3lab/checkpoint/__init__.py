@@ -5,11 +5,13 @@
 - `loader.py`     `load_state_dict` (any layout -> Diffusers keys, memory-mapped) and `load_transformer`
 - `fingerprint.py` `component_hash` (headers + 64-byte tensor samples), below both `info.py` and `loader.py`
 - `info.py`       `snapshot_info` / `format_info` for `h3lab --info` (headers and configs only)
-- `tiny.py`       `make_tiny_snapshot(root, seed)` and `default_snapshot()` (imports diffusers/transformers lazily)
+- `tiny.py`       `make_tiny_snapshot(root, seed)`, `random_snapshot()` (the cached random seed-0 build) and
+                  `default_snapshot()` (imports diffusers/transformers lazily)
+- `shipped.py`    `shapes_snapshot()`: the embedded default, the trained "h3-shapes" snapshot shipped as package data
 - `processor.py`  the Qwen3-VL processor without torchvision (`load_processor`)
 
 Importing this package pulls in torch and safetensors, never diffusers or transformers. No import cycle: each
-module imports only modules left of it in: discovery, keymap, fingerprint, loader, processor, tiny, info.
+module imports only modules left of it in: discovery, keymap, fingerprint, loader, processor, shipped, tiny, info.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from .loader import DTYPE_POLICIES, StateDict, load_state_dict, load_transformer
 __all__ = [
     "load_state_dict", "load_transformer", "StateDict", "DTYPE_POLICIES", "snapshot_info", "format_info",
     "component_hash", "HASH_SCHEME", "open_snapshot", "resolve_component", "find_weight_files", "read_header",
-    "make_tiny_snapshot", "default_snapshot", "load_processor",
+    "make_tiny_snapshot", "default_snapshot", "random_snapshot", "load_processor",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # The tiny-snapshot maker and the processor loader import diffusers/transformers: load them on first use.
-    if name in ("make_tiny_snapshot", "default_snapshot"):
+    if name in ("make_tiny_snapshot", "default_snapshot", "random_snapshot"):
         from . import tiny
 
         return getattr(tiny, name)

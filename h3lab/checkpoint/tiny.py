@@ -30,10 +30,14 @@ Contract
   32), and `transformer/` / `transformer_ref/` = `INTERFACE_CONFIG` (text_dim 5120, in_channels 24 x patch (1,2,2),
   audio 32; the tiny blocks inside). About 20 M parameters, ~40 MB. Its manifest records `"preset": "interface"`.
   The default preset ("tiny") is byte-for-byte what it was before presets existed.
-- `default_snapshot() -> Path`: `$H3LAB_CACHE` (default `~/.cache/h3lab`) / `tiny-v1-seed0`, built on first use and
+- `random_snapshot() -> Path`: `$H3LAB_CACHE` (default `~/.cache/h3lab`) / `tiny-v1-seed0`, built on first use and
   reused while its manifest verifies (a missing, extra or altered file, or another maker_id, triggers a rebuild).
   Builds go to a temp folder
-  and are renamed into place, so a crash or a concurrent build never leaves a half-written snapshot.
+  and are renamed into place, so a crash or a concurrent build never leaves a half-written snapshot. (This was the
+  embedded default until the trained one shipped.)
+- `default_snapshot() -> Path`: the embedded default, the trained "h3-shapes" snapshot shipped in the package
+  (`shipped.shapes_snapshot()`, verified against its manifest); tests that need a seeded model of any shape keep
+  using `make_tiny_snapshot` / `random_snapshot`.
 """
 
 from __future__ import annotations
@@ -374,7 +378,14 @@ def cache_dir() -> Path:
 
 
 def default_snapshot() -> Path:
-    """The embedded default snapshot (seed 0) in the user cache, built once and verified on every call."""
+    """The embedded default: the shipped trained snapshot (`shipped.shapes_snapshot`)."""
+    from .shipped import shapes_snapshot
+
+    return shapes_snapshot()
+
+
+def random_snapshot() -> Path:
+    """The random tiny snapshot (seed 0) in the user cache, built once and verified on every call."""
     cache = cache_dir()
     final = cache / f"{TINY_VERSION}-seed0"
     if verify_snapshot(final):

@@ -2,7 +2,7 @@
 
 Contract
 - `resolve_snapshot(path) -> (Path, model name)`: `None` is the embedded tiny snapshot
-  (`h3lab.checkpoint.tiny.default_snapshot()`, named "h3-tiny"); anything else must be a directory (one-line
+  (`h3lab.checkpoint.tiny.default_snapshot()`: the shipped trained snapshot, named "h3-shapes"); anything else must be a directory (one-line
   `CheckpointError`).
 - `ComponentStore(path, device, residency="resident", dtype_policy="released", gpu_memory=None)` serves the text encoder, the DiT of
   each variant (`transformer/` for t2va/fl2va, `transformer_ref/` for ref2va), the video VAE and the audio VAE,
@@ -63,7 +63,7 @@ def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
         from ..checkpoint.tiny import default_snapshot
 
         path = default_snapshot()
-        name = "h3-tiny"
+        name = "h3-shapes"
     else:
         name = Path(path).resolve().name or str(path)
     path = Path(path)

@@ -1,6 +1,6 @@
 """The tiny snapshot: same seed -> same bytes (two builds in different folders), every component loads with its
 Diffusers / transformers class (processor offline, without torchvision), forwards are finite and input-dependent,
-and `default_snapshot()` builds atomically into `$H3LAB_CACHE`, reuses a valid cache and rebuilds a corrupted one."""
+and `random_snapshot()` (the cached random build) builds atomically into `$H3LAB_CACHE`, reuses a valid cache and rebuilds a corrupted one."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def file_hashes(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def rebuilt_default(tiny_snapshot, tmp_path_factory):
-    """Exercise `default_snapshot()` end to end in a private cache: (1) a verified cache is reused as is,
+    """Exercise `random_snapshot()` end to end in a private cache: (1) a verified cache is reused as is,
     (2) a corrupted one is rebuilt from scratch, in a fresh interpreter with a different PYTHONHASHSEED — which is
     also the second, independent seed-0 build that the determinism test compares with the session fixture."""
     cache = tmp_path_factory.mktemp("cache")
@@ -44,7 +44,7 @@ def rebuilt_default(tiny_snapshot, tmp_path_factory):
         final = cache / f"{tiny.TINY_VERSION}-seed0"
         shutil.copytree(tiny_snapshot, final)
         marker = (final / "vae" / "config.json").stat().st_ino
-        reused = tiny.default_snapshot()
+        reused = tiny.random_snapshot()
         assert reused == final and (final / "vae" / "config.json").stat().st_ino == marker  # not rebuilt
         # Corrupt one weight byte: the manifest no longer verifies, so the next call rebuilds.
         shard = final / "transformer" / "diffusion_pytorch_model-00002-of-00003.safetensors"
@@ -54,13 +54,13 @@ def rebuilt_default(tiny_snapshot, tmp_path_factory):
         assert not tiny.verify_snapshot(final)
         # Rebuild in a fresh interpreter with another hash seed: same bytes must not depend on the process.
         proc = subprocess.run(
-            [sys.executable, "-c", "from h3lab.checkpoint.tiny import default_snapshot; print(default_snapshot())"],
+            [sys.executable, "-c", "from h3lab.checkpoint.tiny import random_snapshot; print(random_snapshot())"],
             capture_output=True, text=True, timeout=300,
             env={**os.environ, "H3LAB_CACHE": str(cache), "PYTHONHASHSEED": "123", "OMP_NUM_THREADS": "1"},
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.strip().splitlines()[-1] == str(final) and tiny.verify_snapshot(final)
-        assert tiny.default_snapshot() == final  # and this process now reuses it
+        assert tiny.random_snapshot() == final  # and this process now reuses it
         assert sorted(p.name for p in cache.iterdir()) == [final.name]  # no temp or trash folders left behind
         yield final
     finally:

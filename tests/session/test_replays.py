@@ -26,6 +26,25 @@ def replay_state(session):
     return make
 
 
+@pytest.fixture(scope="module")
+def default_session():
+    """The embedded default (the shipped trained snapshot): what `h3lab --replay FILE` without -d runs on, so the
+    shipped replays' expect lines are this snapshot's."""
+    from h3lab.cli import quiet_libraries
+    from h3lab.session import Session
+
+    quiet_libraries()
+    return Session(None, device="cpu")
+
+
+@pytest.fixture
+def default_replay_state(default_session):
+    def make(path):
+        return commands.SessionState(session=default_session, base_dir=Path(path).resolve().parent)
+
+    return make
+
+
 def test_shipped_replays_exist():
     assert {p.stem for p in SESSIONS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
 
@@ -38,9 +57,11 @@ def expect_line(digest: str) -> str:
 
 
 @pytest.mark.parametrize("path", SESSIONS, ids=[p.stem for p in SESSIONS])
-def test_shipped_replay_passes(path, replay_state):
-    """Every generation is checked where the file holds lines for this machine's arithmetic class; on a class it
-    has no lines for, the replay still runs every command and its digests must repeat on a second run."""
+def test_shipped_replay_passes(path, default_replay_state):
+    """Every generation (on the embedded default snapshot, as `h3lab --replay FILE` runs it) is checked where the
+    file holds lines for this machine's arithmetic class; on a class it has no lines for, the replay still runs every
+    command and its digests must repeat on a second run."""
+    replay_state = default_replay_state
     report, out = replay(replay_state, path)
     assert report.generations > 0
     assert report.ok, report.mismatches
