@@ -72,13 +72,24 @@ def _read_bytes(path: Path, what: str) -> bytes:
         raise AdapterError(f"adapter {str(path)!r}: cannot read {what} ({err.strerror or err})") from None
 
 
+def _looks_like_safetensors(data: bytes) -> bool:
+    """A safetensors file: an 8-byte little-endian header length that fits the file, then the JSON header's '{'.
+    (Its first byte is the length's low byte, which can be 0x80 -- a pickle's first byte -- so the pickle test comes
+    only after this one.)"""
+    if len(data) < 9:
+        return False
+    header_len = int.from_bytes(data[:8], "little")
+    return 0 < header_len <= len(data) - 8 and data[8:9] == b"{"
+
+
 def _tensors(path: Path, data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    if len(data) < 8 or data[:1] == b"\x80" or data[:2] == b"PK":
-        kind = "a pickle" if data[:1] == b"\x80" or data[:2] == b"PK" else "too short"
-        raise AdapterError(f"adapter {str(path)!r}: {kind}, not a safetensors file (h3lab never unpickles weights)")
+    if not _looks_like_safetensors(data):
+        kind = "too short" if len(data) < 8 else "a pickle" if data[:1] == b"\x80" or data[:2] == b"PK" else None
+        if kind is not None:
+            raise AdapterError(f"adapter {str(path)!r}: {kind}, not a safetensors file (h3lab never unpickles weights)")
     try:
         tensors = load(data)
     except (SafetensorError, ValueError, RuntimeError, OSError) as exc:

@@ -155,8 +155,11 @@ def test_bad_paths_and_devices(tmp_path, tiny_snapshot):
             snapshot_info(tiny_snapshot, device="cuda")
 
 
-def test_default_path_is_the_cached_tiny_snapshot(tmp_path, tiny_snapshot, monkeypatch):
+def test_default_path_is_the_embedded_trained_snapshot(tmp_path, tiny_snapshot, monkeypatch):
+    """No path: the embedded default (the shipped h3-shapes snapshot), not the random tiny one in the cache."""
+    from h3lab.checkpoint import shipped
+
     monkeypatch.setenv("H3LAB_CACHE", str(tmp_path / "cache"))
-    cached = shutil.copytree(tiny_snapshot, tmp_path / "cache" / f"{tiny.TINY_VERSION}-seed0")
+    shutil.copytree(tiny_snapshot, tmp_path / "cache" / f"{tiny.TINY_VERSION}-seed0")
     info = snapshot_info(None, device="cpu")
-    assert info["path"] == str(cached.resolve()) and info["tiny"]["seed"] == 0
+    assert info["path"] == str(shipped.SHIPPED.resolve()) and info["path"] == str(tiny.default_snapshot().resolve())

@@ -190,3 +190,18 @@ def test_adapter_reads_back_what_it_saved(tmp_path):
     randomize_b(model, 3)
     again, other = save_adapter(model, tmp_path / "a")  # atomically replaced, never mixed
     assert again == path and other != digest and read_adapter(path).sha256 == other
+
+
+def test_a_header_length_ending_in_0x80_is_not_taken_for_a_pickle(tmp_path):
+    """A safetensors file starts with its header length's low byte, which can be 0x80 (a pickle's first byte): the
+    trained default's adapters hit it. Such a file reads; a real pickle under a .safetensors name is still refused."""
+    from safetensors.torch import save
+
+    from h3lab.training.adapter_file import _tensors
+
+    weights = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(7))}
+    data = next(d for d in (save(weights, metadata={"pad": "x" * n}) for n in range(400)) if d[0] == 0x80)
+    tensors, meta = _tensors(tmp_path / "a.safetensors", data)
+    assert torch.equal(tensors["w"], weights["w"]) and set(meta) == {"pad"}
+    with pytest.raises(AdapterError, match="a pickle, not a safetensors file"):
+        _tensors(tmp_path / "b.safetensors", b"\x80\x04" + bytes(40))
