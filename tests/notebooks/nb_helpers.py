@@ -5,10 +5,54 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nbformat
+from nbclient import NotebookClient
+
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 ARTIFACTS = REPO / "test-artifacts"
 TINY_REQUEST = dict(width=64, height=64, frames=22, steps=2, mode="off")
+
+NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_performance",
+         "05_reward_weighted_update", "06_grpo"]
+CELL_TIMEOUT_S = 300
+
+
+def execute(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError naming the cell on any error
+    return nb
+
+
+def outputs(nb) -> list[dict]:
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
+def text_of(nb) -> str:
+    parts = []
+    for o in outputs(nb):
+        parts.append(o.get("text", ""))
+        parts.append(o.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def images(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for o in outputs(nb))
+
+
+def stderr(nb) -> list[str]:
+    """What a reader would see in red: stderr streams (warnings included) and error outputs."""
+    return [o.get("text", "") or o.get("ename", "") for o in outputs(nb)
+            if o.get("name") == "stderr" or o.get("output_type") == "error"]
+
+
+def long_lines(nb, width: int = 110) -> list[str]:
+    """Printed lines a notebook cell would wrap."""
+    return [line for o in outputs(nb) for line in o.get("text", "").splitlines()
+            if len(line) > width and not line.startswith("skipped (")]  # the one summary line names every file
+
 
 
 def write_benchmark_sample(folder: Path) -> dict[str, object]:
