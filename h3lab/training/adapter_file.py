@@ -86,10 +86,9 @@ def _tensors(path: Path, data: bytes) -> tuple[dict[str, torch.Tensor], dict[str
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    if not _looks_like_safetensors(data):
-        kind = "too short" if len(data) < 8 else "a pickle" if data[:1] == b"\x80" or data[:2] == b"PK" else None
-        if kind is not None:
-            raise AdapterError(f"adapter {str(path)!r}: {kind}, not a safetensors file (h3lab never unpickles weights)")
+    if not _looks_like_safetensors(data) and (len(data) < 8 or data[:1] == b"\x80" or data[:2] == b"PK"):
+        kind = "too short" if len(data) < 8 else "a pickle"
+        raise AdapterError(f"adapter {str(path)!r}: {kind}, not a safetensors file (h3lab never unpickles weights)")
     try:
         tensors = load(data)
     except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
