@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._strict_math import round_to
-from .fp8_quant import AMAX_FLOOR, FP8_MAX, e4m3_code
+from .fp8_quant import AMAX_FLOOR, FP8_MAX, row_scale, scaled_code
 
 MAX_COLS = 16384  # one row per program, held in registers
 
@@ -36,9 +36,8 @@ MAX_COLS = 16384  # one row per program, held in registers
 def _quantize_row(y, q_row, s_ptr, row, cols, ok, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """Store the e4m3 codes and the scale of one float32 row y (already rounded to bfloat16)."""
     amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=0)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
-    tl.store(q_row + cols, e4m3_code(q), mask=ok)
+    scale = row_scale(amax, FP8_MAX, AMAX_FLOOR)
+    tl.store(q_row + cols, scaled_code(y, scale, FP8_MAX), mask=ok)
     tl.store(s_ptr + row, scale)
 
 

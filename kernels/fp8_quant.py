@@ -50,6 +50,18 @@ def e4m3_code(v):
 
 
 @triton.jit
+def row_scale(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """A row's float32 scale from its amax: div_rn(max(amax, AMAX_FLOOR), FP8_MAX)."""
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+
+
+@triton.jit
+def scaled_code(v, scale, FP8_MAX: tl.constexpr):
+    """float32 v over its row's scale, clamped to +-FP8_MAX, as its e4m3 code (`e4m3_code`)."""
+    return e4m3_code(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -60,12 +72,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK: tl.constexpr
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), FP8_MAX)
+    scale = row_scale(tl.max(amax, axis=0), FP8_MAX, AMAX_FLOOR)
     for k0 in range(0, K, BLOCK):
         ok = k0 + cols < K
         v = tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
-        tl.store(q_row + k0 + cols, e4m3_code(q), mask=ok)
+        tl.store(q_row + k0 + cols, scaled_code(v, scale, FP8_MAX), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
