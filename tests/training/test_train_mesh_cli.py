@@ -1,5 +1,6 @@
 """`h3lab train` on a mesh under torchrun (gloo ranks on the CPU, strict under the interpreter): `--tp 2` seals the
-run, the adapter and the final weights of the one-process run (only rank 0 writes and prints); a rank SIGKILLed mid-step under `--cp 2` ends the survivor
+run, the adapter and the final weights of the one-process run (only rank 0 writes and prints), and the sealed mesh
+run verifies on one process; a rank SIGKILLed mid-step under `--cp 2` ends the survivor
 with one line naming it, a non-zero exit and nothing half-written in the job folder; and the mesh flags' bad values,
 each refused with exit 2 and one stderr line before any model loads.
 """
@@ -15,8 +16,9 @@ import sys
 import pytest
 from training_cases import make_clip
 
-from h3lab import H3Config, train
+from h3lab import H3Config, H3Transformer, train
 from h3lab.layout import build_layout
+from h3lab.training import add_lora, verify
 from h3lab.training.dataset import save_dataset
 
 TINY = H3Config.tiny()  # 2 heads: cp 2 gives each rank one head
@@ -68,7 +70,7 @@ def _manifest(out) -> dict:
 ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
-def _torchrun(n: int, *tail: str, cwd) -> list[str]:
+def _torchrun(n: int, *tail: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
             "--master-port", str(_free_port()), *tail]
 
@@ -77,12 +79,11 @@ def test_tp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, cap
     """`--tp 2` (two ranks). `--tp 2 --dp 2 --batch-size 2` (four ranks) passed the same assertions by hand, in
     minutes of the shared CPU: too slow for CI; data parallelism's bytes are the spawned DP2 x CP2 step test's."""
     mesh_out, one_out = tmp_path / "mesh", tmp_path / "one"
-    batch = ()
-    cmd = _torchrun(2, "-m", "h3lab", "train", *_argv(clips, mesh_out, "--tp", "2", *batch), cwd=tmp_path)
+    cmd = _torchrun(2, "-m", "h3lab", "train", *_argv(clips, mesh_out, "--tp", "2"))
     done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.count("trained 1 steps") == 1  # rank 0 alone reports
-    assert train.main(_argv(clips, one_out, *batch)) == 0
+    assert train.main(_argv(clips, one_out)) == 0
     capsys.readouterr()
     mesh, one = _manifest(mesh_out), _manifest(one_out)
     assert mesh["digest"] == one["digest"]  # losses, every gradient, weights and optimiser state, step by step
@@ -90,6 +91,10 @@ def test_tp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, cap
     assert mesh["weights_file"] == one["weights_file"]
     assert mesh["meta"]["mesh"]["topology"]["name"] == "tp2xcp1" and "mesh" not in one["meta"]
     assert mesh["meta"]["job"] == one["meta"]["job"]  # the topology is no part of the job (resume may change it)
+    # the mesh-trained run verifies on one process, step by step (a model carrying the job's adapter)
+    model = H3Transformer.from_pretrained(str(clips[1]), subfolder="transformer", device="cpu")
+    add_lora(model, 2, 3.0)
+    assert verify(mesh_out / "run", model).ok
 
 
 DIES = """\
@@ -105,8 +110,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_rank_killed_mid_step_is_named_by_the_survivor(clips, tmp_path, tiny_snapshot):
     script, out, logs = tmp_path / "dies.py", tmp_path / "job", tmp_path / "logs"
     script.write_text(DIES)
-    cmd = _torchrun(2, "--log-dir", str(logs), "--redirects", "3", str(script), *_argv(clips, out, "--cp", "2"),
-                    cwd=tmp_path)
+    cmd = _torchrun(2, "--log-dir", str(logs), "--redirects", "3", str(script), *_argv(clips, out, "--cp", "2"))
     done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode != 0
     (err,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
