@@ -12,7 +12,9 @@ keeps the earlier results; a section that raises is recorded as an error and the
 3. `table`: per shape, all impls interleaved (`h3lab-fast` = CUDA graphs + fused FP8 producers, `h3lab-fast-eager`
    without graphs, `h3lab-fast-unfused` without the fused producers; graph impls warm up twice, the second call
    captures, and record `capture_call_s`, `graph_path` and the replay's bytes against the eager fast forward) (`--runs` timed runs after one warm-up each), median seconds, ratio to
-   Diffusers, TFLOP/s of the model's matmul FLOPs, output hashes, strict/fast relative L2 against Diffusers. Where a
+   Diffusers, TFLOP/s of the model's matmul FLOPs, output hashes, strict/fast relative L2 against Diffusers;
+   at `--profile-shapes`, each impl's GPU time per op class (`op_class_ms`: gemm, attention, norm_modulate, rope,
+   copy_cat_gather, elementwise) and its top kernels, from one profiled forward after the timed runs. Where a
    50-block forward does not fit the device time (`--layers-at`), the shape runs the first N blocks at full width
    (shared weights): each result says its `layers`.
 4. `batch_position`: strict at 37,853 rows, batch 3 of distinct requests: every item byte-equal to its batch-1
@@ -36,7 +38,7 @@ import traceback
 
 import torch
 
-from _common import header, peak_mem_gib, prepare, rel_l2, sync, write
+from _common import header, kernel_profile, peak_mem_gib, prepare, rel_l2, sync, write
 from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared, make_inputs, output_sha256, t2va_spec
 
 # forward_fp32_tf32x3.json (512x512x22f, 50 blocks, batch 1, make_inputs seed 7)
@@ -74,6 +76,24 @@ def truncated(config, dm, n: int, device):
     return small, d.eval(), h.eval()
 
 
+OP_CLASSES = (  # (class, name fragments), first match wins: where a profiled forward spends its GPU time
+    ("gemm", ("nvjet", "_gemm", "gemm", "cutlass", "xmma")),
+    ("attention", ("sdpa", "flash", "_attn", "fmha")),
+    ("norm_modulate", ("layer_norm", "rms_norm", "_norm_modulate", "_gated_residual")),
+    ("rope", ("_rope",)),
+    ("copy_cat_gather", ("CatArray", "gather", "copy", "Memcpy", "Memset", "_pack")),
+)
+
+
+def op_classes(kernels: list[dict]) -> dict:
+    """{class: ms} of a `kernel_profile` list by OP_CLASSES (everything else: "elementwise")."""
+    out: dict = {}
+    for k in kernels:
+        cls = next((c for c, frags in OP_CLASSES if any(f in k["name"] for f in frags)), "elementwise")
+        out[cls] = round(out.get(cls, 0.0) + k["ms"], 3)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def _median_time(fn, reps: int = 5) -> float:
     """Median seconds of `reps` calls of fn after one warm-up (CUDA synchronised around each)."""
     fn()
@@ -95,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers-at", default="1344x768x124f=10,1344x768x362f=3",
                     help="shape=N: run that shape on the first N blocks (full width)")
     ap.add_argument("--batch-check", default="1344x768x124f:3:2", help="shape:batch:blocks of the batch-position check")
+    ap.add_argument("--profile-shapes", default="",
+                    help="comma list: at these shapes the table also records each impl's GPU time per kernel and per "
+                         "op class (torch.profiler, one forward after the timed runs)")
     ap.add_argument("--drift-passes", type=int, default=20)
     ap.add_argument("--sections", default="hash,fp8_quantizer,table,batch_position,attention_fp8,drift")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on H3Config.tiny()")
@@ -110,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = args.sections.split(",")
     impls = args.impls.split(",")
     shapes = ["tiny-64x64x22f"] if args.tiny else args.shapes.split(",")
+    profile_shapes = set(args.profile_shapes.split(",")) - {""}
     layers_at = dict((k, int(v)) for k, v in (p.split("=") for p in args.layers_at.split(",") if p))
     def emulate():  # a fresh context each time (a generator context manager is entered once)
         return fast.use_emulation() if args.tiny else contextlib.nullcontext()
@@ -294,6 +318,11 @@ def main(argv: list[str] | None = None) -> dict:
                     entry["rel_l2_vs_diffusers_audio"] = rel_l2(a, ref[1])
                     if impl == "h3lab-off":
                         entry["bytes_equal_diffusers"] = bool(torch.equal(v, ref[0]) and torch.equal(a, ref[1]))
+                if shape in profile_shapes and device == "cuda":
+                    kernels = kernel_profile(fns[impl], top=200)
+                    entry["op_class_ms"] = op_classes(kernels)
+                    entry["kernels"] = kernels[:20]
+                    print(f"  profile {impl}: {entry['op_class_ms']}", flush=True)
                 if impl.startswith("h3lab"):
                     trace = runtime.last_trace() if impl == live[-1] else None
                     if trace is not None:

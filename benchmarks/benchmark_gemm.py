@@ -3,6 +3,7 @@
     python benchmarks/benchmark_gemm.py --out benchmarks/results/gemm.json            # H200: forward + backward
     python benchmarks/benchmark_gemm.py --dry-run --out /tmp/gemm.json                # CPU interpreter, tiny shapes
     python benchmarks/benchmark_gemm.py --sweep                                       # H200: candidate tiles
+    python benchmarks/benchmark_gemm.py --schedules --projs o_proj ffn_down           # H200: tree schedules
 
 Rows M in {2066, 7272} (512x512x22f and 864x480x56f); (K, N): q/k/v 5376->7168 (`linear`), o-proj 7168->5376
 (`linear_tree`), ffn up 5376->28672 (`linear`), ffn down 14336->5376 (`linear_tree`); bfloat16 with bias.
@@ -12,6 +13,9 @@ Checks on the strict output (strict rows of the JSON): `rows_equal` (the first r
 rows give the same bytes as in the full batch), `repeat_equal`, `tp_equal` (tree ops: TP2/4/8 subtrees recombined
 give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike.
 `--sweep` times other tile configs through the same kernel (exploration only; the contract's tiles are constants).
+`--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops, the contract's paired
+chunks at 2 and 3 stages) against cuBLAS, interleaved per shape, each output compared byte for byte with the
+chunk-by-chunk loops' (`equal_chunkloops`).
 """
 
 from __future__ import annotations
@@ -146,16 +150,61 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
     return out
 
 
+def schedules(device: str, rows_list, shapes) -> list[dict]:
+    """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
+    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, and paired at
+    2 stages; every output checked byte-equal to the chunk-by-chunk loops'."""
+    import dataclasses
+
+    import torch
+    from h3kernels import gemm
+
+    base = gemm.TREE_TILES[torch.bfloat16]
+    variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base),
+                ("paired-s2", dataclasses.replace(base, paired=True, num_stages=2))]
+    out = []
+    for M in rows_list:
+        for name, op, K, N in shapes:
+            if op != "linear_tree":
+                continue
+            gen = torch.Generator(device=device).manual_seed(2)
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            w = (torch.randn(N, K, device=device, generator=gen) * K**-0.5).bfloat16()
+            b = torch.randn(N, device=device, generator=gen).bfloat16()
+            flops = 2.0 * M * N * K
+            t = measure(lambda: torch.nn.functional.linear(x, w, b), device)["median_s"]
+            out.append({"rows": M, "proj": name, "what": "cublas", "median_s": t, "tflops": flops / t / 1e12})
+            ref = None
+            for label, tile in variants:
+                fn = lambda tile=tile: gemm._gemm(x, w, b, gemm.TREE_CHUNKS, tile, x.dtype)  # noqa: E731
+                try:
+                    y = fn()
+                    ts = measure(fn, device)["median_s"]
+                except Exception as exc:  # a schedule that does not compile or launch (shared memory) is reported
+                    out.append({"rows": M, "proj": name, "what": label, "error": str(exc)[:300]})
+                    continue
+                ref = y if ref is None else ref
+                out.append({"rows": M, "proj": name, "what": label, "tile": tile.describe(), "median_s": ts,
+                            "tflops": flops / ts / 1e12, "ratio_vs_cublas": ts / t,
+                            "equal_chunkloops": bool(torch.equal(y, ref))})
+            print(table(out[-len(variants) - 1:], ["proj", "rows", "what", "median_s", "tflops", "ratio_vs_cublas",
+                                                    "equal_chunkloops"]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = kernel_parser(__doc__.splitlines()[0], "gemm")
     parser.add_argument("--rows", type=int, nargs="+", help="row counts M (default 2066 7272)")
+    parser.add_argument("--schedules", action="store_true", help="time the byte-equal linear_tree schedules")
     parser.add_argument("--projs", nargs="+", choices=[s[0] for s in SHAPES], help="only these projections")
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
     doc = header("gemm", __file__, argv, device)
     rows_list = args.rows or (DRY_ROWS if args.dry_run else ROWS)
     shapes = [s for s in (DRY_SHAPES if args.dry_run else SHAPES) if not args.projs or s[0] in args.projs]
-    if args.sweep:
+    if args.schedules:
+        doc["results"] = schedules(device, rows_list, shapes)
+    elif args.sweep:
         doc["results"] = sweep(device, rows_list, shapes)
     else:
         for M in rows_list:

@@ -7,7 +7,7 @@ Math      y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x (..., K) is flattened
 Tiles     one fixed config per (op, dtype), never autotuned and never chosen from M (`LINEAR_TILES`, `TREE_TILES`):
             linear      bf16  BLOCK 128x256x64, GROUP_M 8, 8 warps, 3 stages, persistent, TMA
                         fp32  BLOCK 128x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA, tf32x3
-            linear_tree bf16  BLOCK 128x128x64, GROUP_M 8, 8 warps, 4 stages, persistent, TMA
+            linear_tree bf16  BLOCK 128x128x64, GROUP_M 8, 8 warps, 3 stages, persistent, TMA, paired chunks
                         fp32  BLOCK 128x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA, tf32x3
           BLOCK_K fixes the reduction order; BLOCK_M/BLOCK_N only group independent outputs. Persistent: one
           program per SM loops over output tiles (which program computes a tile never changes its values). TMA:
@@ -29,6 +29,13 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           wait in a float32 scratch slot of the program (exact), so at most two accumulators are live. A TP2/4/8
           rank owning 4/2/1 consecutive chunks computes its subtree with `tree_partial`, and `tree_combine`
           finishes the same tree: TP1 bytes.
+          Paired chunks (`Tile.paired`, the bf16 tree tile): chunks 2j and 2j+1 accumulate in ONE loop over their
+          BLOCK_K tiles, iteration k adding chunk 2j's tile k into p_2j and chunk 2j+1's tile k into p_(2j+1). Each
+          partial sees exactly the dots it sees chunk by chunk (same tiles, same ascending order, from zero), so
+          the bytes are the chunk-by-chunk loops' (CPU: tests/kernels/test_gemm.py; H200: benchmark_gemm.py
+          --schedules and the 512x512x22f forward hash); a tile has 4 loops instead of 8 (half the pipeline
+          drains) and two independent MMA chains in flight. Twice the operand bytes per stage: 3 stages fit the
+          shared memory where 4 chunk-by-chunk stages did.
 Narrow    a float32 product whose weight has N <= SPLIT_MAX_N outputs over K >= SPLIT_MIN_K (K a multiple of
           8*BLOCK_K; `splits(dtype, N, K)`, the weight's shape only, never M) is the 8-chunk tree with TREE_TILES,
           its chunks in parallel programs (`_gemm_partials_kernel`) and `_tree_combine_kernel` finishing it (the
@@ -95,6 +102,7 @@ class Tile:
     persistent: bool = True  # one program per SM looping over output tiles (else one program per tile)
     tma: bool = True  # read aligned row-major operands through TMA descriptors (else always pointers)
     precision: str = "ieee"  # float32 operands: "ieee" (FMA) or "tf32x3" (three TF32 tensor-core products)
+    paired: bool = True  # a tree's chunk pairs accumulate in one K loop (`_paired_chunks`; else one loop per chunk)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -103,6 +111,7 @@ class Tile:
     def describe(self, split: bool = False) -> str:
         flags = ("-persistent" if self.persistent else "") + ("-tma" if self.tma else "")
         flags += "" if self.precision == "ieee" else f"-{self.precision}"
+        flags += "" if self.paired else "-chunkloops"  # the schedule before the paired loops (same bytes)
         flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
         return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
@@ -113,8 +122,9 @@ LINEAR_TILES = {
     torch.float32: Tile(128, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="tf32x3"),
 }
 TREE_TILES = {
-    torch.bfloat16: Tile(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
-    torch.float32: Tile(128, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="tf32x3"),
+    torch.bfloat16: Tile(128, 128, 64, 8, 8, 3, persistent=True, tma=True),
+    # float32 keeps the chunk-by-chunk loops (its paired schedule is byte-equal but unmeasured on the GPU)
+    torch.float32: Tile(128, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="tf32x3", paired=False),
 }
 ROWSUM_BLOCK_M, ROWSUM_BLOCK_N = 64, 128  # dB: (row lanes, columns) of one program
 # Narrow float32 outputs over a long K (a LoRA factor x @ A^T, its backward dY @ B) give too few output tiles to
@@ -149,6 +159,32 @@ def cast_rne(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _tiles_at(x_src, w_src, off_m, off_n, k, stride_xk, stride_wk, mask_k,
+              USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The operand tiles at absolute K offset k, exactly as `_chunk` reads them: x (BLOCK_M, BLOCK_K) and
+    w^T (BLOCK_K, BLOCK_N); pointer loads mask lanes past the chunk's end (`mask_k`) to 0."""
+    if USE_TMA:
+        if X_TRANS:
+            a = x_src.load([k, off_m]).T
+        else:
+            a = x_src.load([off_m, k])
+        if W_TRANS:
+            b = w_src.load([k, off_n])
+        else:
+            b = w_src.load([off_n, k]).T
+    else:
+        x_ptrs = x_src + tl.cast(k, tl.int64) * stride_xk
+        w_ptrs = w_src + tl.cast(k, tl.int64) * stride_wk
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
@@ -160,33 +196,38 @@ def _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
     x (BLOCK_M, BLOCK_K) and w (BLOCK_K, BLOCK_N)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = c * CHUNK_K
-    if USE_TMA:
-        for k in range(0, CHUNK_K, BLOCK_K):
-            if X_TRANS:
-                a = x_src.load([k_lo + k, off_m]).T  # (BLOCK_K, BLOCK_M) -> (BLOCK_M, BLOCK_K)
-            else:
-                a = x_src.load([off_m, k_lo + k])  # (BLOCK_M, BLOCK_K)
-            if W_TRANS:
-                b = w_src.load([k_lo + k, off_n])  # (BLOCK_K, BLOCK_N)
-            else:
-                b = w_src.load([off_n, k_lo + k]).T  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
-            acc = mma(a, b, acc, PRECISION, INTERPRETED)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_src + tl.cast(k_lo, tl.int64) * stride_xk  # tl.cast: k_lo may be a constexpr
-        w_ptrs = w_src + tl.cast(k_lo, tl.int64) * stride_wk
-        for k in range(0, CHUNK_K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                # chunk tail: masked lanes load 0 and add exact zeros
-                a = tl.load(x_ptrs, mask=offs_k[None, :] < CHUNK_K - k, other=0.0)
-                b = tl.load(w_ptrs, mask=offs_k[:, None] < CHUNK_K - k, other=0.0)
-            acc = mma(a, b, acc, PRECISION, INTERPRETED)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, CHUNK_K, BLOCK_K):
+        # chunk tail (pointer loads only): masked lanes load 0 and add exact zeros
+        a, b = _tiles_at(x_src, w_src, off_m, off_n, k_lo + k, stride_xk, stride_wk, offs_k < CHUNK_K - k,
+                         USE_TMA, X_TRANS, W_TRANS, EVEN_K)
+        acc = mma(a, b, acc, PRECISION, INTERPRETED)
     return acc
+
+
+@triton.jit
+def _paired_chunks(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+                   PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(p_c, p_(c+1)) in one loop: iteration k reads chunk c's and chunk c+1's tile at in-chunk offset k and adds
+    each into its own float32 accumulator (from zero). Per accumulator these are `_chunk`'s operations in
+    `_chunk`'s order (the same tiles, masks and dot, BLOCK_K tiles ascending), so each partial has `_chunk`'s
+    bytes; the two chains are independent, so the loop has no chunk boundary to drain and twice the work in
+    flight per iteration."""
+    left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    right = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = c * CHUNK_K
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, CHUNK_K, BLOCK_K):
+        mask_k = offs_k < CHUNK_K - k  # the chunk tail (pointer loads only), as in `_chunk`
+        a, b = _tiles_at(x_src, w_src, off_m, off_n, k_lo + k, stride_xk, stride_wk, mask_k,
+                         USE_TMA, X_TRANS, W_TRANS, EVEN_K)
+        a2, b2 = _tiles_at(x_src, w_src, off_m, off_n, k_lo + CHUNK_K + k, stride_xk, stride_wk, mask_k,
+                           USE_TMA, X_TRANS, W_TRANS, EVEN_K)
+        left = mma(a, b, left, PRECISION, INTERPRETED)
+        right = mma(a2, b2, right, PRECISION, INTERPRETED)
+    return left, right
 
 
 @triton.jit
@@ -210,8 +251,14 @@ def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _pair(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-          PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """p_c + p_(c+1), left operand first (two live accumulators)."""
+          PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr):
+    """p_c + p_(c+1), left operand first (two live accumulators). PAIRED: both partials accumulate in ONE loop over
+    the chunk's BLOCK_K tiles (`_paired_chunks`), else chunk c's loop, then chunk c+1's. Same bytes either way."""
+    if PAIRED:
+        left, right = _paired_chunks(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION,
+                                     INTERPRETED)
+        return left + right
     left = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
     right = _chunk(x_src, w_src, off_m, off_n, c + 1, CHUNK_K, stride_xk, stride_wk,
@@ -260,7 +307,7 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # persistent: program p computes output tiles p, p + n_programs, ...
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
@@ -280,22 +327,22 @@ def _gemm_kernel(
                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
         elif N_CHUNKS == 2:
             acc = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
         else:
             tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
             s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p0 + p1
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
             _stash(slot0, s, BLOCK_M, BLOCK_N)
             s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p2 + p3
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
             acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
             if N_CHUNKS == 8:
                 _stash(slot0, acc, BLOCK_M, BLOCK_N)
                 s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p4 + p5
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
                 _stash(slot1, s, BLOCK_M, BLOCK_N)
                 s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)  # p6 + p7
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
                 s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
                 acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
 
@@ -434,7 +481,7 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
         PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
-        num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+        PAIRED=tile.paired, num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )
     return out
 

@@ -3,6 +3,8 @@
 8-chunk tree (tensor-parallel subtrees reproduce TP1 bytes), backward accuracy and determinism, and refusals.
 Runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py); shapes are tiny because every program runs in Python."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,26 @@ def test_tree_partials_reproduce_tp1(dtype, ranks):
     ]
     assert all(p.dtype == torch.float32 for p in partials)
     assert torch.equal(gemm.tree_combine(partials, b, dtype), gemm.linear_tree(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,K,n_chunks,use_tma", [
+    ((33,), 512, 8, None),  # whole BLOCK_K tiles per chunk: TMA descriptors
+    ((33,), 512, 8, False),  # the same through pointers
+    ((5,), 96, 8, None),  # chunks of 12: a masked tail in every chunk (pointers)
+    ((2, 35), 1024, 4, None),  # a TP2 rank's subtree
+    ((70,), 256, 2, False),  # a TP4 rank's subtree
+])
+def test_paired_chunks_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma):
+    """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators) is a schedule, not new arithmetic: every
+    output byte equals the chunk-by-chunk loops' on fresh random inputs, bias or not, float32 partials too."""
+    x, w, b = _inputs(dtype, rows=rows, K=K, seed=K + n_chunks)
+    x2d = x.reshape(-1, K)
+    paired, loops = (dataclasses.replace(gemm.TREE_TILES[dtype], paired=p) for p in (True, False))
+    for bias, out_dtype in ((b, dtype), (None, torch.float32)):
+        y = gemm._gemm(x2d, w, bias, n_chunks, paired, out_dtype, use_tma)
+        assert torch.equal(y, gemm._gemm(x2d, w, bias, n_chunks, loops, out_dtype, use_tma))
+    assert gemm.TREE_TILES[torch.bfloat16].paired and "chunkloops" in loops.describe()
 
 
 def test_tree_differs_from_the_flat_k_loop():
