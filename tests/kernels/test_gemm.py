@@ -352,6 +352,25 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, monkeypatch):
     assert all(r["bwd_repeat_equal"] for r in strict if r["pass"] == "backward")
 
 
+def test_benchmark_schedules_dry_run_compares_bytes(tmp_path, monkeypatch):
+    """`--schedules` times cuBLAS and each byte-equal tree schedule, and records each one's equality with the
+    chunk-by-chunk loops."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["benchmark_gemm.py"])
+    import benchmark_gemm
+
+    out = tmp_path / "gemm.json"
+    benchmark_gemm.main(["--schedules", "--dry-run", "--rows", "67", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "paired-s2"]
+    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:])
+    assert rows[2]["tile"] == gemm.TREE_TILES[torch.bfloat16].describe()
+
+
 def test_fp32_benchmark_dry_run_checks_every_variant(tmp_path, monkeypatch):
     """benchmark_gemm_fp32 (the LoRA factor products, both precisions, the narrow rule) runs tiny in the
     interpreter: every strict row repeats, keeps its rows invariant where rows are the batch, and a split row equals
