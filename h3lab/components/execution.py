@@ -11,15 +11,17 @@ Contract
               slots (`streaming`)
   gpu_memory  GiB, streamed only: the budget for the DiT's tensors on the device (the blocks that fit stay resident)
   mesh        an `h3lab.distributed` Mesh, or None (one process): every transformer is parallelized on it in place;
-              streamed with a mesh is refused (streamed blocks are not sharded)
+              streamed with a mesh streams after `parallelize`, so each rank pins and streams only its TP shard
+              (byte-equal to resident on that mesh); refused with cp > 1 (every CP rank holds the whole TP shard:
+              each would pin its own host copy, and ranks sharing one pinned arena do not exist)
 
 A bad value is a one-line `ValidationError` naming it and the rule. `replace(**changes)` is a checked copy.
 
 The plan is the one owner of those choices; the component store holds it (`ComponentStore.plan`) and both halves
 come from here:
 - `place(model, variant)` makes a DiT's placement the plan's: parallelized on the mesh (`h3lab.distributed
-  .parallelize`, once per model, named by its variant), streamed under the budget, or resident on the device (a
-  streamer is removed). `streaming_plan(model_or_config)` is the streaming plan of a model under the budget (raises
+  .parallelize`, once per model, named by its variant; a streamed model is made resident first, since sharding
+  replaces its tensors), then streamed under the budget, or resident on the device (a streamer is removed). `streaming_plan(model_or_config)` is the streaming plan of a model under the budget (raises
   when even streaming every block does not fit).
 - `spec_fields()` -> {"placement": ..., "residency": ...}: the sealed description a `RunSpec` gets
   (`pipeline.build_spec`), and what `trajectory.verify(execution=...)` replays under. `placement_value()` is the
@@ -95,8 +97,9 @@ class ExecutionPlan:
             from ..distributed import parallelize, placement_of
 
             if placement_of(model) is None:
-                parallelize(model, self.mesh, name=variant)
-            return model
+                if streaming.streamer_of(model) is not None:
+                    streaming.streamer_of(model).remove(restore=True)
+                parallelize(model, self.mesh, name=variant, weights_on_host=self.streamed)
         current = streaming.streamer_of(model)
         if self.streamed:
             plan = self.streaming_plan(model)
@@ -128,7 +131,8 @@ def check_plan(residency: str, gpu_memory: float | None = None, mesh: Any = None
             raise ValidationError(f"gpu_memory={gpu_memory!r}: a GPU memory budget needs residency='streamed' (the "
                                   f"blocks that do not fit stream), not {residency!r}")
         streaming.check_gpu_memory(gpu_memory)
-    if mesh is not None and residency == "streamed":
-        raise ValidationError("residency='streamed' with a device mesh: streamed blocks are not sharded (run "
-                              "streamed on one process, or tensor/context parallel resident)")
+    if mesh is not None and residency == "streamed" and mesh.topology.cp > 1:
+        raise ValidationError(f"residency='streamed' with cp={mesh.topology.cp}: every CP rank holds the whole TP "
+                              "shard, so each would pin its own host copy (no shared pinned arena exists); stream "
+                              "on a TP mesh (cp 1), or run context parallel resident")
     return residency

@@ -244,8 +244,9 @@ class ComponentStore:
         if self.mesh is not None and self.mesh.topology.tp > 1:  # each rank reads only its TP shard from the files
             from ..distributed.shard_load import load_sharded_transformer
 
-            model = load_sharded_transformer(self.path, self.mesh, subfolder=variant, device=self.device,
-                                             dtype_policy=self.dtype_policy)
+            model = load_sharded_transformer(self.path, self.mesh, subfolder=variant,
+                                             device="cpu" if streamed else self.device,
+                                             dtype_policy=self.dtype_policy)  # streamed: placed from host memory
             return self._place(model.requires_grad_(False), variant)
         model = H3Transformer.from_pretrained(self.path, subfolder=variant, device=None if streamed else self.device,
                                               dtype_policy=self.dtype_policy)

@@ -39,19 +39,27 @@ from .plan import CP_PLAN, TP_PLAN, PlanEntry, _full_shape, shard_parameters_, s
 
 
 def apply_plan(model: nn.Module, mesh: Mesh, tp_plan: Mapping[str, PlanEntry] = TP_PLAN,
-               cp_plan: Mapping[str, tuple] = CP_PLAN, *, name: str = "transformer") -> Placement:
+               cp_plan: Mapping[str, tuple] = CP_PLAN, *, name: str = "transformer",
+               weights_on_host: bool = False) -> Placement:
     """Apply `tp_plan` and `cp_plan` on `mesh.topology` to `model` (an `H3Transformer` on `mesh.device`) in place and
-    return its `Placement` (module docstring). Refused (one line): a model that is not an H3Transformer, one already
-    placed, a topology its widths do not admit, parameters off the mesh's device, a plan entry naming no module."""
+    return its `Placement` (module docstring). `weights_on_host`: the model may sit in host memory (the caller
+    streams its blocks right after, `ExecutionPlan.place`: each rank then pins only its shard). Refused (one line): a
+    model that is not an H3Transformer, one already placed, one whose blocks are streamed (parallelize first, then
+    stream), a topology its widths do not admit, parameters off the mesh's device, a plan entry naming no module."""
     if not all(hasattr(model, a) for a in ("config", "transformer_blocks", "hook_points", "norm_out")):
         raise DistributedError(f"parallelize: {type(model).__name__} is not an h3lab H3Transformer")
     if placement_of(model) is not None:
         raise DistributedError(f"parallelize: the model is already parallelized ({placement_of(model)!r})")
+    if model.__dict__.get("_h3lab_streamer") is not None:
+        raise DistributedError("parallelize: the model's blocks are streamed (sharding would replace the tensors the "
+                               "streamer packed); parallelize first, then stream")
     if not isinstance(mesh, Mesh):
         raise DistributedError(f"parallelize: mesh is a {type(mesh).__name__}; build it with init_mesh(tp=..., cp=...)")
     check_config(mesh.topology, model.config)
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     bad = [d for d in devices if d.type != mesh.device.type or (d.type == "cuda" and d != mesh.device)]
+    if weights_on_host:
+        bad = [d for d in bad if d.type != "cpu"]
     if bad:
         raise DistributedError(f"parallelize: the model is on {sorted(map(str, devices))}, the mesh's rank "
                                f"{mesh.rank} on {mesh.device}: move the model to its rank's device first")
@@ -85,9 +93,9 @@ def apply_plan(model: nn.Module, mesh: Mesh, tp_plan: Mapping[str, PlanEntry] = 
     return placement
 
 
-def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer") -> Placement:
+def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", weights_on_host: bool = False) -> Placement:
     """`apply_plan(model, mesh, TP_PLAN, CP_PLAN, name=name)`: the model's own plans on `mesh.topology`."""
-    return apply_plan(model, mesh, TP_PLAN, CP_PLAN, name=name)
+    return apply_plan(model, mesh, TP_PLAN, CP_PLAN, name=name, weights_on_host=weights_on_host)
 
 
 def remove_plan(model: nn.Module) -> None:
@@ -96,6 +104,9 @@ def remove_plan(model: nn.Module) -> None:
     placement = placement_of(model)
     if placement is None:
         raise DistributedError(f"remove_plan: the {type(model).__name__} has no placement (apply_plan first)")
+    if model.__dict__.get("_h3lab_streamer") is not None:
+        raise DistributedError("remove_plan: the model's blocks are streamed; stop streaming first "
+                               "(ExecutionPlan resident, or its streamer's remove(restore=True))")
     _remove(placement)
     if getattr(model, "h3lab_shard", None) is not None:
         del model.h3lab_shard  # the model holds its full weights again

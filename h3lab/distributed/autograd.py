@@ -257,14 +257,11 @@ def trainable_problem(model: nn.Module) -> str:
 
 
 def training_problem(placement: Any) -> str:
-    """Why a forward with grad cannot run on `placement` ("" when it can): CP and / or TP (`tp_autograd.py`), no SP,
-    no probe faults, no gradient checkpointing, every trainable parameter served (`trainable_problem`; under TP only
+    """Why a forward with grad cannot run on `placement` ("" when it can): CP and / or TP (`tp_autograd.py`), with or
+    without SP (its row cuts and gathers carry this module's row backward), no probe faults, no gradient checkpointing, every trainable parameter served (`trainable_problem`; under TP only
     LoRA factors, `tp_autograd.trainable_problem`)."""
     t = placement.topology
     name = t.name
-    if t.sp:
-        return (f"topology {name}: a sharded forward with sp is forward-only (SP's backward is not declared); run "
-                "it under torch.no_grad(), freeze the parameters, or train without sp")
     faults = getattr(placement, "faults", None)
     if faults is not None and faults.to_dict():
         return f"topology {name}: faults {faults.to_dict()} are forward-only probes; a training forward takes none"

@@ -24,7 +24,8 @@ What the interpretation (`Placement._install`) amounts to for the model's plans:
   padding row in any arithmetic, so a row's bytes do not depend on S mod cp.
 - SP (sp, needs tp > 1): inside a CP shard, the residual stream, the AdaLN pre-norms / modulations and the gated
   residuals run on the rank's SP rows (`RowShards` over the TP group); a pre-hook on `attn` and on `ff` gathers the
-  rows once for the column-parallel projections; the row-parallel layers return SP rows (`out_rows`: all_to_all).
+  rows once for the column-parallel projections; the row-parallel layers return SP rows (`out_rows`: all_to_all),
+  and so does a LoRA B on them (it runs on the CP shard's rows and keeps the rank's).
 - Every forward (root hooks on the model): the rank's `Frame` (its rows) is made current, the runtime placement
   (`runtime.use_placement`) and the hook view (`hooks.use_view`) are entered, a `CollectiveLog` is begun, and one
   `all_gather_object` over the world makes every rank agree before any work -- same mode, overrides, hooked points,
@@ -33,11 +34,11 @@ What the interpretation (`Placement._install`) amounts to for the model's plans:
   algorithm, fallback state: strict collectives never fall back).
 
 Strict rules: a forward on more than one rank runs in mode strict only (the row-parallel layers exist only as the
-declared tree; there is no production multi-rank path). With grad it runs on CP, TP and TP x CP meshes (no SP;
-`autograd.py`: the block-0 cut, the head gathers and the Ulysses exchanges carry their declared backward, and block
-projections with a trainable weight compute it over the gathered rows; `tp_autograd.py`: the TP layers' frozen base
-computes the one-process dX from the gathered dY and weight, LoRA factors stay whole, `tp_points`); SP forwards are
-forward-only. A rank whose rows are not
+declared tree; there is no production multi-rank path). With grad it runs on CP, TP and TP x CP meshes, with or
+without SP (`autograd.py`: the block-0 cuts (CP, then SP), the row gathers (SP, CP) and the Ulysses exchanges carry
+their declared backward, and block projections with a trainable weight compute it over the gathered rows;
+`tp_autograd.py`: the TP layers' frozen base computes the one-process dX from the gathered dY (its rows gathered
+first under SP) and weight, LoRA factors stay whole, `tp_points`). A rank whose rows are not
 the plan's (`OwnershipError`) makes the run non-comparable: every rank refuses it before computing.
 
 Hooks: a hook registered on the model sees, at every point it selects, the tensor one process has there (the view
@@ -256,7 +257,7 @@ class Placement:
                        "strict only (the row-parallel layers reduce by the declared 8-chunk tree; there is no "
                        "production multi-rank path)")
         elif self.world > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
-            problem = mesh_autograd.training_problem(self)  # CP training (autograd.py); TP / SP stay forward-only
+            problem = mesh_autograd.training_problem(self)  # autograd.py, tp_autograd.py
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] < 1:
             return None, problem or f"position_ids must be an (S, 3) tensor, got {type(position_ids).__name__}"
         try:
@@ -335,9 +336,6 @@ class Placement:
         frozen column- / row-parallel base computes the one-process dX in its backward. None: not a TP point."""
         base, _, factor = point.rpartition(".")
         if factor in ("lora_a", "lora_b") and base in self.tp_points:
-            if self.sp:
-                raise DistributedError(f"{point}: a LoRA adapter on topology {self.topology.name} is not served with "
-                                       "sp (the row-parallel output holds the rank's SP rows); run it without sp")
             kind, groups = self.tp_points[base]
             inner = self._linear(name, point, ops, frame)
             if kind == "col" and factor == "lora_b":
@@ -346,6 +344,11 @@ class Placement:
             if kind == "row" and factor == "lora_a":
                 return lambda x, weight, bias=None: inner(tp_autograd.full_columns(x, self.mesh, point), weight,
                                                           bias)
+            out_rows = self._out_rows(base, frame)
+            if kind == "row" and out_rows is not None:  # SP: the base returns the rank's SP rows; B runs on the
+                # CP shard's rows (replicated over TP) and keeps the rank's, its backward all-gathers their gradient
+                return lambda x, weight, bias=None: mesh_autograd.scatter_rows(
+                    inner(x, weight, bias), self.mesh, out_rows, frame.sp_part, point)
             return inner
         kind, groups = self.tp_points.get(point, ("", 0))
         if not torch.is_grad_enabled():  # a forward without grad serves the base layers as before
@@ -356,7 +359,8 @@ class Placement:
                 if not x.requires_grad:
                     return forward(x, weight, bias)
                 _frozen(point, weight, bias)
-                return tp_autograd.RowParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, point)
+                return tp_autograd.RowParallel.apply(x, weight, bias, forward, ops.mode, self.mesh, point,
+                                                     self._out_rows(point, frame))
 
             return row
         if kind == "col":
@@ -370,6 +374,12 @@ class Placement:
             return col
         return None
 
+    @staticmethod
+    def _out_rows(point: str, frame: Frame) -> RowShards | None:
+        """The rows a row-parallel layer at `point` returns: the rank's SP rows where its output joins the block
+        stack's stream (SP), else None (every row of the CP shard)."""
+        return frame.sp_rows if sharded_layout(point).rows == "sp" else None
+
     def _row_parallel(self, ops, point, frame: Frame, x, weight, bias):
         if not ops.fusable("linear_tree"):
             raise DistributedError(
@@ -379,7 +389,7 @@ class Placement:
         if ops.mode != "strict":
             raise DistributedError(f"{point}: the row-parallel linear_tree of topology {self.topology.name} runs in "
                                    f"mode strict only (mode {ops.mode!r})")
-        out_rows = frame.sp_rows if sharded_layout(point).rows == "sp" else None  # the block stack's stream rows
+        out_rows = self._out_rows(point, frame)
         strategy = self.topology.strategy
         ops.log_served("linear_tree", point, {
             "kernel_id": f"h3lab.distributed.row_parallel_tree[{strategy}]/h3kernels.gemm.tree",
@@ -474,18 +484,21 @@ class Placement:
         grad = torch.is_grad_enabled() and x.requires_grad
         shards = scatter_rows({"hidden_states": x.detach() if grad else x, **metadata}, self.mesh, frame.cp_rows,
                               point=point)
-        if grad:  # training (CP only): the cut's backward all-gathers the rows' gradients (autograd.py)
-            return mesh_autograd.scatter_rows(x, self.mesh, frame.cp_rows, frame.cp_part, point)
         if frame.sp_rows is not None:
             shards = scatter_rows(shards, self.mesh, frame.sp_rows, point=point)
+        if grad:  # training: each cut's backward all-gathers the rows' gradients, SP then CP (autograd.py)
+            x = mesh_autograd.scatter_rows(x, self.mesh, frame.cp_rows, frame.cp_part, point)
+            if frame.sp_rows is not None:
+                x = mesh_autograd.scatter_rows(x, self.mesh, frame.sp_rows, frame.sp_part, point)
+            return x
         return shards["hidden_states"].contiguous()  # a row slice of a batch > 1 is strided; kernels want rows
 
     def _apply_in(self, path: str, entry, value, frame: Frame, bound: Mapping[str, Any]):
         """One CP_PLAN entry on one input of module `path`."""
         if isinstance(entry, RowSplit):
             return self.cut(value, entry.rows, entry.dim, metadata=True)
-        if isinstance(entry, RowGather):
-            return gather_rows(value, self.mesh, frame.sp_rows, dim=entry.dim, point=path)
+        if isinstance(entry, RowGather):  # SP rows -> the CP shard's rows (backward: the rank's slice)
+            return self._gather_sp(value, frame, entry.dim, path)
         # StreamSplit: the packed rows, cut where they arrive whole, then checked
         if value.shape[1] == frame.seq_len:
             value = self.scatter(value, {entry.with_: bound[entry.with_]}, frame, path)
@@ -534,7 +547,7 @@ class Placement:
                     output = tuple(items)
                 else:  # RowGather of the output: SP rows, then CP rows
                     if frame.sp_rows is not None:
-                        output = gather_rows(output, self.mesh, frame.sp_rows, dim=entry.dim, point=path)
+                        output = self._gather_sp(output, frame, entry.dim, path)
                     if entry.to == "all" and self.cp > 1:
                         output = (mesh_autograd.gather_rows_grad(output, self.mesh, frame.cp_rows, frame.cp_part,
                                                                  point=path) if entry.dim == 1  # with its backward
@@ -542,6 +555,13 @@ class Placement:
             return output
 
         return module.register_forward_hook(hook)
+
+    def _gather_sp(self, t: torch.Tensor, frame: Frame, dim: int, point: str) -> torch.Tensor:
+        """The rank's SP rows -> every row of its CP shard; with grad (dim 1) the gather whose backward is the rank's
+        slice of the replicated gradient (`autograd.GatherRows` over the TP group), never a reduce-scatter."""
+        if dim == 1:
+            return mesh_autograd.gather_rows_grad(t, self.mesh, frame.sp_rows, frame.sp_part, point=point)
+        return gather_rows(t, self.mesh, frame.sp_rows, dim=dim, point=point)
 
     def _columns_post(self, path: str, groups: int):
         def hook(module, args, output):

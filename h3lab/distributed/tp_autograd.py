@@ -35,8 +35,15 @@ Costs (per backward, per column-parallel layer of N outputs over K, S rows on th
 ff.net.0.proj's 28,672 x 5,376 bf16 is 308 MB), and the full dX (S * N * K multiply-adds) on EVERY rank: TP splits
 the forward, not this backward's dX. The column-split form (rank j computes dX[:, K_j] from an all_to_all of weight
 blocks) is cheaper, but its bytes rest on the dX kernel being invariant to the output width K / tp, which the Narrow
-rule (chosen from the weight's shape) does not promise; it is left open. SP (the residual stream split over TP ranks)
-has no declared backward here: a training forward with sp is refused (`autograd.training_problem`).
+rule (chosen from the weight's shape) does not promise; it is left open.
+
+SP (the residual stream of a CP shard split over its TP ranks): the row-parallel layers whose output joins the
+stream return the rank's SP rows (`out_rows`), so `RowParallel`'s backward first all-gathers dY's rows over the TP
+group (rank order = the shard's row order; bytes only) and computes the same one-process dX on all of the shard's
+rows; a LoRA B of such a layer runs on all the shard's rows (replicated over TP) and keeps the rank's rows
+(`autograd.scatter_rows` over the SP shards: its backward is the all_gather of the rows' gradients). The SP cut at
+block 0 and the SP gathers before attention / the FFN and at the output carry `autograd.py`'s row backward (gather
+the gradient rows; take the rank's slice of a replicated gradient), never a reduce-scatter sum.
 """
 
 from __future__ import annotations
@@ -44,10 +51,10 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from .collectives import _all_gather, gather_columns
+from .collectives import _all_gather, gather_columns, gather_rows
 from .mesh import Mesh
 from .plan import is_lora_factor, plan_entry
-from .shards import cat_grouped, split_grouped
+from .shards import RowShards, cat_grouped, split_grouped
 
 TRAINABLE_STYLES = ("colwise_heads", "colwise_swiglu", "rowwise_tree", "replicated")
 
@@ -88,9 +95,11 @@ class RowParallel(torch.autograd.Function):
     dX from the replicated dY and the gathered weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, forward_op, mode: str, mesh: Mesh, point: str):
+    def forward(ctx, x, weight, bias, forward_op, mode: str, mesh: Mesh, point: str,
+                out_rows: RowShards | None = None):
         ctx.save_for_backward(weight)
         ctx.mode, ctx.mesh, ctx.point, ctx.dtype, ctx.k = mode, mesh, point, x.dtype, x.shape[-1]
+        ctx.out_rows = out_rows
         return forward_op(x, weight, bias)  # the placement's row_parallel_tree
 
     @staticmethod
@@ -99,11 +108,14 @@ class RowParallel(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             mesh = ctx.mesh
+            dy = dy.contiguous()
+            if ctx.out_rows is not None:  # SP: the rank's rows of dY -> every row of the CP shard (bytes only)
+                dy = gather_rows(dy, mesh, ctx.out_rows, dim=1, point=f"{ctx.point} (backward)")
             dim = -1 if mesh.topology.strategy == "k_chunks" else 0  # k_chunks: W (N, K/tp); n_split: W (N/tp, K)
             full = _dx(ctx.mode, dy, _full_weight(weight, mesh, dim, 1, ctx.point), ctx.dtype)
             r = mesh.local_rank("tp")
             dx = full.narrow(-1, r * ctx.k, ctx.k).contiguous()
-        return dx, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None
 
 
 class TakeColumns(torch.autograd.Function):

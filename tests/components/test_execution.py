@@ -31,7 +31,7 @@ def fake_mesh(tp=2, cp=1):
     (dict(residency="swapped"), "residency='swapped'"),
     (dict(residency="resident", gpu_memory=4), "needs residency='streamed'"),
     (dict(residency="streamed", gpu_memory=-1), "gpu_memory_gib=-1"),
-    (dict(residency="streamed", mesh=fake_mesh()), "streamed blocks are not sharded"),
+    (dict(residency="streamed", mesh=fake_mesh(cp=2)), "residency='streamed' with cp=2: every CP rank holds"),
 ])
 def test_bad_plans_fail_with_one_line(kwargs, message):
     with pytest.raises(ValidationError, match=message) as err:
