@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -18,8 +19,26 @@ NAMES = ["01_quickstart", "02_strict_vs_production", "03_ablation_matrix", "04_p
 CELL_TIMEOUT_S = 300
 
 
-def execute(name: str) -> nbformat.NotebookNode:
+def with_parameters(nb: nbformat.NotebookNode, parameters: dict[str, object]) -> nbformat.NotebookNode:
+    """`nb` with a cell assigning `parameters` inserted after its cell tagged "parameters" (papermill's convention:
+    the notebook's own defaults stay visible, the injected cell overrides them). Every name must be assigned in the
+    tagged cell, so a misspelt parameter fails instead of being ignored."""
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{len(tagged)} cells tagged 'parameters' (need exactly one)"
+    declared = nb.cells[tagged[0]].source
+    for key in parameters:
+        assert re.search(rf"^{re.escape(key)} = ", declared, re.M), f"{key!r} is not a parameter of this notebook"
+    source = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(tagged[0] + 1, cell)
+    return nb
+
+
+def execute(name: str, **parameters: object) -> nbformat.NotebookNode:
+    """Run notebook `name` top to bottom in a fresh kernel; `parameters` override its "parameters" cell."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    if parameters:
+        nb = with_parameters(nb, parameters)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()  # raises CellExecutionError naming the cell on any error
