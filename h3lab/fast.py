@@ -17,8 +17,12 @@ linear, linear_tree   a bfloat16 weight (N, K) with K and N multiples of 16 and 
                       float32 weights (the released float32 modules: time embedder, AdaLN input side, heads) run
                       F.linear in float32, exactly as `off`; a bfloat16 projection whose K or N is not a multiple of
                       16 runs F.linear in bfloat16 (trace kernel_id `fast.bf16.linear`).
-attention             F.scaled_dot_product_attention with cuDNN first (then flash, memory-efficient): the `off` call
-                      with the faster backend.
+attention             `use_fp8_attention("auto")` (default): `h3kernels.fp8_attention.attention_fp8` (e4m3 Q/K/P/V,
+                      per-block scales, float32 softmax, bfloat16 out) for head_dim 128 at FP8_ATTENTION_MIN_ROWS
+                      rows or more, where it measured faster than cuDNN on the H200 (benchmarks/results/
+                      fp8_attention_sweep.json); else F.scaled_dot_product_attention with cuDNN first (then flash,
+                      memory-efficient): the `off` call with the faster backend. "on" takes the FP8 kernel for every
+                      head_dim it supports, "off" never.
 norm_modulate, swiglu  fused FP8 producers (`h3kernels.fp8_fused`, bfloat16 rows that fit one program): the op's
                       bfloat16 output (float32 arithmetic, one rounding) and its e4m3 row codes and scales in one
                       launch, kept in `ROWS` for the projection that reads the output. `use_fused_producers(False)`
@@ -63,6 +67,7 @@ _LINEAR_INFO = {"kernel_id": "fast.fp8_e4m3.scaled_mm.rowwise", "tile": "cutlass
 _BF16_INFO = {"kernel_id": "fast.bf16.linear", "tile": "", "acc_dtype": "torch-default"}
 _FP32_INFO = {"kernel_id": "fast.fp32.linear", "tile": "", "acc_dtype": "float32"}
 _ATTN_INFO = {"kernel_id": "fast.sdpa.cudnn", "tile": "cudnn > flash > efficient", "acc_dtype": "float32"}
+_FP8_ATTN_INFO = {"kernel_id": "fast.fp8_e4m3.attention", "tile": "per-block scales, P e4m3", "acc_dtype": "float32"}
 _TORCH_INFO = {"kernel_id": "fast.torch", "tile": "", "acc_dtype": "torch-default"}
 _NORM_MOD_INFO = {"kernel_id": "fast.fused.norm_modulate_e4m3", "tile": "one row per program",
                   "acc_dtype": "float32"}
@@ -101,9 +106,26 @@ def use_fused_producers(enabled: bool):
     return switch(_fused, enabled, "use_fused_producers")
 
 
+FP8_ATTENTION_CHOICES = ("auto", "on", "off")
+FP8_ATTENTION_MIN_ROWS = 0  # "auto": the FP8 kernel from this many rows on (the H200 crossover, see the contract)
+_fp8_attention: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_fast_fp8_attention", default="auto")
+
+
+@contextlib.contextmanager
+def use_fp8_attention(choice: str) -> Iterator[None]:
+    """"auto" (default: the FP8 attention kernel where it measured faster), "on" or "off" (cuDNN bf16 SDPA)."""
+    if choice not in FP8_ATTENTION_CHOICES:
+        raise ValueError(f"use_fp8_attention({choice!r}): must be one of {', '.join(FP8_ATTENTION_CHOICES)}")
+    token = _fp8_attention.set(choice)
+    try:
+        yield
+    finally:
+        _fp8_attention.reset(token)
+
+
 def graph_key() -> tuple:
     """The fast-mode switches a captured forward depends on (`h3lab.fast_graph` keys its graphs with them)."""
-    return (_fused.get(), _emulated.get())
+    return (_fused.get(), _emulated.get(), _fp8_attention.get())
 
 
 def emulated() -> bool:
@@ -278,6 +300,24 @@ def _attention(q, k, v, key_order=None):
     return out.permute(0, 2, 1, 3)
 
 
+def _attention_fp8(q, k, v, key_order=None):
+    from h3kernels.fp8_attention import attention_fp8
+
+    return attention_fp8(q, k, v, key_order)
+
+
+def _fp8_attention_wanted(args: tuple) -> bool:
+    from h3kernels.fp8_attention import HEAD_DIMS
+
+    choice = _fp8_attention.get()
+    q = args[0] if args else None
+    if choice == "off" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype != torch.bfloat16:
+        return False
+    if choice == "on":
+        return q.shape[-1] in HEAD_DIMS
+    return q.shape[-1] == 128 and q.shape[1] >= FP8_ATTENTION_MIN_ROWS
+
+
 def _tensors(args: tuple, kwargs: dict):
     for a in args + tuple(kwargs.values()):
         for t in a if isinstance(a, (tuple, list)) else (a,):
@@ -324,7 +364,9 @@ def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Calla
             return (_EMULATED_INFO, linear_reference) if _emulated.get() else (_LINEAR_INFO, _fp8_linear)
         return _BF16_INFO, REFERENCE_OPS[name]
     if name == "attention":
-        return (_TORCH_INFO, REFERENCE_OPS[name]) if _emulated.get() else (_ATTN_INFO, _attention)
+        if _emulated.get():
+            return _TORCH_INFO, REFERENCE_OPS[name]
+        return (_FP8_ATTN_INFO, _attention_fp8) if _fp8_attention_wanted(args) else (_ATTN_INFO, _attention)
     if not _emulated.get() and _fused.get():
         x = args[0] if args else None
         if name == "norm_modulate" and isinstance(x, torch.Tensor) and x.dim() == 3 and _fusable_rows(x, x.shape[-1]) \
