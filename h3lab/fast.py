@@ -27,6 +27,9 @@ norm_modulate, swiglu  fused FP8 producers (`h3kernels.fp8_fused`, bfloat16 rows
                       bfloat16 output (float32 arithmetic, one rounding) and its e4m3 row codes and scales in one
                       launch, kept in `ROWS` for the projection that reads the output. `use_fused_producers(False)`
                       turns both the fusion and the shared codes off (the reference ops and one quantiser a call).
+rms_norm, rope        on (B, S, H, D) bfloat16 heads (the Q/K norm and RoPE): `h3kernels.fast_qk` (one launch each, float32
+                      arithmetic, one bfloat16 rounding; torch's ops took ~8 launches for a RoPE); off with
+                      `use_fused_producers(False)`.
 every other op        the reference torch op (`off`).
 CUDA graphs           `H3Transformer.forward` runs a fast forward through `h3lab.fast_graph` (capture on a
                       signature's second call, replays after; the eager forward otherwise): see that module.
@@ -72,6 +75,8 @@ _TORCH_INFO = {"kernel_id": "fast.torch", "tile": "", "acc_dtype": "torch-defaul
 _NORM_MOD_INFO = {"kernel_id": "fast.fused.norm_modulate_e4m3", "tile": "one row per program",
                   "acc_dtype": "float32"}
 _SWIGLU_INFO = {"kernel_id": "fast.fused.swiglu_e4m3", "tile": "one row per program", "acc_dtype": "float32"}
+_HEAD_NORM_INFO = {"kernel_id": "fast.fused.head_rms_norm", "tile": "8 heads per program", "acc_dtype": "float32"}
+_ROPE_INFO = {"kernel_id": "fast.fused.rope", "tile": "8 heads per program", "acc_dtype": "float32"}
 _EMULATED_INFO = {"kernel_id": "fast.emulated.fp8_e4m3", "tile": "float32 emulation", "acc_dtype": "float32"}
 _emulated: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_emulated", default=False)
 
@@ -107,7 +112,9 @@ def use_fused_producers(enabled: bool):
 
 
 FP8_ATTENTION_CHOICES = ("auto", "on", "off")
-FP8_ATTENTION_MIN_ROWS = 0  # "auto": the FP8 kernel from this many rows on (the H200 crossover, see the contract)
+# "auto": the FP8 kernel from this many rows on. H200, fp8_attention_sweep.json (56 x 128 heads, quantisation included):
+# 0.73x cuDNN at 2,066 rows, 1.05x at 7,272, 1.12x at 37,853
+FP8_ATTENTION_MIN_ROWS = 7000
 _fp8_attention: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_fast_fp8_attention", default="auto")
 
 
@@ -300,6 +307,22 @@ def _attention(q, k, v, key_order=None):
     return out.permute(0, 2, 1, 3)
 
 
+def _heads4(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+
+
+def _head_rms_norm(x, weight, eps):
+    from h3kernels.fast_qk import head_rms_norm
+
+    return head_rms_norm(x, weight, eps)
+
+
+def _rope(x, cos, sin):
+    from h3kernels.fast_qk import rope
+
+    return rope(x, cos, sin)
+
+
 def _attention_fp8(q, k, v, key_order=None):
     from h3kernels.fp8_attention import attention_fp8
 
@@ -369,6 +392,8 @@ def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Calla
         return (_FP8_ATTN_INFO, _attention_fp8) if _fp8_attention_wanted(args) else (_ATTN_INFO, _attention)
     if not _emulated.get() and _fused.get():
         x = args[0] if args else None
+        if name in ("rms_norm", "rope") and _heads4(x):
+            return (_HEAD_NORM_INFO, _head_rms_norm) if name == "rms_norm" else (_ROPE_INFO, _rope)
         if name == "norm_modulate" and isinstance(x, torch.Tensor) and x.dim() == 3 and _fusable_rows(x, x.shape[-1]) \
                 and all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in args[3:5]):
             return _NORM_MOD_INFO, _norm_modulate

@@ -45,8 +45,9 @@ from .fp8_quant import AMAX_FLOOR, FP8_MAX, e4m3_code, row_scale, scaled_code
 HEAD_DIMS = (32, 64, 128)
 P_SCALE = 256.0
 LOG2E = 1.4426950408889634
-# launch defaults for the H200 (benchmarks/fp8_attention_sweep.py measured them; see README "fast")
-CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+# launch defaults for the H200 (the fastest of six in
+# benchmarks/results/fp8_attention_sweep.json at 2,066 / 7,272 / 37,853 rows)
+CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 
 
 def _interpreted() -> bool:
