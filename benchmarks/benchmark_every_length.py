@@ -156,10 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"built in {t1 - t0:.1f}s; fast.prepare quantised {prepared} weights in {time.time() - t1:.1f}s", flush=True)
 
     def h3(model, mode, inputs):
-        """mode: off | strict | fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers)."""
+        """mode: off | strict | fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers) |
+        fast-cudnn (cuDNN bf16 attention instead of the FP8 kernel)."""
         base = mode.split("-")[0]
         with runtime.use_mode(base), torch.no_grad(), emulate() if base == "fast" else contextlib.nullcontext(), \
-                fast_graph.use_graphs(mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"):
+                fast_graph.use_graphs(mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"), \
+                fast.use_fp8_attention("off" if mode == "fast-cudnn" else "auto"):
             return model(**inputs)
 
     def dif(model, inputs):
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
             for impl, fn in fns.items():  # warm-up (compilation, FP8 weights of a truncated model; graphs: capture)
                 try:
                     outs[impl] = fn()
-                    if impl in ("h3lab-fast", "h3lab-fast-unfused"):  # the signature's second call captures
+                    if impl in ("h3lab-fast", "h3lab-fast-unfused", "h3lab-fast-cudnn"):  # second call captures
                         sync(device)
                         start = time.perf_counter()
                         outs[impl] = fn()

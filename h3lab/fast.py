@@ -17,12 +17,19 @@ linear, linear_tree   a bfloat16 weight (N, K) with K and N multiples of 16 and 
                       float32 weights (the released float32 modules: time embedder, AdaLN input side, heads) run
                       F.linear in float32, exactly as `off`; a bfloat16 projection whose K or N is not a multiple of
                       16 runs F.linear in bfloat16 (trace kernel_id `fast.bf16.linear`).
-attention             F.scaled_dot_product_attention with cuDNN first (then flash, memory-efficient): the `off` call
-                      with the faster backend.
+attention             `use_fp8_attention("auto")` (default): `h3kernels.fp8_attention.attention_fp8` (e4m3 Q/K/P/V,
+                      per-block scales, float32 softmax, bfloat16 out) for head_dim 128 at FP8_ATTENTION_MIN_ROWS
+                      rows or more, where it measured faster than cuDNN on the H200 (benchmarks/results/
+                      fp8_attention_sweep.json); else F.scaled_dot_product_attention with cuDNN first (then flash,
+                      memory-efficient): the `off` call with the faster backend. "on" takes the FP8 kernel for every
+                      head_dim it supports, "off" never.
 norm_modulate, swiglu  fused FP8 producers (`h3kernels.fp8_fused`, bfloat16 rows that fit one program): the op's
                       bfloat16 output (float32 arithmetic, one rounding) and its e4m3 row codes and scales in one
                       launch, kept in `ROWS` for the projection that reads the output. `use_fused_producers(False)`
                       turns both the fusion and the shared codes off (the reference ops and one quantiser a call).
+rms_norm, rope        on (B, S, H, D) bfloat16 heads (the Q/K norm and RoPE): `h3kernels.fast_qk` (one launch each, float32
+                      arithmetic, one bfloat16 rounding; torch's ops took ~8 launches for a RoPE); off with
+                      `use_fused_producers(False)`.
 every other op        the reference torch op (`off`).
 CUDA graphs           `H3Transformer.forward` runs a fast forward through `h3lab.fast_graph` (capture on a
                       signature's second call, replays after; the eager forward otherwise): see that module.
@@ -63,10 +70,13 @@ _LINEAR_INFO = {"kernel_id": "fast.fp8_e4m3.scaled_mm.rowwise", "tile": "cutlass
 _BF16_INFO = {"kernel_id": "fast.bf16.linear", "tile": "", "acc_dtype": "torch-default"}
 _FP32_INFO = {"kernel_id": "fast.fp32.linear", "tile": "", "acc_dtype": "float32"}
 _ATTN_INFO = {"kernel_id": "fast.sdpa.cudnn", "tile": "cudnn > flash > efficient", "acc_dtype": "float32"}
+_FP8_ATTN_INFO = {"kernel_id": "fast.fp8_e4m3.attention", "tile": "per-block scales, P e4m3", "acc_dtype": "float32"}
 _TORCH_INFO = {"kernel_id": "fast.torch", "tile": "", "acc_dtype": "torch-default"}
 _NORM_MOD_INFO = {"kernel_id": "fast.fused.norm_modulate_e4m3", "tile": "one row per program",
                   "acc_dtype": "float32"}
 _SWIGLU_INFO = {"kernel_id": "fast.fused.swiglu_e4m3", "tile": "one row per program", "acc_dtype": "float32"}
+_HEAD_NORM_INFO = {"kernel_id": "fast.fused.head_rms_norm", "tile": "8 heads per program", "acc_dtype": "float32"}
+_ROPE_INFO = {"kernel_id": "fast.fused.rope", "tile": "8 heads per program", "acc_dtype": "float32"}
 _EMULATED_INFO = {"kernel_id": "fast.emulated.fp8_e4m3", "tile": "float32 emulation", "acc_dtype": "float32"}
 _emulated: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_emulated", default=False)
 
@@ -101,9 +111,28 @@ def use_fused_producers(enabled: bool):
     return switch(_fused, enabled, "use_fused_producers")
 
 
+FP8_ATTENTION_CHOICES = ("auto", "on", "off")
+# "auto": the FP8 kernel from this many rows on. H200, fp8_attention_sweep.json (56 x 128 heads, quantisation included):
+# 0.73x cuDNN at 2,066 rows, 1.05x at 7,272, 1.12x at 37,853
+FP8_ATTENTION_MIN_ROWS = 7000
+_fp8_attention: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_fast_fp8_attention", default="auto")
+
+
+@contextlib.contextmanager
+def use_fp8_attention(choice: str) -> Iterator[None]:
+    """"auto" (default: the FP8 attention kernel where it measured faster), "on" or "off" (cuDNN bf16 SDPA)."""
+    if choice not in FP8_ATTENTION_CHOICES:
+        raise ValueError(f"use_fp8_attention({choice!r}): must be one of {', '.join(FP8_ATTENTION_CHOICES)}")
+    token = _fp8_attention.set(choice)
+    try:
+        yield
+    finally:
+        _fp8_attention.reset(token)
+
+
 def graph_key() -> tuple:
     """The fast-mode switches a captured forward depends on (`h3lab.fast_graph` keys its graphs with them)."""
-    return (_fused.get(), _emulated.get())
+    return (_fused.get(), _emulated.get(), _fp8_attention.get())
 
 
 def emulated() -> bool:
@@ -278,6 +307,40 @@ def _attention(q, k, v, key_order=None):
     return out.permute(0, 2, 1, 3)
 
 
+def _heads4(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+
+
+def _head_rms_norm(x, weight, eps):
+    from h3kernels.fast_qk import head_rms_norm
+
+    return head_rms_norm(x, weight, eps)
+
+
+def _rope(x, cos, sin):
+    from h3kernels.fast_qk import rope
+
+    return rope(x, cos, sin)
+
+
+def _attention_fp8(q, k, v, key_order=None):
+    from h3kernels.fp8_attention import attention_fp8
+
+    return attention_fp8(q, k, v, key_order)
+
+
+def _fp8_attention_wanted(args: tuple) -> bool:
+    from h3kernels.fp8_attention import HEAD_DIMS
+
+    choice = _fp8_attention.get()
+    q = args[0] if args else None
+    if choice == "off" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype != torch.bfloat16:
+        return False
+    if choice == "on":
+        return q.shape[-1] in HEAD_DIMS
+    return q.shape[-1] == 128 and q.shape[1] >= FP8_ATTENTION_MIN_ROWS
+
+
 def _tensors(args: tuple, kwargs: dict):
     for a in args + tuple(kwargs.values()):
         for t in a if isinstance(a, (tuple, list)) else (a,):
@@ -324,9 +387,13 @@ def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Calla
             return (_EMULATED_INFO, linear_reference) if _emulated.get() else (_LINEAR_INFO, _fp8_linear)
         return _BF16_INFO, REFERENCE_OPS[name]
     if name == "attention":
-        return (_TORCH_INFO, REFERENCE_OPS[name]) if _emulated.get() else (_ATTN_INFO, _attention)
+        if _emulated.get():
+            return _TORCH_INFO, REFERENCE_OPS[name]
+        return (_FP8_ATTN_INFO, _attention_fp8) if _fp8_attention_wanted(args) else (_ATTN_INFO, _attention)
     if not _emulated.get() and _fused.get():
         x = args[0] if args else None
+        if name in ("rms_norm", "rope") and _heads4(x):
+            return (_HEAD_NORM_INFO, _head_rms_norm) if name == "rms_norm" else (_ROPE_INFO, _rope)
         if name == "norm_modulate" and isinstance(x, torch.Tensor) and x.dim() == 3 and _fusable_rows(x, x.shape[-1]) \
                 and all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in args[3:5]):
             return _NORM_MOD_INFO, _norm_modulate

@@ -90,3 +90,21 @@ def test_require_not_fast():
     assert str(info.value).startswith("an RL rollout needs the strict contract") and "\n" not in str(info.value)
     with pytest.raises(runtime.FastModeError):
         runtime.require_not_fast("a rollout", mode="fast")
+
+
+def test_fp8_attention_choice_and_its_refusal():
+    q = torch.zeros(1, fast.FP8_ATTENTION_MIN_ROWS, 2, 128, dtype=torch.bfloat16)
+    short, small_d = q[:, :64], torch.zeros(1, 8000, 2, 64, dtype=torch.bfloat16)
+    assert fast._fp8_attention_wanted((q,)) and not fast._fp8_attention_wanted((short,))  # "auto": the crossover
+    assert not fast._fp8_attention_wanted((small_d,))  # auto: head_dim 128 only (the measured case)
+    with fast.use_fp8_attention("on"):
+        assert fast._fp8_attention_wanted((short,)) and fast._fp8_attention_wanted((small_d,))
+        assert not fast._fp8_attention_wanted((torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16),))  # unsupported D
+        key_on = fast.graph_key()
+    with fast.use_fp8_attention("off"):
+        assert not fast._fp8_attention_wanted((q,))
+        assert fast.graph_key() != key_on  # a captured forward never serves another attention choice
+    with pytest.raises(ValueError) as info:
+        with fast.use_fp8_attention("yes"):
+            pass
+    assert "must be one of auto, on, off" in str(info.value) and "\n" not in str(info.value)
