@@ -21,7 +21,9 @@ Digests of different schemes are not comparable; whatever records one records it
 
 `model_fingerprint(model)` is the checkpoint identity a run records (the loader's fingerprint, else a cached digest
 of every weight). `json_sha256(obj)` is SHA-256 of sorted-key, compact JSON: the identity of a JSON description.
-`digest_mismatch(tensors, expected)` checks sealed tensors against their recorded SHA-256.
+`digest_mismatch(tensors, expected)` checks sealed tensors against their recorded SHA-256. `key_seed(key)` is the
+63-bit seed the training rooms derive from a text key: the first 8 bytes of SHA-256(key) read little-endian, shifted
+right by one bit.
 
 This module imports nothing of h3lab but its errors (and, lazily, the `h3kernels.digest` kernel).
 """
@@ -112,6 +114,11 @@ def digest_mismatch(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, 
         if tensor_digest(tensors[name], "sha256") != digest:
             return f"tensor {name!r} does not match its recorded sha256"
     return None
+
+
+def key_seed(key: str) -> int:
+    """63 bits of SHA-256 of `key` (module docstring): `int.from_bytes(sha256(key)[:8], "little") >> 1`."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 def json_sha256(obj: Any) -> str:

@@ -28,7 +28,6 @@ Contract (formulas from Flow-GRPO / DanceGRPO / MixGRPO, `shared/reference/rl_an
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from ..hashing import key_seed
 from .objective import TrainingError
 
 ADVANTAGE_EPS = 1e-4
@@ -116,8 +116,7 @@ def reference_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor |
 # ========================================================================================= pass selection
 def selection_seed(seed: int, iteration: int, request: int) -> int:
     """63 bits of SHA-256 of `h3lab-grpo-passes|seed|iteration|request`."""
-    digest = hashlib.sha256(f"h3lab-grpo-passes|{seed}|{iteration}|{request}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return key_seed(f"h3lab-grpo-passes|{seed}|{iteration}|{request}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from the same seeds, so the finished run's records equal an uninterrupted run's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..hashing import key_seed
 from ..io_utils import atomic_write_json
 from .grpo_report import reward_samples
 from .grpo_run import GrpoRun, grpo_train
@@ -53,8 +53,7 @@ CHECKPOINT = "checkpoint"
 
 def rollout_seed(seed: int, iteration: int) -> int:
     """63 bits of SHA-256 of `h3lab-grpo-rollout|seed|iteration`: the rollout seed of iteration k."""
-    digest = hashlib.sha256(f"h3lab-grpo-rollout|{seed}|{iteration}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return key_seed(f"h3lab-grpo-rollout|{seed}|{iteration}")
 
 
 def read_prompts(path: str | os.PathLike) -> list[str]:

@@ -63,7 +63,7 @@ from torch import nn
 
 from .. import runtime
 from ..artifact import MANIFEST, SealedArtifact, code_provenance, stored_mismatch
-from ..hashing import tensor_digest
+from ..hashing import key_seed, tensor_digest
 from ..layout import PackedLayout
 from ..trajectory import TraceSummary
 from .data_parallel import data_parallel_gradients
@@ -130,8 +130,7 @@ def step_batch(config: TrainConfig, step: int, dataset_size: int) -> list[int]:
 
 def request_seed(run_seed: int, step: int, index: int) -> int:
     """The seed of dataset request `index` at step `step` of a run seeded `run_seed` (63 bits of SHA-256)."""
-    digest = hashlib.sha256(f"h3lab-train-seed|{run_seed}|{step}|{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return key_seed(f"h3lab-train-seed|{run_seed}|{step}|{index}")
 
 
 # ================================================================================================= dataset

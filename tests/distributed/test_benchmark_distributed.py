@@ -1,7 +1,10 @@
-"""CPU smoke of benchmarks/benchmark_distributed.py (the GPU script the lead runs): tiny config, one block, one timed
-forward, under the interpreter -- on 2 gloo ranks (tp2: the multi-GPU path) and in one process (tp1 through the
-distributed code path beside plain strict: the single-H200 run). Timings are not checked, only the schema, the byte
-equality with TP1 and that communication was timed apart from compute."""
+"""CPU smoke of benchmarks/benchmark_distributed.py (the GPU script the lead runs): tiny config, its two refiner blocks
+and no transformer block (`--layers 0`: the script's path -- parallelize, the timed and the communication-timed
+forwards, byte equality, the schema -- is the same for any block count, and the blocks' TP / CP / SP bytes are
+test_model_parallel.py's and test_shard_load.py's), one timed forward, under the interpreter -- on 2 gloo ranks (tp2:
+the multi-GPU path) and in one process (tp1 through the distributed code path beside plain strict: the single-H200
+run). Timings are not checked, only the schema, the byte equality with TP1 and that communication was timed apart
+from compute."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 from harness import run_ranks
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-ARGS = ["--tiny", "--layers", "1", "--runs", "1"]
+ARGS = ["--tiny", "--layers", "0", "--runs", "1"]
 SCHEMA = {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"}
 
 
@@ -40,8 +43,8 @@ def test_two_gloo_ranks(tmp_path):
     doc = json.loads(out.read_text())
     placed = _check(doc, "tp2", 2)
     assert placed["comm_median_s"] > 0 and placed["compute_median_s"] > 0
-    # O-proj and FFN down of the tiny config's 2 refiner blocks and 1 block (--layers 1)
-    assert placed["collectives"]["row_parallel_tree"] == {"all_gather + tree": 6}
+    # O-proj and FFN down of the tiny config's 2 refiner blocks (--layers 0)
+    assert placed["collectives"]["row_parallel_tree"] == {"all_gather + tree": 4}
     assert [r["skipped"] for r in doc["results"] if r["topology"] == "tp2xcp2"] == [
         "world size 4 != launch world size 2"]
 

@@ -5,10 +5,11 @@ equals its own batch-1 forward); batch position (a request at position 0 and at 
 item; a consistent permutation of the packed rows with all their metadata (`layout.permute(perm)` + `key_order`),
 where the selected outputs are byte-equal and every hook-captured packed-row intermediate equals the canonical one
 after the inverse permutation; gradient checkpointing on vs off (outputs and every gradient); a training-mode,
-grad-enabled forward vs a no-grad forward. Two strict backward passes give identical gradients for every parameter
-and input. Accuracy: against a float64 truth (the same weights upcast, `off` mode), the strict error of each output,
-and of every parameter and input gradient, is at most ~2x the error of the torch (`off`) path in the same dtype
-policy (`strict_testing.assert_error_within`: factor 2 plus a floor of 4 float32 ulps of the truth's norm).
+grad-enabled forward vs a no-grad forward. Two strict backward passes (the second checkpointed) give identical
+gradients for every parameter and input. Accuracy: against a float64 truth (the same weights upcast, `off` mode), the
+strict error of each output, and of every parameter and input gradient, is at most ~2x the error of the torch (`off`)
+path in the same dtype policy (`strict_testing.assert_error_within`: factor 2 plus a floor of 4 float32 ulps of the
+truth's norm).
 
 Cases: `tiny` and `h3d8` (hidden != attention inner width, both ways), layouts t2va / fl2va (first + last) / ref2va
 (image + video with soundtrack + audio references) from `build_layout`, released (bf16 + float32 modules) and
@@ -184,40 +185,37 @@ class GradRuns:
     model: H3Transformer
     kwargs: dict
     first: tuple
-    second: tuple
     checkpointed: tuple
     no_grad: tuple
 
 
 @pytest.fixture(scope="module", params=GRAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
 def grad_runs(request) -> GradRuns:
-    """Batch-2 strict forward+backward three times (twice plain, once checkpointed) in training mode, and the same
-    batch as a no-grad eval forward."""
+    """Batch-2 strict forward+backward twice (plain, then checkpointed: the repeat, which recomputes the forward too)
+    in training mode, and the same batch as a no-grad eval forward."""
     name, policy, task, seed = request.param
     config = CONFIGS[name]
     model = build_model(config, policy, seed)
     layout = make_layout(task, config.patch_size)
     kwargs = forward_kwargs(layout, [make_request(config, layout, s) for s in REQUEST_SEEDS[:2]])
     first = forward_backward(model, kwargs)
-    second = forward_backward(model, kwargs)
     model.gradient_checkpointing = True
     try:
         checkpointed = forward_backward(model, kwargs)
     finally:
         model.gradient_checkpointing = False
     no_grad, _ = strict_forward(model, kwargs)
-    return GradRuns(f"{name}-{policy}-{task}", model, kwargs, first, second, checkpointed, no_grad)
+    return GradRuns(f"{name}-{policy}-{task}", model, kwargs, first, checkpointed, no_grad)
 
 
 def test_backward_is_deterministic(grad_runs):
-    (out1, grads1), (out2, grads2) = grad_runs.first, grad_runs.second
-    assert_same(out1, out2, f"{grad_runs.name} repeat of the grad-enabled forward")
-    assert grads1.keys() == grads2.keys()
+    """Every gradient finite and non-zero; the second strict backward of the batch is the checkpointed one (its
+    bytes equal the first's: `test_checkpointing_on_off`), so a backward that varied between runs fails there."""
+    grads1 = grad_runs.first[1]
     assert {"input:hidden_states", "input:audio_hidden_states", "input:encoder_hidden_states"} <= grads1.keys()
     for key in grads1:
         g = grads1[key]
         assert torch.isfinite(g).all() and g.abs().max() > 0, f"{grad_runs.name}: gradient {key} is zero or not finite"
-        assert torch.equal(g, grads2[key]), f"{grad_runs.name}: gradient {key} differs between two strict backwards"
 
 
 def test_checkpointing_on_off(grad_runs):

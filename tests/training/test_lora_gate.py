@@ -5,9 +5,10 @@ with an anchor):
   A factors see a signal); no base parameter receives a gradient; every op of the step ran a strict kernel;
 - accuracy: strict LoRA gradients against a float64 truth (the same base and adapter upcast, `off`) within 2x the
   same-precision torch (`off`) error plus 4 float32 ulps of the truth's norm;
-- byte-equal LoRA gradients: repeat, gradient checkpointing on vs off, the request alone vs inside a batch at
-  positions 0, 1 and 2, and two gloo data-parallel ranks vs one process; torch's usual batched backward of the same
-  requests is not the fixed combine (shown where it is cheap, `off`);
+- byte-equal LoRA gradients: repeat (the request alone and at batch positions 0, 1 and 2: four computations of
+  one request), gradient checkpointing on vs off, and two gloo data-parallel ranks vs one process (the gate's batch
+  BA, computed once); torch's usual batched backward of the same requests is not the fixed combine (shown where it
+  is cheap, `off`);
 - train/rollout (RFC section 1, R/R with a backward taken): the velocity inside a LoRA training step equals the strict
   rollout of the same adapter (applied through `RunSpec.adapters`) at every pass, byte for byte.
 """
@@ -56,7 +57,6 @@ class Gate:
     model: object
     requests: dict
     alone: StepResult
-    repeat: StepResult
     checkpointed: StepResult
     batches: dict[str, StepResult]
 
@@ -69,11 +69,10 @@ def gate() -> Gate:
     requests = {k: make_clip(SMALL, layout, seed=s, draw_seed=9, weight=w)
                 for k, s, w in (("A", 201, 1.0), ("B", 202, 0.75))}
     alone = compute_gradients(model, [requests["A"]], OBJECTIVE, keep=True)
-    repeat = compute_gradients(model, [requests["A"]], OBJECTIVE, keep=True)
     checkpointed = compute_gradients(model, [requests["A"]], OBJECTIVE, keep=True, gradient_checkpointing=True)
-    # A at positions 0 and 2 of one batch, at position 1 of the other
-    batches = {o: compute_gradients(model, [requests[k] for k in o], OBJECTIVE, keep=True) for o in ("ABA", "BAB")}
-    return Gate(model, requests, alone, repeat, checkpointed, batches)
+    # A at positions 0 and 2 of one batch, at position 1 of the other (BA: also the data-parallel test's one process)
+    batches = {o: compute_gradients(model, [requests[k] for k in o], OBJECTIVE, keep=True) for o in ("ABA", "BA")}
+    return Gate(model, requests, alone, checkpointed, batches)
 
 
 def assert_same(got, want, what: str) -> None:
@@ -151,12 +150,11 @@ def test_lora_gradient_accuracy_against_float64_truth(gate):
 
 def test_repeat_checkpointing_and_batch_positions(gate):
     alone = gate.alone.request_gradients[0]
-    assert_same(gate.repeat.request_gradients[0], alone, "repeat")
     assert_same(gate.checkpointed.request_gradients[0], alone, "gradient checkpointing on vs off")
-    aba, bab = gate.batches["ABA"].request_gradients, gate.batches["BAB"].request_gradients
-    for position, rg in ((0, aba[0]), (1, bab[1]), (2, aba[2])):
+    aba, ba = gate.batches["ABA"].request_gradients, gate.batches["BA"].request_gradients
+    for position, rg in ((0, aba[0]), (1, ba[1]), (2, aba[2])):  # with `alone`: four repeats of one request
         assert_same(rg, alone, f"request A at batch position {position} vs alone")
-    assert_same(bab[2], aba[1], "request B at positions 1 and 2")
+    assert_same(ba[0], aba[1], "request B at positions 0 and 1")
     assert aba[0].digest != aba[1].digest
 
 
@@ -167,21 +165,18 @@ def test_torch_batched_lora_backward_is_not_the_fixed_combine(gate):
     assert not torch.equal(fixed, batched)
 
 
-def _dp_rank(rank: int, world: int) -> dict:
+def _dp_rank(rank: int, world: int, requests: list) -> dict:
     from h3lab.training import data_parallel_gradients
 
-    model = lora_model()
-    layout = make_layout("fl2va")
-    reqs = [make_clip(SMALL, layout, seed=s) for s in (211, 212)]
-    result = data_parallel_gradients(model, reqs, OBJECTIVE, mode="strict")
+    result = data_parallel_gradients(lora_model(), requests, OBJECTIVE, mode="strict")
     return {"gradient": result.gradient, "loss": result.loss}
 
 
-def test_two_gloo_ranks_equal_one_process():
-    ranks = run_ranks(_dp_rank, 2, timeout=600)
-    model = lora_model()
-    layout = make_layout("fl2va")
-    one = compute_gradients(model, [make_clip(SMALL, layout, seed=s) for s in (211, 212)], OBJECTIVE)
+def test_two_gloo_ranks_equal_one_process(gate):
+    """The batch BA on two data-parallel ranks (one request each, a model rebuilt on each rank) vs the gate's
+    one-process strict `compute_gradients` of the same batch."""
+    ranks = run_ranks(_dp_rank, 2, [gate.requests[k] for k in "BA"], timeout=600)
+    one = gate.batches["BA"]
     for r, out in enumerate(ranks):
         assert torch.equal(out["gradient"], one.gradient), f"rank {r}: LoRA gradient differs from one process"
         assert torch.equal(out["loss"], one.loss), f"rank {r}: loss differs"
