@@ -24,7 +24,7 @@ from h3lab.trajectory import load, verify
 REPLAY = """\
 !size 64x64
 !frames 5
-!steps 2
+!steps 1
 !mode strict
 !mesh
 A red fox walks through fresh snow.
@@ -54,7 +54,7 @@ def test_torchrun_replay_equals_one_process_and_replays_its_topology(tmp_path, t
     out = run.stdout
     assert "mesh tp2xcp1: 2 rank(s), row-parallel k_chunks" in out and "rank 0 on cpu (gloo)" in out
     assert "1 checked, 0 mismatches" in out  # the one-process expect line holds on the mesh
-    assert "OK: 2/2 passes byte-equal" in out  # !trajectory verify replayed the sealed run on tp2
+    assert "OK: 1/1 passes byte-equal" in out  # !trajectory verify replayed the sealed run on tp2
     assert out.count("replay ") == 1  # only rank 0 prints
 
     sealed = load(tmp_path / "sealed")
