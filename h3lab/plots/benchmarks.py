@@ -241,11 +241,14 @@ def benchmark_figure(doc: Mapping[str, Any], *, colors: Mapping[str, str] | None
 
 
 def benchmark_figures(docs: Sequence[Mapping[str, Any]], max_cases: int = 48) -> list[Figure]:
-    """`benchmark_figure` of every document (every page), one colour per implementation across all of them."""
+    """`benchmark_figure` of every document (every page), one colour per implementation across all of them; a document
+    with no timed rows (every section failed, or a CPU diagnosis) draws no figure."""
     colors = impl_colors(docs)
     out = []
     for doc in docs:
         cases = len(set(r["case"].split(" #")[0] for r in benchmark_rows([doc])))
+        if not cases:
+            continue
         for page in range(max(1, math.ceil(cases / max_cases))):
             out.append(benchmark_figure(doc, colors=colors, max_cases=max_cases, page=page))
     return out
