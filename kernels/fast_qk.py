@@ -27,15 +27,22 @@ HB = 8  # heads per program
 
 
 @triton.jit
-def _head_rms_norm_kernel(x_ptr, w_ptr, y_ptr, S, H, D, stride_b, stride_s, stride_h, eps,
-                          HB: tl.constexpr, BLOCK_D: tl.constexpr):
+def _head_tile(x_ptr, S, H, D, stride_b, stride_s, stride_h, HB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile: its packed row (int64), the row's position s, its HB heads, the D channels, the in-bounds
+    mask, and the pointers to each head's channel 0 in x."""
     row = tl.program_id(0).to(tl.int64)
     b, s = row // S, row % S
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     cols = tl.arange(0, BLOCK_D)
     ok = (heads[:, None] < H) & (cols[None, :] < D)
-    x = tl.load(x_ptr + b * stride_b + s * stride_s + heads[:, None].to(tl.int64) * stride_h + cols[None, :],
-                mask=ok, other=0.0).to(tl.float32)
+    return row, s, heads, cols, ok, x_ptr + b * stride_b + s * stride_s + heads[:, None].to(tl.int64) * stride_h
+
+
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, w_ptr, y_ptr, S, H, D, stride_b, stride_s, stride_h, eps,
+                          HB: tl.constexpr, BLOCK_D: tl.constexpr):
+    row, s, heads, cols, ok, base = _head_tile(x_ptr, S, H, D, stride_b, stride_s, stride_h, HB, BLOCK_D)
+    x = tl.load(base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = round_to(x * inv[:, None] * w[None, :], tl.bfloat16)
@@ -45,12 +52,7 @@ def _head_rms_norm_kernel(x_ptr, w_ptr, y_ptr, S, H, D, stride_b, stride_s, stri
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, D, R, stride_b, stride_s, stride_h, stride_cs,
                  HB: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    b, s = row // S, row % S
-    heads = tl.program_id(1) * HB + tl.arange(0, HB)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (heads[:, None] < H) & (cols[None, :] < D)
-    base = x_ptr + b * stride_b + s * stride_s + heads[:, None].to(tl.int64) * stride_h
+    row, s, heads, cols, ok, base = _head_tile(x_ptr, S, H, D, stride_b, stride_s, stride_h, HB, BLOCK_D)
     x = tl.load(base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     half = R // 2
     rot = cols < R
