@@ -97,8 +97,8 @@ class ExecutionPlan:
             from ..distributed import parallelize, placement_of
 
             if placement_of(model) is None:
-                if streaming.streamer_of(model) is not None:
-                    streaming.streamer_of(model).remove(restore=True)
+                if (streamer := streaming.streamer_of(model)) is not None:
+                    streamer.remove(restore=True)
                 parallelize(model, self.mesh, name=variant, weights_on_host=self.streamed)
         current = streaming.streamer_of(model)
         if self.streamed:

@@ -50,7 +50,7 @@ def apply_plan(model: nn.Module, mesh: Mesh, tp_plan: Mapping[str, PlanEntry] = 
         raise DistributedError(f"parallelize: {type(model).__name__} is not an h3lab H3Transformer")
     if placement_of(model) is not None:
         raise DistributedError(f"parallelize: the model is already parallelized ({placement_of(model)!r})")
-    if model.__dict__.get("_h3lab_streamer") is not None:
+    if _streamed(model):
         raise DistributedError("parallelize: the model's blocks are streamed (sharding would replace the tensors the "
                                "streamer packed); parallelize first, then stream")
     if not isinstance(mesh, Mesh):
@@ -93,6 +93,12 @@ def apply_plan(model: nn.Module, mesh: Mesh, tp_plan: Mapping[str, PlanEntry] = 
     return placement
 
 
+def _streamed(model: nn.Module) -> bool:
+    """Whether a `components.streaming.BlockStreamer` drives `model` (its `streamer_of`, read here through the same
+    attribute: the distributed room sits below components in the layer table and cannot import it)."""
+    return model.__dict__.get("_h3lab_streamer") is not None
+
+
 def parallelize(model: nn.Module, mesh: Mesh, *, name: str = "transformer", weights_on_host: bool = False) -> Placement:
     """`apply_plan(model, mesh, TP_PLAN, CP_PLAN, name=name)`: the model's own plans on `mesh.topology`."""
     return apply_plan(model, mesh, TP_PLAN, CP_PLAN, name=name, weights_on_host=weights_on_host)
@@ -104,7 +110,7 @@ def remove_plan(model: nn.Module) -> None:
     placement = placement_of(model)
     if placement is None:
         raise DistributedError(f"remove_plan: the {type(model).__name__} has no placement (apply_plan first)")
-    if model.__dict__.get("_h3lab_streamer") is not None:
+    if _streamed(model):
         raise DistributedError("remove_plan: the model's blocks are streamed; stop streaming first "
                                "(ExecutionPlan resident, or its streamer's remove(restore=True))")
     _remove(placement)
