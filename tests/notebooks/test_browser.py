@@ -64,6 +64,10 @@ def _api(base: str, token: str, path: str, method: str = "GET", timeout: float =
     return json.loads(body) if body else None
 
 
+class ServerExited(RuntimeError):
+    """`jupyter lab` ended before it answered (its log's last lines in the message)."""
+
+
 class JupyterLab:
     """`jupyter lab` on 127.0.0.1:<free port> serving `root`, started in its own process group."""
 
@@ -94,7 +98,10 @@ class JupyterLab:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}: {self.log.name}")
+                self.log.flush()
+                tail = Path(self.log.name).read_text(encoding="utf-8", errors="replace").strip().splitlines()[-6:]
+                raise ServerExited(f"jupyter lab exited with {self.proc.returncode} ({self.log.name}): "
+                                   + " | ".join(tail))
             try:
                 _api(self.base, self.token, "/api/status")
                 return
@@ -122,6 +129,26 @@ class JupyterLab:
                 except subprocess.TimeoutExpired:
                     continue
             self.log.close()
+
+
+def start_lab(root: Path, log_dir: Path, attempts: int = 3) -> JupyterLab:
+    """A JupyterLab that answers, on a fresh free port each attempt: the port is chosen before the server binds it,
+    and the suite's other processes (gloo rendezvous, torchrun) take ephemeral ports on the other worker meanwhile, so
+    a server that exits at start (the port taken in between) is started again, up to ATTEMPTS times; the last
+    attempt's error names its log's last lines."""
+    for attempt in range(1, attempts + 1):
+        lab = JupyterLab(root, log_dir / f"jupyterlab-{attempt}.log")
+        try:
+            lab.wait_ready(SERVER_START_S)
+            return lab
+        except ServerExited:
+            lab.stop()
+            if attempt == attempts:
+                raise
+        except BaseException:
+            lab.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 # The notebook model, read in the page: every code cell has an execution count; which cells hold an error output.
@@ -153,9 +180,8 @@ def test_quickstart_workbench_in_chromium(tmp_path):
     root.mkdir()
     shutil.copy(NOTEBOOKS / "01_quickstart.ipynb", root / "01_quickstart.ipynb")
     ARTIFACTS.mkdir(exist_ok=True)
-    lab = JupyterLab(root, ARTIFACTS / "jupyterlab.log")
+    lab = start_lab(root, ARTIFACTS)
     try:
-        lab.wait_ready(SERVER_START_S)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
