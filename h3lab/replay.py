@@ -14,12 +14,12 @@ Contract
   generation runs. Commands that need results (`!drift`, `!save`, `!trajectory`, ...) are checked when they run.
 - `# expect <sha256>` after a generation line checks that generation's trajectory digest
   (`trajectory.Trajectory.digest`) on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class
-  TAG (`arithmetic_class`). A strict generation's line may carry the class without `_amx` (`strict_class`): strict
-  digests do not depend on AMX (the DiT runs in Triton's interpreter; measured equal on an AVX-512 and an
-  AVX-512+AMX machine), but they do depend on torch's CPU capability -- the noise (torch's vectorised normal sampler)
-  and the text encoder run torch's ISA-specific CPU kernels (measured here: AVX2 and `ATEN_CPU_CAPABILITY=default`
-  give different noise, text embeddings and digests). A generation without a line for this class is reported as
-  unchecked; the CLI exits 1 when a replay checked nothing unless `--allow-unchecked`.
+  TAG (`arithmetic_class`: torch's CPU capability, and AMX for oneDNN). A strict generation's line may carry the
+  class without `_amx` (`strict_class`): the DiT runs in Triton's interpreter (measured equal on an AVX-512 and an
+  AVX-512+AMX machine), but the interpreter's numpy loops, the noise (torch's vectorised normal sampler) and the
+  text encoder take ISA-specific paths (AVX2 and `ATEN_CPU_CAPABILITY=default` give other digests). No CPU digest is machine-free, so the shipped replays carry lines for several
+  classes (README, "Replays"). A generation without a line for this class is reported as unchecked; the CLI exits 1
+  when a replay checked nothing unless `--allow-unchecked`.
 - `update=True` rewrites this class's expect lines (or inserts them under their generation line; strict generations
   get the `strict_class` tag) and replaces the file atomically; lines of other classes are kept.
 - A replay starts from an empty conditioning cache and runs with one torch thread on the CPU, deterministic
@@ -30,10 +30,11 @@ The grammar itself (`parse`, `execute`, the command registry) is `h3lab.commands
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -47,10 +48,8 @@ class ReplayError(H3Error):
 
 
 # `# expect <sha256>` checks on every machine; `# expect[TAG] <sha256>` only on a machine of arithmetic class TAG
-# (`arithmetic_class()`): "cuda", or on a CPU "cpu_<torch's CPU capability>[_amx]" -- torch's CPU kernels (the
-# text encoder, the VAEs, `off` mode) take ISA-specific paths (measured: the bf16 `off` DiT forward differs between
-# an AMX machine and the machine that recorded the first lines), so a hash is a claim about one class.
-# `--update` writes lines tagged with this machine's class.
+# (`arithmetic_class()`): torch's CPU kernels (the text encoder, the VAEs, `off` mode) and oneDNN's bf16 matmuls
+# take ISA-specific paths, so a hash is a claim about one class. `--update` writes lines tagged with this machine's.
 EXPECT_RE = re.compile(r"^\s*#\s*expect(?:\[(?P<tag>[a-z0-9_]+)\])?\s+(?P<hash>[0-9a-f]{64})\s*$")
 EXPECT_START = re.compile(r"^\s*#\s*expect\b")  # a line meant as an expect line: it must then match EXPECT_RE
 SETTING_COMMANDS = frozenset({  # run on a scratch state by `validate_replay`: they change settings only
@@ -61,15 +60,38 @@ SETTING_COMMANDS = frozenset({  # run on a scratch state by `validate_replay`: t
 
 
 def arithmetic_class(device: str) -> str:
-    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or "cpu_avx512_amx", "cpu_avx2", ..."""
+    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or on a CPU
+    "cpu_<torch's CPU capability>[_amx]" ("cpu_avx2", "cpu_avx512", "cpu_avx512_amx", ...).
+
+    torch's capability (`ATEN_CPU_CAPABILITY` can lower it) picks ATen's vectorised kernels; `_amx` says that oneDNN,
+    which runs torch's bf16 matmuls, has AMX (`amx_bf16` in /proc/cpuinfo) and may use it (`ONEDNN_MAX_CPU_ISA`,
+    when set, must name AMX for the suffix to stay). Measured on an AMD EPYC with AVX-512 BF16: oneDNN capped at
+    `AVX512_CORE` gave every shipped digest byte for byte (so AVX-512 BF16 is not a class of its own);
+    `ATEN_CPU_CAPABILITY=avx2` alone still differed from an AVX2 machine's `off` and strict digests, with
+    `ONEDNN_MAX_CPU_ISA=AVX2` as well it gave the `off` ones, and with numpy's AVX-512 loops off too
+    (`NPY_DISABLE_CPU_FEATURES`) the strict one: `ATEN_CPU_CAPABILITY` set without the other two is a class of its
+    own (`_mixed`)."""
     if device != "cpu":
         return device
-    tag = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
     try:
         flags = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         flags = ""
-    return tag + ("_amx" if re.search(r"\bamx_bf16\b", flags) else "")
+    return cpu_class(torch.backends.cpu.get_cpu_capability(), flags, os.environ)
+
+
+def cpu_class(capability: str, cpuinfo: str, env: Mapping[str, str]) -> str:
+    """`arithmetic_class` of a CPU from torch's capability name, the text of /proc/cpuinfo and the environment."""
+    tag = f"cpu_{capability.lower()}"
+    cap = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    if env.get("ATEN_CPU_CAPABILITY") and (cap == "ALL" or not env.get("NPY_DISABLE_CPU_FEATURES")):
+        # ATen lowered by hand while oneDNN or numpy (whose SIMD loops run the strict kernels in Triton's
+        # interpreter) keep the hardware's ISA: a mixture no shipped line was recorded on (measured: its off and
+        # strict digests matched neither class), so it gets a class of its own.
+        return tag + "_mixed"
+    if re.search(r"\bamx_bf16\b", cpuinfo) and (cap == "ALL" or "AMX" in cap):
+        tag += "_amx"
+    return tag
 
 
 def strict_class(tag: str) -> str:

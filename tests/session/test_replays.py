@@ -153,12 +153,33 @@ def test_a_replay_that_checked_nothing_exits_1_unless_allowed(tmp_path, snapshot
 
 def test_strict_lines_are_bound_to_the_cpu_capability_not_to_amx():
     """A strict generation's line of `cpu_X` holds on `cpu_X_amx` (the interpreter does not use AMX); an off
-    generation's does not (bf16 torch kernels take AMX paths)."""
+    generation's does not (bf16 torch matmuls take oneDNN's AMX paths)."""
     assert replays.strict_class("cpu_avx512_amx") == "cpu_avx512" and replays.strict_class("cpu_avx2") == "cpu_avx2"
     assert replays._tag_matches("cpu_avx512", "cpu_avx512_amx", strict=True)
     assert not replays._tag_matches("cpu_avx512", "cpu_avx512_amx", strict=False)
     assert not replays._tag_matches("cpu_avx2", "cpu_avx512_amx", strict=True)
     assert replays._tag_matches(None, "cpu_avx2", strict=False)
+
+
+NUMPY_AVX512_OFF = "AVX512F AVX512CD AVX512_SKX"
+
+
+@pytest.mark.parametrize("capability, flags, env, tag", [
+    ("AVX2", "fpu avx2 fma", {}, "cpu_avx2"),
+    ("AVX512", "avx2 avx512f avx512bw avx512_bf16", {}, "cpu_avx512"),
+    ("AVX512", "avx512f avx512_bf16 amx_bf16 amx_tile", {}, "cpu_avx512_amx"),
+    # oneDNN capped by its own variable: AMX goes unless the cap names it
+    ("AVX512", "avx512f avx512_bf16 amx_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "cpu_avx512"),
+    ("AVX512", "avx512f amx_bf16", {"DNNL_MAX_CPU_ISA": "avx512_core_amx"}, "cpu_avx512_amx"),
+    # the AVX2 emulation on an AVX-512 machine (it gave an AVX2 machine's digests byte for byte)
+    ("AVX2", "avx512f amx_bf16", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                  "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_OFF}, "cpu_avx2"),
+    # ATen lowered alone, or without numpy: a mixed class that no line names
+    ("AVX2", "avx512f", {"ATEN_CPU_CAPABILITY": "avx2"}, "cpu_avx2_mixed"),
+    ("AVX2", "avx512f", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, "cpu_avx2_mixed"),
+])
+def test_cpu_class_names_aten_and_onednn(capability, flags, env, tag):
+    assert replays.cpu_class(capability, flags, env) == tag
 
 
 def test_a_mesh_replay_refuses_a_non_strict_generation_before_any(tmp_path, snapshot):
