@@ -32,7 +32,8 @@ info: $(STAMP)
 
 # The notebook browser test needs Debian's chromium; browser_setup.sh installs it once (quick when present).
 # Two pytest-xdist workers (this project's CI and dev machines have 2 cores), each test module on one worker so its
-# module fixtures are built once; TEST_WORKERS=0 runs in one process.
+# module fixtures are built once, the heaviest modules first (tests/module_seconds.json, from
+# scripts/module_seconds.py over a --durations=0 log); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	bash scripts/browser_setup.sh $(BIN)/python

@@ -1,8 +1,11 @@
 """Shared test setup: strict kernels run on CPU through Triton's interpreter, so the variable is set before any
 test module imports triton. `tiny_snapshot` is the seeded tiny snapshot every test that needs weights uses. Child processes get
-`OMP_NUM_THREADS=1` (unless set), as this process runs torch on one thread."""
+`OMP_NUM_THREADS=1` (unless set), as this process runs torch on one thread. Test modules are collected heaviest first
+(tests/module_seconds.json, written by scripts/module_seconds.py) so the two xdist workers end together."""
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,3 +27,17 @@ def tiny_snapshot(tmp_path_factory):
     from h3lab.checkpoint.tiny import make_tiny_snapshot
 
     return make_tiny_snapshot(tmp_path_factory.mktemp("snapshot") / "h3-tiny", seed=0)
+
+
+_MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")  # scripts/module_seconds.py writes it
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The heaviest test modules first, the order within a module kept: `make test` runs `--dist loadscope` (each
+    module on one xdist worker, handed out in collection order), so longest-first leaves no worker alone with a long
+    module at the end. Weights are the seconds of tests/module_seconds.json; a module not in it counts as light."""
+    try:
+        weights = json.loads(_MODULE_SECONDS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -float(weights.get(item.nodeid.split("::", 1)[0], 0.0)))  # stable: ties keep order
