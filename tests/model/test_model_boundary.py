@@ -29,6 +29,22 @@ def run(model, inputs, mode="off"):
     return out, runtime.last_trace()
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """`plain(mode, batch)`: the plain forward of `build()` on `small_case(batch=batch)` in `mode` and its trace,
+    computed once for the module (the wrapping, hook and reshaping tests compare their own freshly built model with
+    it; a model built the same way has the same weights, so its plain forward is the same bytes)."""
+    cache = {}
+
+    def get(mode, batch):
+        if (mode, batch) not in cache:
+            model = build()
+            cache[(mode, batch)] = run(model, small_case(model.config, batch=batch), mode)
+        return cache[(mode, batch)]
+
+    return get
+
+
 def same(a, b) -> bool:
     return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
@@ -123,10 +139,10 @@ def test_a_module_called_outside_a_forward_runs_in_the_current_mode(monkeypatch)
 
 # ---------------------------------------------------------------------------------------------- wrapping
 @pytest.mark.parametrize("mode", ["off", "strict"])
-def test_a_delegating_wrapper_keeps_the_bytes_and_its_own_calls_are_traced(mode):
+def test_a_delegating_wrapper_keeps_the_bytes_and_its_own_calls_are_traced(mode, plain):
     model = build()
     inputs = small_case(model.config, batch=1)
-    base, trace = run(model, inputs, mode)
+    base, trace = plain(mode, 1)
     attn = model.transformer_blocks[0].attn
     original = attn.to_q
     attn.to_q = Shadow(original, rank=3, seed=7)
@@ -145,18 +161,19 @@ def test_a_delegating_wrapper_keeps_the_bytes_and_its_own_calls_are_traced(mode)
 
 
 @pytest.mark.parametrize("mode", ["off", "strict"])
-def test_torch_hooks_on_a_projection_see_and_change_its_input_and_output(mode):
+def test_torch_hooks_on_a_projection_see_and_change_its_input_and_output(mode, plain):
     model = build()
     inputs = small_case(model.config, batch=1)
     proj = model.transformer_blocks[1].attn.to_v  # not to_q: q_norm would undo a x2
     seen, points = {}, {}
     h1 = proj.register_forward_hook(lambda m, args, out: seen.update(x=args[0].clone(), y=out.clone()))
     h2 = model.add_hook(lambda p, t: points.update({p.name: t.clone()}), names=["blocks.1.modulate1", "blocks.1.v"])
-    base, _ = run(model, inputs, mode)
+    observed, _ = run(model, inputs, mode)
     h1.remove()
     h2.remove()
     assert torch.equal(seen["x"], points["blocks.1.modulate1"]) and torch.equal(seen["y"], points["blocks.1.v"])
-    assert same(run(model, inputs, mode)[0], base), "the observers changed the bytes"
+    base = plain(mode, 1)[0]  # the same weights and inputs without observers
+    assert same(observed, base), "the observers changed the bytes"
     # Doubling the input (pre-hook), the output (forward hook) or the hook point: one result (x2 is exact).
     outs = []
     for attach in (
@@ -265,11 +282,11 @@ def test_only_the_declared_points_are_reshapable():
 
 
 @pytest.mark.parametrize("name", ["pack", "blocks.0.residual2"])
-def test_a_reshapable_point_may_change_the_batch(name):
+def test_a_reshapable_point_may_change_the_batch(name, plain):
     """Strict is batch-invariant, so dropping batch item 1 at a block boundary gives item 0's bytes."""
     model = build()
     inputs = small_case(model.config, batch=2)
-    base, _ = run(model, inputs, "strict")
+    base, _ = plain("strict", 2)
     handle = model.add_hook(lambda p, t: t[:1], names=[name])
     out, _ = run(model, inputs, "strict")
     handle.remove()

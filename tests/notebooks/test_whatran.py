@@ -1,5 +1,7 @@
 """`h3lab.whatran`: the "what ran" line from a trace summary (pure), and what strict needs in a running process --
-checked in fresh interpreters, because Triton decides interpreter or compiler when the kernels are created."""
+checked in fresh interpreters, because Triton decides interpreter or compiler when the kernels are created. The fresh
+interpreters open the random 2-block tiny snapshot (`tiny_snapshot`): when Triton chooses is the same for any
+snapshot, and its strict pass runs several times faster under the interpreter than the 6-block embedded default's."""
 
 from __future__ import annotations
 
@@ -51,23 +53,24 @@ def test_off_audit_overrides_and_ablations():
     assert whatran.backend_counts(off) == {"torch": 1616, "override": 4}
 
 
-def _fresh(code: str, interpret: bool | None) -> dict:
-    """Run `code` in a fresh interpreter (TRITON_INTERPRET set, unset or left out) and return the JSON it prints."""
+def _fresh(code: str, interpret: bool | None, snapshot) -> dict:
+    """Run `code` in a fresh interpreter (TRITON_INTERPRET set, unset or left out), `SNAPSHOT` in it replaced by the
+    snapshot folder's repr, and return the JSON it prints."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    code = textwrap.dedent(code).replace("SNAPSHOT", repr(str(snapshot)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel():
+def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel(tiny_snapshot):
     got = _fresh("""
         import json, os
         from h3lab import Session, whatran
         before = whatran.strict_setup("cpu")
-        session = Session()
+        session = Session(SNAPSHOT)
         after_session = whatran.strict_setup(session.device)
         enabled = whatran.enable_interpreter()
         r = session.generate("A fox.", width=32, height=32, frames=22, steps=1, seed=1, mode="strict")
@@ -75,7 +78,7 @@ def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel():
         print(json.dumps({"before": before.__dict__, "after_session": after_session.__dict__,
                           "enabled": enabled.__dict__, "env": os.environ.get("TRITON_INTERPRET"), "line": line,
                           "now": whatran.strict_setup("cpu").__dict__}))
-    """, interpret=False)
+    """, interpret=False, snapshot=tiny_snapshot)
     assert got["before"]["ready"] is False and got["before"]["can_enable"] is True
     assert "can still be set now" in got["before"]["line"]
     assert got["after_session"]["can_enable"] is True  # a Session creates no Triton kernel
@@ -84,11 +87,11 @@ def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel():
     assert got["now"]["ready"] is True and got["now"]["can_enable"] is False
 
 
-def test_after_the_first_generation_strict_needs_a_fresh_kernel():
+def test_after_the_first_generation_strict_needs_a_fresh_kernel(tiny_snapshot):
     got = _fresh("""
         import json, os
         from h3lab import Session, whatran
-        session = Session()
+        session = Session(SNAPSHOT)
         off = session.generate("A fox.", width=32, height=32, frames=22, steps=1, seed=1, mode="off")
         auto = session.generate("A fox.", width=32, height=32, frames=22, steps=1, seed=1, mode="auto")
         compiled = whatran.strict_setup("cpu")
@@ -107,7 +110,7 @@ def test_after_the_first_generation_strict_needs_a_fresh_kernel():
         print(json.dumps({"compiled": compiled.__dict__, "enabled": enabled.__dict__, "env": env, "line": line,
                           "recorded": recorded,
                           "late": late.__dict__, "auto_late": auto_late, "cuda": whatran.strict_setup("cuda").ready}))
-    """, interpret=False)
+    """, interpret=False, snapshot=tiny_snapshot)
     c = got["compiled"]
     assert c["ready"] is False and c["can_enable"] is False and c["auto_ok"] is True
     assert "restart the kernel" in c["line"]
