@@ -94,3 +94,17 @@ def batched_torch_gradient(model: H3Transformer, requests: list[ClipRequest], ob
     grad = flat_gradient(params)
     model.zero_grad(set_to_none=True)
     return grad
+
+
+def rollout_spec(model: H3Transformer, seed: int, mode: str = "strict"):
+    """A 2-pass `RunSpec` of the fl2va layout on `model` (fresh random text, anchor rows and noise from `seed`): the
+    rollout the LoRA gate's train/rollout check takes a training step over (SMALL: every strict program runs on one
+    block + one refiner block)."""
+    from h3lab.hashing import model_fingerprint
+    from h3lab.run import DenoiseInputs, RunSpec
+    from h3lab.sampler import DualSchedule
+
+    layout, schedule = make_layout("fl2va"), DualSchedule.from_passes(2)
+    clip = make_clip(model.config, layout, seed=seed)
+    inputs = DenoiseInputs.from_layout(layout, schedule, clip.text, clip.video, clip.audio, {"request": seed})
+    return RunSpec(inputs, schedule, mode=mode, layout=layout, fingerprint=model_fingerprint(model))
