@@ -55,6 +55,43 @@ def test_every_builtin_is_restored_after_a_launch():
     assert tl.core.is_builtin(tl.core.tensor.__add__)
 
 
+def test_cached_lookups_answer_as_triton_does(monkeypatch):
+    """`_cache_lookups`: the dtype table and the builtin lists give Triton's own answers (every language dtype,
+    blocks of them, pointers and blocks of pointers; the same attributes patched on every language object), and a
+    launch's bytes are those of Triton's own lookups. Before `test_bytes_equal_triton_own_patching`, whose run of
+    Triton's own helper patching leaves triton.language.core patched (its scan would then find fewer builtins)."""
+    from triton.runtime import interpreter
+
+    ours_np, ours_patch = interpreter._get_np_dtype, interpreter._patch_builtin
+    theirs_np, theirs_patch = ours_np._h3_original, ours_patch._h3_original
+    scalars = [v for v in vars(tl).values() if type(v) is tl.dtype]
+    assert len(scalars) >= 12
+    for dtype in scalars:
+        for view in (dtype, tl.block_type(dtype, [4, 2]), tl.pointer_type(dtype),
+                     tl.block_type(tl.pointer_type(dtype), [8])):
+            try:
+                expected = theirs_np(view)
+            except KeyError:
+                with pytest.raises(KeyError):
+                    ours_np(view)
+                continue
+            assert ours_np(view) == expected and ours_np(view) == expected, view  # the second from the table
+
+    for obj in (tl, tl.core, tl.core.tensor, tl.math):
+        ours, theirs = [], []
+        monkeypatch.setattr(interpreter, "_patch_attr", lambda pkg, name, *a: ours.append(name))
+        ours_patch(obj, None, None)
+        monkeypatch.setattr(interpreter, "_patch_attr", lambda pkg, name, *a: theirs.append(name))
+        theirs_patch(obj, None, None)
+        assert ours == theirs and len(ours) > 3, obj
+    monkeypatch.undo()
+    x = _fresh(6, 17)
+    ours = _launch(x)
+    monkeypatch.setattr(interpreter, "_get_np_dtype", theirs_np)
+    monkeypatch.setattr(interpreter, "_patch_builtin", theirs_patch)
+    assert torch.equal(ours, _launch(x))
+
+
 def test_bytes_equal_triton_own_patching(monkeypatch):
     from triton.runtime import interpreter
 
