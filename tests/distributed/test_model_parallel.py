@@ -15,7 +15,9 @@ there and by the ablation rows' 2-block bench; no row count a multiple of the CP
   tp2xcp2+sp    ref2va  17    9 + 8, SP 5 + 4 / 4 + 4   (+ every hook point, + a batch of 2)
 
 Each case compares every pass's video and audio velocities (pass 0 = one strict forward) and latents, on every
-rank, with the one-process strict run of the same spec, and the trajectory digest. Sealing a distributed run and
+rank, with the one-process strict run of the same spec, and the trajectory digest. The cases of one world size run
+in one launch (2 ranks: tp2, cp2; 3: cp3; 4: tp4, tp2xcp2, tp2xcp2+sp), one after the other on the same ranks,
+each on its own mesh and model; each case's test checks its own results. Sealing a distributed run and
 replaying it on its topology (digest = one process) is tested through the torchrun front end
 (test_frontend.py).
 """
@@ -41,9 +43,19 @@ CASES = {  # name: (placement, layout, blocks)
     "tp2xcp2+sp": ({"tp": 2, "cp": 2, "sp": True}, "ref2va", 2),
 }
 KEEP = ("latents", "velocities")
+
+
+def _world(placement: dict) -> int:
+    return placement.get("tp", 1) * placement.get("cp", 1)
+
+
+LAUNCHES = {}  # world size: the cases that run in its one launch, in CASES order
+for _name, (_placement, _, _) in CASES.items():
+    LAUNCHES.setdefault(_world(_placement), []).append(_name)
 # Two passes: pass 1 runs on latents the sharded pass 0 stepped, the hand-over a longer trajectory repeats.
 PASSES = 2
 _references: dict = {}
+_launched: dict = {}  # world size: each rank's results of its launch, keyed "<case>.<key>"
 
 
 def reference(layout: str, layers: int):
@@ -77,6 +89,25 @@ def _trajectory(rank: int, world: int, placement: dict, layout: str, layers: int
     return out
 
 
+def _cases(rank: int, world: int, names: list) -> dict:
+    """Every case of one world size on the same ranks, one after the other (a fresh mesh and model each)."""
+    out = {}
+    for name in names:
+        placement, layout, layers = CASES[name]
+        res = _trajectory(rank, world, placement, layout, layers, name == "tp2xcp2+sp")
+        out.update({f"{name}.{k}": v for k, v in res.items()})
+    return out
+
+
+def launched(name: str) -> list:
+    """Each rank's results of case `name`, from the one launch of its world size (run once per test session)."""
+    world = _world(CASES[name][0])
+    if world not in _launched:
+        _launched[world] = run_ranks(_cases, world, LAUNCHES[world], timeout=240 * len(LAUNCHES[world]))
+    prefix = f"{name}."
+    return [{k[len(prefix):]: v for k, v in res.items() if k.startswith(prefix)} for res in _launched[world]]
+
+
 def _batch2(model, spec):
     """Pass 0 of the spec's request at batch position 1 of 2 (item 0 another seeded request)."""
     from h3lab import runtime
@@ -94,8 +125,8 @@ def _batch2(model, spec):
 @pytest.mark.parametrize("name", list(CASES))
 def test_trajectory_is_byte_equal_to_one_process(name):
     placement, layout, layers = CASES[name]
-    world = placement.get("tp", 1) * placement.get("cp", 1)
-    results = run_ranks(_trajectory, world, placement, layout, layers, name == "tp2xcp2+sp", timeout=240)
+    results = launched(name)
+    assert len(results) == _world(placement)
     ref = reference(layout, layers)
     assert sorted(ref.kept) == [f"{k}.{i:04d}" for k in ("audio", "velocity_audio", "velocity_video", "video")
                                 for i in range(PASSES)]
