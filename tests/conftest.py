@@ -17,6 +17,13 @@ import torch  # noqa: E402
 # Tiny models: one thread is faster than two (thread start-up dominates) and keeps timings stable.
 torch.set_num_threads(1)
 
+# Gloo ranks (`h3lab.distributed.launch.spawn`) fork from one forkserver per test process: it also preloads peft
+# (and the transformers it imports), which every LoRA rank imports on its first `add_lora` -- about 4 s of CPU a
+# rank otherwise (measured: a 2-rank lora_model launch, 4.5 s -> 0.1 s a rank); h3lab itself stays peft-free.
+from h3lab.distributed import launch  # noqa: E402
+
+launch.PRELOAD.append("peft")
+
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):
