@@ -20,6 +20,14 @@ import torch  # noqa: E402
 # Tiny models: one thread is faster than two (thread start-up dominates) and keeps timings stable.
 torch.set_num_threads(1)
 
+# Gloo ranks (`h3lab.distributed.launch.spawn`) fork from one forkserver per test process: it also preloads what
+# ranks otherwise import lazily, each on its own: torch._dynamo (+ sympy), which building and parallelizing a model
+# pulls in (1.7 s -> 0.07 s a rank, measured), and peft (+ transformers), which every LoRA rank imports on its first
+# `add_lora` (4.5 s -> 0.1 s a rank). h3lab itself stays peft-free.
+from h3lab.distributed import launch  # noqa: E402
+
+launch.PRELOAD.extend(["torch._dynamo", "peft"])
+
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):

@@ -4,7 +4,7 @@ forwards, byte equality, the schema -- is the same for any block count, and the 
 test_model_parallel.py's and test_shard_load.py's), one timed forward, under the interpreter -- on 2 gloo ranks (tp2:
 the multi-GPU path) and in one process (tp1 through the distributed code path beside plain strict: the single-H200
 run). Timings are not checked, only the schema, the byte equality with TP1 and that communication was timed apart
-from compute."""
+from compute. The two 2-rank runs (tp2, and tp2 --share-device) are one launch, one run after the other."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from harness import run_ranks
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -19,12 +20,24 @@ ARGS = ["--tiny", "--layers", "0", "--runs", "1"]
 SCHEMA = {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"}
 
 
-def _bench(rank: int, world: int, out: str) -> dict:
+def _bench(rank: int, world: int, out: str, shared_out: str) -> dict:
+    """Both 2-rank runs of the script on the same ranks: tp2 (and tp2xcp2, skipped), then --share-device."""
     sys.path.insert(0, str(BENCHMARKS))
     import benchmark_distributed
 
     benchmark_distributed.main([*ARGS, "--topologies", "tp2,tp2xcp2", "--out", out])
+    benchmark_distributed.main([*ARGS, "--share-device", "--topologies", "tp2", "--trajectory-passes", "1",
+                                "--out", shared_out])
     return {}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The two 2-rank result files (one launch): {"dist": the tp2 run's, "shared": the --share-device run's}."""
+    root = tmp_path_factory.mktemp("bench-2")
+    out = {"dist": root / "dist.json", "shared": root / "shared.json"}
+    run_ranks(_bench, 2, str(out["dist"]), str(out["shared"]), timeout=600)
+    return out
 
 
 def _check(doc: dict, topology: str, world: int) -> dict:
@@ -37,10 +50,8 @@ def _check(doc: dict, topology: str, world: int) -> dict:
     return placed
 
 
-def test_two_gloo_ranks(tmp_path):
-    out = tmp_path / "dist.json"
-    run_ranks(_bench, 2, str(out), timeout=240)
-    doc = json.loads(out.read_text())
+def test_two_gloo_ranks(two_ranks):
+    doc = json.loads(two_ranks["dist"].read_text())
     placed = _check(doc, "tp2", 2)
     assert placed["comm_median_s"] > 0 and placed["compute_median_s"] > 0
     # O-proj and FFN down of the tiny config's 2 refiner blocks (--layers 0)
@@ -60,21 +71,10 @@ def test_world_size_one(tmp_path, monkeypatch):
     assert placed["comm_median_s"] == 0 and placed["collectives"] == {} and placed["ratio_vs_plain"] > 0
 
 
-def _bench_shared(rank: int, world: int, out: str) -> dict:
-    sys.path.insert(0, str(BENCHMARKS))
-    import benchmark_distributed
-
-    benchmark_distributed.main([*ARGS, "--share-device", "--topologies", "tp2", "--trajectory-passes", "1",
-                                "--out", out])
-    return {}
-
-
-def test_shared_device_two_ranks(tmp_path):
+def test_shared_device_two_ranks(two_ranks):
     """--share-device (the one-GPU bytes-only run) on 2 gloo ranks: rank 0's full-model reference, each rank's own
     counter-random shard, bytes and a 1-pass trajectory digest equal to one process, labelled bytes only."""
-    out = tmp_path / "shared.json"
-    run_ranks(_bench_shared, 2, str(out), timeout=480)
-    doc = json.loads(out.read_text())
+    doc = json.loads(two_ranks["shared"].read_text())
     assert SCHEMA <= set(doc) and doc["label"].startswith("bytes only")
     plain, placed = doc["results"]
     assert plain["topology"].startswith("plain") and plain["trajectory_digest"]

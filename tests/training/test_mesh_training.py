@@ -10,7 +10,10 @@ the CPU, strict kernels under the interpreter.
   rank-partials form (each rank's own rows, summed in rank order) does not -- the test that can fail. TP's dX rule
   likewise: the gathered form equals the kernel's backward, rank partials summed do not.
 - Refusals: a trainable parameter whose gradient reduces over the split rows outside a block projection, and
-  gradient checkpointing, are refused on every rank alike with one line."""
+  gradient checkpointing, are refused on every rank alike with one line.
+
+The CP2 step, the TP2 step and the tensor-level rule (with the refusals) run in one launch of two ranks, one after
+the other (each on its own mesh and model); each test checks its own part."""
 
 from __future__ import annotations
 
@@ -48,6 +51,20 @@ def one():
     return model, compute_gradients(model, [_request(s) for s in SEEDS], OBJECTIVE, mode="strict", keep=True)
 
 
+def _two_ranks(rank: int, world: int) -> dict:
+    """The 2-rank cases in one launch: the CP2 step, the TP2 step, the weight rule and refusals (keys prefixed)."""
+    out = {}
+    for case, fn in (("cp", _cp_step), ("tp", _tp_step), ("rule", _weight_rule)):
+        out.update({f"{case}.{k}": v for k, v in fn(rank, world).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    ranks = spawn(_two_ranks, 2, timeout=1800)
+    return lambda case: [{k[len(case) + 1:]: v for k, v in r.items() if k.startswith(case + ".")} for r in ranks]
+
+
 def _cp_step(rank: int, world: int) -> dict:
     from h3lab.distributed import init_mesh, parallelize, placement_of
 
@@ -60,8 +77,8 @@ def _cp_step(rank: int, world: int) -> dict:
     return {"gradient": result.gradient, "loss": result.loss, "backward": "|".join(algorithms)}
 
 
-def test_cp2_lora_step_equals_one_process(one):
-    ranks = spawn(_cp_step, 2, timeout=900)
+def test_cp2_lora_step_equals_one_process(one, two_ranks):
+    ranks = two_ranks("cp")
     model, batch = one
     one = batch.request_gradients[0]
     params = trainable_parameters(model)
@@ -92,10 +109,10 @@ def _tp_step(rank: int, world: int) -> dict:
     return out  # TP2 + SP training: test_mesh_training_sp.py
 
 
-def test_tp2_lora_step_equals_one_process(one):
+def test_tp2_lora_step_equals_one_process(one, two_ranks):
     """TP2 (4 heads, 2 a rank; to_q 16 of 32 rows, the SwiGLU [value; gate] halves, the row-parallel tree's 4 of 8
     chunks): every LoRA factor's gradient on both ranks equals one process's, with the declared backward gathers."""
-    ranks = spawn(_tp_step, 2, timeout=900)
+    ranks = two_ranks("tp")
     model, batch = one
     want = split_flat(batch.request_gradients[0].gradient, trainable_parameters(model))
     for r, out in enumerate(ranks):
@@ -200,8 +217,8 @@ def _weight_rule(rank: int, world: int) -> dict:
     return out
 
 
-def test_weight_gradient_gathers_rows_and_rank_partials_differ():
-    ranks = spawn(_weight_rule, 2, timeout=600)
+def test_weight_gradient_gathers_rows_and_rank_partials_differ(two_ranks):
+    ranks = two_ranks("rule")
     for r, out in enumerate(ranks):
         for name in ("dx", "dw", "db"):
             assert bool(out[f"gather.{name}"]), f"rank {r}: gathered-rows {name} differs from one process"
