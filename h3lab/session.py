@@ -11,8 +11,9 @@ memory), `h3lab.results` (`GenerationResult`, `StepInfo`, `PHASES`, `GenerationC
 from `h3lab.session` stay importable from here.
 
 Contract
-- `Session(path=None, device=None, residency="resident", gpu_memory=None)`. `path=None` is the embedded tiny snapshot
-  (`h3lab.checkpoint.tiny.default_snapshot()`); `device=None` is CUDA when available, else the CPU. Components load on
+- `Session(path=None, device=None, residency="resident", gpu_memory=None)`. `path=None` is the embedded default,
+  the trained tiny h3-shapes snapshot (`h3lab.checkpoint.tiny.default_snapshot()`); `device=None` is CUDA when
+  available, else the CPU. Components load on
   first use: the text encoder, the DiT of the variant a request needs (`transformer/` for t2va/fl2va,
   `transformer_ref/` for ref2va; switching variants releases the other, two 33B partitions do not share a GPU), the
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
