@@ -38,4 +38,4 @@ def test_refusals_are_one_line_and_exit_2(tmp_path):
 def test_committed_weights_name_existing_modules():
     weights = json.loads((REPO / "tests" / "module_seconds.json").read_text(encoding="utf-8"))
     assert weights and all((REPO / name).is_file() and name.startswith("tests/") for name in weights)
-    assert all(seconds > 0 for seconds in weights.values())
+    assert all(seconds >= 0 for seconds in weights.values())  # under 0.05 s rounds to 0.0: light
