@@ -30,6 +30,7 @@ import pytest
 import torch
 from dist_helpers import CONFIG, build_model, build_spec
 from harness import run_ranks
+from rank_cases import of_case, prefixed
 
 from h3lab.distributed import init_mesh, parallelize
 from h3lab.trajectory import record
@@ -90,8 +91,7 @@ def _cases(rank: int, world: int, names: list) -> dict:
     out = {}
     for name in names:
         placement, layout, layers = CASES[name]
-        res = _trajectory(rank, world, placement, layout, layers, name == "tp2xcp2+sp")
-        out.update({f"{name}.{k}": v for k, v in res.items()})
+        out.update(prefixed(name, _trajectory(rank, world, placement, layout, layers, name == "tp2xcp2+sp")))
     return out
 
 
@@ -100,8 +100,7 @@ def launched(name: str) -> list:
     world = _world(CASES[name][0])
     if world not in _launched:
         _launched[world] = run_ranks(_cases, world, LAUNCHES[world], timeout=240 * len(LAUNCHES[world]))
-    prefix = f"{name}."
-    return [{k[len(prefix):]: v for k, v in res.items() if k.startswith(prefix)} for res in _launched[world]]
+    return of_case(_launched[world], name)
 
 
 def _batch2(model, spec):

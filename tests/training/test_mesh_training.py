@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_cases import lora_model
+from rank_cases import of_case, prefixed
 from training_cases import SMALL, make_clip
 
 from h3lab import H3Config, runtime
@@ -55,14 +56,14 @@ def _two_ranks(rank: int, world: int) -> dict:
     """The 2-rank cases in one launch: the CP2 step, the TP2 step, the weight rule and refusals (keys prefixed)."""
     out = {}
     for case, fn in (("cp", _cp_step), ("tp", _tp_step), ("rule", _weight_rule)):
-        out.update({f"{case}.{k}": v for k, v in fn(rank, world).items()})
+        out.update(prefixed(case, fn(rank, world)))
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     ranks = spawn(_two_ranks, 2, timeout=1800)
-    return lambda case: [{k[len(case) + 1:]: v for k, v in r.items() if k.startswith(case + ".")} for r in ranks]
+    return lambda case: of_case(ranks, case)
 
 
 def _cp_step(rank: int, world: int) -> dict:
