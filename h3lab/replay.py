@@ -17,9 +17,10 @@ Contract
   TAG (`arithmetic_class`: torch's CPU capability, and AMX for oneDNN). A strict generation's line may carry the
   class without `_amx` (`strict_class`): the DiT runs in Triton's interpreter (measured equal on an AVX-512 and an
   AVX-512+AMX machine), but the interpreter's numpy loops, the noise (torch's vectorised normal sampler) and the
-  text encoder take ISA-specific paths (AVX2 and `ATEN_CPU_CAPABILITY=default` give other digests). No CPU digest is machine-free, so the shipped replays carry lines for several
-  classes (README, "Replays"). A generation without a line for this class is reported as unchecked; the CLI exits 1
-  when a replay checked nothing unless `--allow-unchecked`.
+  text encoder take ISA-specific paths (AVX2 and `ATEN_CPU_CAPABILITY=default` give other digests). No CPU digest
+  is machine-free, so the shipped replays carry lines for several classes (README, "Replays"). A generation without
+  a line for this class is reported as unchecked; the CLI exits 1 when a replay checked nothing unless
+  `--allow-unchecked`.
 - `update=True` rewrites this class's expect lines (or inserts them under their generation line; strict generations
   get the `strict_class` tag) and replaces the file atomically; lines of other classes are kept.
 - A replay starts from an empty conditioning cache and runs with one torch thread on the CPU, deterministic
@@ -83,13 +84,13 @@ def arithmetic_class(device: str) -> str:
 def cpu_class(capability: str, cpuinfo: str, env: Mapping[str, str]) -> str:
     """`arithmetic_class` of a CPU from torch's capability name, the text of /proc/cpuinfo and the environment."""
     tag = f"cpu_{capability.lower()}"
-    cap = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
-    if env.get("ATEN_CPU_CAPABILITY") and (cap == "ALL" or not env.get("NPY_DISABLE_CPU_FEATURES")):
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "ALL")).upper()  # oneDNN's cap
+    if env.get("ATEN_CPU_CAPABILITY") and (onednn == "ALL" or not env.get("NPY_DISABLE_CPU_FEATURES")):
         # ATen lowered by hand while oneDNN or numpy (whose SIMD loops run the strict kernels in Triton's
         # interpreter) keep the hardware's ISA: a mixture no shipped line was recorded on (measured: its off and
         # strict digests matched neither class), so it gets a class of its own.
         return tag + "_mixed"
-    if re.search(r"\bamx_bf16\b", cpuinfo) and (cap == "ALL" or "AMX" in cap):
+    if re.search(r"\bamx_bf16\b", cpuinfo) and (onednn == "ALL" or "AMX" in onednn):
         tag += "_amx"
     return tag
 

@@ -51,15 +51,14 @@ def _cache_lookups(interpreter, tl) -> None:
     if patch_builtin is None or getattr(interpreter, "_patch_attr", None) is None or np_dtype is None:
         return
     objects = (tl, tl.core, tl.core.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None))
-    builtins = {id(obj): (obj, [(name, member) for name, member in inspect.getmembers(obj)
-                                if tl.core.is_builtin(member)])
-                for obj in objects if obj is not None}
+    builtins = {obj: [(name, member) for name, member in inspect.getmembers(obj) if tl.core.is_builtin(member)]
+                for obj in objects if obj is not None}  # modules and classes: hashed by identity
 
     def cached_patch_builtin(pkg, builder, scope):
-        known = builtins.get(id(pkg))
-        if known is None or known[0] is not pkg:
+        known = builtins.get(pkg)
+        if known is None:
             return patch_builtin(pkg, builder, scope)
-        for name, member in known[1]:
+        for name, member in known:
             interpreter._patch_attr(pkg, name, member, builder, scope)  # looked up per call, as Triton's own does
 
     pointer = np_dtype(tl.pointer_type(tl.float32))
@@ -69,12 +68,11 @@ def _cache_lookups(interpreter, tl) -> None:
         scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
         if isinstance(scalar, tl.pointer_type):
             return pointer
-        name = getattr(scalar, "name", None)
-        found = by_name.get(name) if type(scalar) is tl.dtype else None
+        if type(scalar) is not tl.dtype:  # a dtype subclass: Triton's own lookup
+            return np_dtype(tt_dtype)
+        found = by_name.get(scalar.name)
         if found is None:
-            found = np_dtype(tt_dtype)
-            if type(scalar) is tl.dtype:
-                by_name[name] = found
+            found = by_name[scalar.name] = np_dtype(tt_dtype)
         return found
 
     cached_patch_builtin._h3_original = patch_builtin  # for tests that compare against Triton's own lookups

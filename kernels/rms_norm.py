@@ -102,8 +102,9 @@ def _rms_norm_bwd_kernel(
         # A tile wholly past the last row is skipped: it would store nothing and add only +0.0 to dw, which is
         # never -0.0 (it starts at +0.0, and x + y rounds to -0.0 only when both are -0.0), so the bytes are the
         # same; a short input (the tiny model's 22 rows in a 1,024-row chunk) no longer runs 15 empty tiles.
-        if (chunk * TILES + t) * ROWS < n_rows:
-            rows = (chunk * TILES + t) * ROWS + tl.arange(0, ROWS)
+        start = (chunk * TILES + t) * ROWS
+        if start < n_rows:
+            rows = start + tl.arange(0, ROWS)
             row_ok = rows < n_rows
             mask = row_ok[:, None] & col_ok[None, :]
             offs = tile_offsets(rows, D, cols, 1)

@@ -11,12 +11,12 @@ are not printed and do not count. The file is replaced atomically.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+from h3lab.io_utils import atomic_write_text
 
 LINE = re.compile(r"^\s*(?P<seconds>\d+(?:\.\d+)?)s\s+(?:call|setup|teardown)\s+(?P<node>tests/\S+?\.py)(?:::|\s|$)")
 OUT = Path(__file__).resolve().parent.parent / "tests" / "module_seconds.json"
@@ -43,11 +43,7 @@ def main(argv: list[str]) -> int:
     if not totals:
         print(f"error: {path}: no '--durations' lines (run pytest with --durations=0)", file=sys.stderr)
         return 2
-    fd, tmp = tempfile.mkstemp(dir=OUT.parent, prefix=".module_seconds.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(totals, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, OUT)
+    atomic_write_text(OUT, json.dumps(totals, indent=1) + "\n")  # heaviest first, as a reader scans it
     print(f"{OUT}: {len(totals)} modules, {sum(totals.values()):.0f} s")
     return 0
 

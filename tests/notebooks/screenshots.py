@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nb_helpers import NOTEBOOKS  # noqa: E402
-from test_browser import _ALL_CELLS_RAN, _FAILED_CELLS, JupyterLab, _chromium, open_and_run  # noqa: E402
+from test_browser import _ALL_CELLS_RAN, _FAILED_CELLS, _chromium, open_and_run, start_lab  # noqa: E402
 
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
 WIDTH = 1280
@@ -109,9 +109,8 @@ def main() -> None:
     shutil.copytree(NOTEBOOKS.parent / "benchmarks" / "results", root / "benchmarks" / "results")
     for name in args.only:
         shutil.copy(NOTEBOOKS / f"{name}.ipynb", root / "notebooks" / f"{name}.ipynb")
-    lab = JupyterLab(root / "notebooks", work / "jupyterlab.log")
+    lab = start_lab(root / "notebooks", work)
     try:
-        lab.wait_ready(90)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
