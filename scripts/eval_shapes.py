@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt  # noqa: E402
+from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
 from h3lab.shapes.clips import first_last  # noqa: E402
 
 GEN = dict(width=64, height=64, frames=22, mode="off")
@@ -49,12 +49,26 @@ def strip(frames: np.ndarray, scale: int = 3) -> np.ndarray:
     return np.concatenate([x for t in tiles for x in (t, gap)][:-1], axis=1)
 
 
+ATTRIBUTE_READS = ("colour", "direction", "tone", "pan")
+
+
+def _fractions(rows: list[dict], prefix: str) -> dict:
+    """{prefix + "fraction_<attribute>" / "fraction_all_four": share of `rows` that match}, {} for no rows."""
+    if not rows:
+        return {}
+    out = {f"{prefix}fraction_{k}": round(sum(r["match"][k] for r in rows) / len(rows), 4) for k in ATTRIBUTE_READS}
+    return {f"{prefix}runs": len(rows), f"{prefix}fraction_all_four": round(sum(r["all"] for r in rows) / len(rows), 4),
+            **out}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--snapshot", default=None, help="snapshot (default: the embedded default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--fl2va", type=int, default=12, help="how many held-out triples also run as fl2va")
+    p.add_argument("--training", type=int, default=0,
+                   help="also run this many training triples (spread over the list, first seed): fitting vs generalising")
     p.add_argument("--device", default="cpu", help="where the session runs (the shipped numbers: cpu)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "shapes_eval.json"))
     p.add_argument("--strip", default=str(ROOT / "docs" / "screenshots" / "shapes_demo_strip.png"))
@@ -69,20 +83,23 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     session = Session(args.snapshot, device=args.device)
     rows, t0 = [], time.time()
-    for (colour, shape, direction) in held_out_combos():
+    train = training_combos()
+    picks = [train[k] for k in np.linspace(0, len(train) - 1, args.training).round().astype(int)] if args.training else []
+    jobs = [("held_out", combo, seed) for combo in held_out_combos() for seed in args.seeds]
+    jobs += [("training", combo, args.seeds[0]) for combo in picks]
+    for split, (colour, shape, direction), seed in jobs:
         spec = ClipSpec(colour, shape, direction)
-        for seed in args.seeds:
-            t = time.time()
-            res = session.generate(prompt(spec), seed=seed, steps=args.steps, **GEN)
-            m = measure(res.frames, res.audio.numpy(), res.sample_rate)
-            ok = matches(m, colour, shape, direction)
-            rows.append({"prompt": prompt(spec), "seed": seed, "task": "t2va", "match": ok, "all": all(ok.values()),
-                         "measured": m.to_dict(), "seconds": round(time.time() - t, 2)})
-            print(f"{prompt(spec)!r} seed {seed}: {ok} {m.colour} {m.direction} {m.tone} {m.pan_direction}",
-                  flush=True)
-            if len(rows) == 1 and args.strip:
-                Path(args.strip).parent.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(strip(res.frames)).save(args.strip)
+        t = time.time()
+        res = session.generate(prompt(spec), seed=seed, steps=args.steps, **GEN)
+        m = measure(res.frames, res.audio.numpy(), res.sample_rate)
+        ok = matches(m, colour, shape, direction)
+        rows.append({"prompt": prompt(spec), "seed": seed, "task": "t2va", "split": split, "match": ok,
+                     "all": all(ok.values()), "measured": m.to_dict(), "seconds": round(time.time() - t, 2)})
+        print(f"[{split}] {prompt(spec)!r} seed {seed}: {ok} {m.colour} {m.direction} {m.tone} {m.pan_direction}",
+              flush=True)
+        if len(rows) == 1 and args.strip:
+            Path(args.strip).parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(strip(res.frames)).save(args.strip)
     fl = []
     with tempfile.TemporaryDirectory() as tmp:
         for (colour, shape, direction) in held_out_combos()[:args.fl2va]:
@@ -97,13 +114,11 @@ def main(argv=None) -> int:
                        "psnr_last_db": round(psnr(res.frames[-1], last), 2),
                        "psnr_first_vs_background_db": round(psnr(np.full_like(first, 24), first), 2)})
             print(fl[-1], flush=True)
-    n = len(rows)
+    held = [r for r in rows if r["split"] == "held_out"]
     summary = {
-        "shape": "64x64x22f", "impl": "h3lab-off", "runs": n, "held_out_prompts": len(held_out_combos()),
-        "seeds": args.seeds, "steps": args.steps,
-        "fraction_all_four": round(sum(r["all"] for r in rows) / n, 4),
-        **{f"fraction_{k}": round(sum(r["match"][k] for r in rows) / n, 4) for k in ("colour", "direction", "tone",
-                                                                                    "pan")},
+        "shape": "64x64x22f", "impl": "h3lab-off", "held_out_prompts": len(held_out_combos()),
+        "seeds": args.seeds, "steps": args.steps, **_fractions(held, ""),
+        **_fractions([r for r in rows if r["split"] == "training"], "training_"),
         "fl2va_psnr_first_db_mean": round(float(np.mean([r["psnr_first_db"] for r in fl])), 2),
         "fl2va_psnr_last_db_mean": round(float(np.mean([r["psnr_last_db"] for r in fl])), 2),
         "median_s": round(float(np.median([r["seconds"] for r in rows])), 2), "peak_mem_gib": None,

@@ -1,7 +1,7 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
     python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S] [--ref-seconds S]
-        [--audio-crop SAMPLES]
+        [--audio-crop SAMPLES] [--partial-variants K]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
 1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
@@ -30,11 +30,13 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
    `VideoVAE.encode_condition`, targets the VAE posterior means through the wrappers' normalisation): sigma from
    `shifted_sigma` on the released shifts, `noise_mix`, conditioning rows at CONDITION_T, target x0 - noise on the
-   generated rows. Departures from `h3lab.training.train_step`, for speed: the run is in `off` mode (strict
+   generated rows. With `--partial-variants K`, the clips of seeds < K also train as t2va requests whose prompt
+   (`h3lab.shapes.partial_prompt`) says a seeded proper subset of (colour, shape, direction), the rest generic: each
+   word is then learned on its own, not only inside the 48 training mixes. Departures from `h3lab.training.train_step`, for speed: the run is in `off` mode (strict
    training on the CPU interpreter is far too slow), each step is one batched forward of `--batch` clips of one
    layout sharing one sigma draw (H3's forward takes one timestep table per batch; the strict step's per-request
    micro-batches are ~15x slower here), the weights train in float32 with torch AdamW and an EMA (decay
-   `EMA_DECAY`), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` (same
+   `EMA_DECAY`, one `_foreach_lerp_` a step), and are stored in the released dtypes (bfloat16 except the float32 modules). `transformer_ref/` (same
    config) starts from the trained transformer and is tuned `--ref-steps` on ref2va requests (the shape's centred
    still, `h3lab.shapes.reference_image`, as the image reference) of `--ref2va-variants` seeds per triple.
 5. the snapshot folder `OUT/h3-shapes/` (released layout) with `h3lab_training.json` (the seal: command, device,
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -70,7 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG  # noqa: E402
 from h3lab.config import H3Config  # noqa: E402
-from h3lab.shapes import ClipSpec, prompt, render_clip, training_combos  # noqa: E402
+from h3lab.shapes import ATTRIBUTES, ClipSpec, partial_prompt, prompt, render_clip, training_combos  # noqa: E402
 from h3lab.shapes.clips import BACKGROUND  # noqa: E402
 
 SNAPSHOT_NAME = "h3-shapes"
@@ -99,6 +102,8 @@ KL_WEIGHT = 1e-4
 EMA_DECAY = 0.999
 PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
+# `--partial-variants`: the proper subsets of the attributes a partial prompt may keep (all three is the full prompt).
+PARTIAL_KEEPS = [keep for r in range(len(ATTRIBUTES)) for keep in itertools.combinations(ATTRIBUTES, r)]
 GEOMETRY = dict(width=64, height=64, frames=22)  # 7 latent frames of 4x4, 37 audio latents per channel
 
 
@@ -349,18 +354,22 @@ def build_requests(snapshot: Path, specs, frames, audio, args, device):
             target = patchify(z)
             rows_a = avae.encode(torch.from_numpy(audio[i]))
             tasks = ["t2va"] + (["fl2va"] if spec.seed < args.fl2va_variants else []) + (
-                ["ref2va"] if spec.seed < args.ref2va_variants else [])
+                ["ref2va"] if spec.seed < args.ref2va_variants else []) + (
+                ["partial"] if spec.seed < args.partial_variants else [])
             for task in tasks:
-                anchors, refs = (), ()
+                anchors, refs, text = (), (), prompt(spec)
+                if task == "partial":  # a t2va request whose prompt says a seeded proper subset of the attributes
+                    pick = int(np.random.default_rng([args.seed, 7, i]).integers(len(PARTIAL_KEEPS)))
+                    task, text = "t2va", partial_prompt(spec, PARTIAL_KEEPS[pick])
                 if task == "fl2va":
                     anchors = (Keyframe(frames[i, 0], "first"), Keyframe(frames[i, -1], "last"))
                 if task == "ref2va":  # the shape's still, centred, as the reference image (transformer_ref/)
                     refs = (ImageRef(reference_image(spec.colour, spec.shape, GEOMETRY["width"], GEOMETRY["height"]),
                                      source="shapes"),)
                 if task == "t2va":  # the text rows of a t2va request depend on the prompt alone
-                    if prompt(spec) not in t2va_text:
-                        t2va_text[prompt(spec)] = text_encoder.encode(prompt(spec))
-                    enc = t2va_text[prompt(spec)]
+                    if text not in t2va_text:
+                        t2va_text[text] = text_encoder.encode(text)
+                    enc = t2va_text[text]
                 else:  # fl2va / ref2va: the anchors / references are presented to the text encoder too
                     enc = text_encoder.encode(prompt(spec), anchors, refs)
                 cond_lat = [vvae.encode_condition(k.image[None]) for k in anchors + refs]
@@ -417,6 +426,7 @@ def train_transformer(groups, args, device, *, name="transformer", tasks=("t2va"
     if init is not None:
         model.load_state_dict(init)
     ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ema_list, param_list = list(ema.values()), [p.detach() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     keys = sorted(k for k in groups if k[0] in tasks)
     sizes = torch.tensor([groups[k]["video"].shape[0] for k in keys], dtype=torch.float64)
@@ -448,9 +458,8 @@ def train_transformer(groups, args, device, *, name="transformer", tasks=("t2va"
             loss = objective.video_weight * loss_v + objective.audio_weight * loss_a
             _update(opt, model, loss)
             decay = min(EMA_DECAY, (1 + phase.done) / (10 + phase.done))
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    ema[n].lerp_(p.detach(), 1 - decay)
+            with torch.no_grad():  # one fused update of every EMA tensor (the per-tensor loop was launch-bound)
+                torch._foreach_lerp_(ema_list, param_list, 1 - decay)
             phase.log(float(loss))
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -542,6 +551,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dit-lr", type=float, default=1e-3)
     p.add_argument("--ref2va-variants", type=int, default=2, help="of the variants, how many also train as ref2va")
+    p.add_argument("--partial-variants", type=int, default=0,
+                   help="of the variants, how many also train as t2va with a partial prompt (a seeded proper subset "
+                        "of colour, shape, direction said; the rest generic)")
     p.add_argument("--ref-steps", type=int, default=1500, help="transformer_ref/ tuning steps (ref2va)")
     p.add_argument("--ref-lr", type=float, default=3e-4)
     for name in ("vae", "audio", "dit", "ref"):

@@ -13,7 +13,10 @@ Contract
   shape (`TONES`: circle high 880 Hz, square middle 440 Hz, triangle low 220 Hz) at amplitude `AMPLITUDE`, seeded
   phase, 5 ms fades; equal-power pan that follows the shape's horizontal position x (pan = x / W clipped to [0, 1]:
   left gain cos(pan pi/2), right gain sin(pan pi/2)), interpolated per sample along the same path as the video.
-- `prompt(spec)` says it: "a red circle moves left, a high tone".
+- `prompt(spec)` says it: "a red circle moves left, a high tone". `partial_prompt(spec, keep)` says only the
+  attributes in `keep` (a subset of `ATTRIBUTES`), the rest left generic ("a circle moves", "a red shape moves left");
+  the shape carries its tone. Training on partial prompts (scripts/train_shapes.py `--partial-variants`) lets each
+  word be learned on its own, so a held-out mix of words is a mix of what each word means.
 - `first_last(spec)` are the clip's first and last frames (FL2VA anchors); `reference_image(colour, shape)` is a still
   of the shape centred on the canvas (Ref2VA reference), from the same renderer.
 - Split: `training_combos()` / `held_out_combos()` partition the 5 x 3 x 4 = 60 (colour, shape, direction) triples;
@@ -104,8 +107,24 @@ class ClipSpec:
         return start, end, float(radius), phase
 
 
+ATTRIBUTES = ("colour", "shape", "direction")
+
+
 def prompt(spec: ClipSpec) -> str:
     return f"a {spec.colour} {spec.shape} moves {spec.direction}, a {spec.tone} tone"
+
+
+def partial_prompt(spec: ClipSpec, keep) -> str:
+    """The prompt saying only the attributes in `keep` (module docstring); all three give `prompt(spec)`."""
+    keep = tuple(keep)
+    bad = [k for k in keep if k not in ATTRIBUTES]
+    if bad or len(set(keep)) != len(keep):
+        raise ValidationError(f"keep={keep!r}: must be distinct names among {', '.join(ATTRIBUTES)}")
+    colour = f"{spec.colour} " if "colour" in keep else ""
+    shape = spec.shape if "shape" in keep else "shape"
+    direction = f" {spec.direction}" if "direction" in keep else ""
+    tone = f", a {spec.tone} tone" if "shape" in keep else ""
+    return f"a {colour}{shape} moves{direction}{tone}"
 
 
 def _coverage(shape: str, cx: float, cy: float, r: float, width: int, height: int) -> np.ndarray:

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from h3lab.errors import ValidationError
-from h3lab.shapes import (COLOURS, DIRECTIONS, SHAPES, ClipSpec, first_last, held_out_combos, matches, measure,
-                          prompt, reference_image, render_clip, training_combos)
+from h3lab.shapes import (ATTRIBUTES, COLOURS, DIRECTIONS, SHAPES, ClipSpec, first_last, held_out_combos, matches,
+                          measure, partial_prompt, prompt, reference_image, render_clip, training_combos)
 from h3lab.shapes.clips import BACKGROUND
 
 
@@ -54,6 +54,22 @@ def test_measurements_can_fail():
     assert matches(red, "blue", "circle", "down") == {"colour": False, "direction": False, "tone": False, "pan": True}
     blank = measure(np.full((22, 64, 64, 3), 24, np.uint8), np.zeros((2, 29600), np.float32))
     assert (blank.colour, blank.direction, blank.tone, blank.pan_direction) == (None, None, None, None)
+
+
+def test_partial_prompts_say_only_what_they_keep():
+    spec = ClipSpec("yellow", "triangle", "up")
+    assert partial_prompt(spec, ATTRIBUTES) == prompt(spec) == "a yellow triangle moves up, a low tone"
+    assert partial_prompt(spec, ("direction", "colour")) == "a yellow shape moves up"
+    assert partial_prompt(spec, ("shape",)) == "a triangle moves, a low tone"
+    assert partial_prompt(spec, ()) == "a shape moves"
+    words = {k: {getattr(spec, k), spec.tone} if k == "shape" else {getattr(spec, k)} for k in ATTRIBUTES}
+    for keep in ((), ("colour",), ("shape", "direction")):
+        said = set(partial_prompt(spec, keep).replace(",", "").split())
+        for k in ATTRIBUTES:
+            assert (words[k] <= said) == (k in keep), (keep, k)
+    for keep, text in ((("size",), "keep=\\('size',\\)"), (("shape", "shape"), "distinct")):
+        with pytest.raises(ValidationError, match=text):
+            partial_prompt(spec, keep)
 
 
 def test_bad_inputs_are_one_line_errors():
