@@ -1,6 +1,8 @@
 """The mesh LoRA step's gradients byte-equal to one process, at H3Config.full() widths (bytes only).
 
     torchrun --standalone --nproc-per-node 4 benchmarks/benchmark_mesh_lora.py --out $OUT/mesh_lora_step.json
+    torchrun --standalone --nproc-per-node 4 benchmarks/benchmark_mesh_lora.py --topologies tp2+sp,tp2xcp2+sp,tp4+sp \
+        --out $OUT/mesh_lora_step_sp.json                                                     # sequence parallel
     torchrun --standalone --nproc-per-node 4 benchmarks/benchmark_mesh_lora.py --tiny --out /tmp/m.json   # CPU dry run
 
 Every rank shares one GPU (`init_mesh(share_device=True)`, gloo, the collectives' CUDA tensors staged through host
@@ -9,7 +11,8 @@ memory: `mesh.shared_memory = False`, so bytes move through torch.distributed al
 counter-random weights (`shard_load.random_sharded_transformer`, seed 1234), a rank-16 LoRA on every attention and
 FFN projection (peft's A init, B drawn N(0, 0.02^2) so every factor has a gradient), one fl2va request. Rank 0 first
 runs the one-process strict step (loss and flat float32 gradient over all LoRA factors); then for each topology
-(`--topologies`, default tp2, cp2, tp2xcp2; a topology smaller than the launch runs as data-parallel replicas of it,
+(`--topologies`, default tp2, cp2, tp2xcp2; any of `TOPOLOGIES`, each with `+sp` for sequence parallel over its TP
+group, e.g. tp2+sp, tp2xcp2+sp, tp4+sp; a topology smaller than the launch runs as data-parallel replicas of it,
 each replica the same request) every rank builds the model, parallelizes it, runs the same step, and the table
 records per rank: loss and gradient byte-equal to the one-process step, peak GPU memory (`max_memory_allocated` of
 the rank's process), the step's wall time (bytes only: ranks time-sliced on one GPU, never scaling). The JSON is
@@ -30,6 +33,14 @@ from _common import header, prepare, write  # noqa: E402
 
 TOPOLOGIES = {"cp2": (1, 2), "tp2": (2, 1), "tp2xcp2": (2, 2), "cp4": (1, 4), "tp4": (4, 1)}
 LABEL = ("bytes only: every rank shares one GPU, collectives host-staged over gloo; times are not scaling")
+
+
+def _topology(name: str) -> tuple[int, int, bool]:
+    """(tp, cp, sp) of a `--topologies` name: a `TOPOLOGIES` key, optionally with `+sp`."""
+    base, plus, rest = name.partition("+")
+    if base not in TOPOLOGIES or (plus and rest != "sp"):
+        raise SystemExit(f"--topologies {name!r}: must be one of {', '.join(TOPOLOGIES)}, each optionally +sp")
+    return (*TOPOLOGIES[base], bool(plus))
 
 
 def _digest(t) -> str:
@@ -100,8 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     names = args.topologies.split(",")
-    first = TOPOLOGIES[names[0]]
-    init_mesh(tp=first[0], cp=first[1], dp=world // (first[0] * first[1]), device=dev, config=config,
+    topologies = {name: _topology(name) for name in names}  # every name checked before the process group starts
+    first = topologies[names[0]]
+    init_mesh(tp=first[0], cp=first[1], sp=first[2], dp=world // (first[0] * first[1]), device=dev, config=config,
               share_device=True)  # starts the gloo process group
     rank = dist.get_rank()
     waiting = dist.new_group(backend="gloo", timeout=timedelta(hours=1))  # others wait for rank 0's reference
@@ -142,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     ref = ref[0]
 
     for name in names:
-        tp, cp = TOPOLOGIES[name]
-        mesh = init_mesh(tp=tp, cp=cp, dp=world // (tp * cp), device=dev, config=config, share_device=True)
+        tp, cp, sp = topologies[name]
+        mesh = init_mesh(tp=tp, cp=cp, sp=sp, dp=world // (tp * cp), device=dev, config=config, share_device=True)
         mesh.shared_memory = False  # torch.distributed gloo with host-staged CUDA tensors, no mailbox
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -163,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         if rank == 0:
             doc["results"].append({
                 "topology": name, "impl": f"h3lab-strict-{name}", "dp_replicas": mesh.dp, "world_size": world,
+                "sp": sp, "row_parallel": mesh.topology.strategy,
                 "rows": request.layout.sequence_length, "transport": mesh.transport, "timing_label": LABEL,
                 "loss_equal_ranks": [r["loss"] for r in ranks], "gradient_equal_ranks": [r["gradient"] for r in ranks],
                 "bytes_equal": all(r["loss"] and r["gradient"] for r in ranks),

@@ -15,7 +15,10 @@ later, with the actions that take it), and so are the `Session(...)` options dec
 
 `--tp T --cp C [--sp] [--row-parallel auto|k_chunks|n_split]` (under torchrun, world size T*C) run the one-shot
 generation, the REPL or a replay on a device mesh (`h3lab.distributed.frontend`): rank 0 runs the front end, the
-other ranks follow its forwards; the mode defaults to strict there (a sharded forward runs strict only).
+other ranks follow its forwards; the mode defaults to strict there (a sharded forward runs strict only). Every
+rank runs under `distributed.peers.watch`: a rank that dies mid-run (a signal, `os._exit`, a broken transport) ends
+every surviving rank with one line naming it ("rank 1 died mid-generation (no word from it ...)", exit 2), and
+rank 0, the only writer, leaves nothing half-written (every output is written atomically after the last forward).
 
 The CLI parses flags and prints; the work is elsewhere: `--info` is `h3lab.diagnostics.info_report`, `--replay` is
 `h3lab.replay.run_replay`, the REPL is `h3lab.repl.run_repl` given a session factory (`session_from_args`), and a
@@ -483,6 +486,9 @@ def _replay(args) -> int:
     return 0 if report.ok else 1
 
 
+MESH_WORK = {"one-shot": "generation", "replay": "replay", "repl": "session"}  # "rank R died mid-<work>"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # `h3lab train ...`: the training front end
@@ -506,15 +512,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args) if action in ("one-shot", "repl") else None
         if mesh is not None:  # rank 0 checks and runs the action, the other ranks follow its forwards
             from .distributed.frontend import close_mesh, run_on_mesh
+            from .distributed.launch import RankFailed
+            from .distributed.peers import watch
 
             def lead_action() -> int:
                 preflight(args, action)
                 return run_action(args, action, settings)
 
-            try:
-                rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
-            finally:
+            try:  # a rank that dies mid-run is named in one line on every survivor (peers.watch)
+                with watch(mesh, MESH_WORK.get(action, "run")):
+                    rc = run_on_mesh(args, mesh, lead_action, lambda: session_from_args(args))
+            except RankFailed:
+                raise  # a peer is gone: no barrier left to meet at
+            except BaseException:
                 close_mesh()  # every rank reached run_on_mesh's failure exchange, so every rank meets here
+                raise
+            close_mesh()
             return rc
         preflight(args, action)
         return run_action(args, action, settings)

@@ -6,7 +6,9 @@ the ways a mesh job ends early into one line on every rank:
   process group's store and re-raises its error (its own line);
 - a rank whose collective breaks (the peer's socket closed: gloo / NCCL raise) or whom the launcher stops (torchrun
   sends SIGTERM to the survivors of a dead worker; the handler turns it into `Stopped`, once, and ignores the next
-  ones until the process exits, so its line gets printed; whatever the stop interrupted counts as the stop) writes
+  ones until the process exits, so its line gets printed; whatever the stop interrupted counts as the stop; a stop
+  that lands in a finalizer (`__del__`, run by the garbage collector anywhere), where Python would swallow the error
+  and print "Exception ignored in ...", is sent again `REDELIVER_S` later instead) writes
   "alive" and waits up to `window` seconds for every other rank's word; then it raises `RankFailed`: "rank R failed:
   <R's line>"
   when a peer reported its error, else "rank R died mid-<what> (no word from it after the process group broke);
@@ -20,10 +22,11 @@ what a job folder holds is what its writers wrote atomically before the failure.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -33,6 +36,7 @@ from .launch import RankFailed
 from .mesh import Mesh
 
 WINDOW_S = 5.0  # how long a survivor waits for its peers' word
+REDELIVER_S = 0.05  # a stop that landed in a finalizer is sent again this much later
 _count = [0]
 
 
@@ -70,12 +74,7 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
     failing, stopped = [False], [False]
     previous = None
     main = threading.current_thread() is threading.main_thread()
-
-    def stop(signum, frame):  # noqa: ARG001 - the signal module's signature
-        if not failing[0]:
-            failing[0] = stopped[0] = True
-            raise Stopped(f"rank {mesh.rank} stopped by the launcher (SIGTERM)")
-
+    stop = _stop_handler(mesh.rank, failing, stopped)
     if main:
         previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -95,6 +94,37 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
     finally:  # on failure the handler stays (it ignores a second SIGTERM), so the one line is printed before exit
         if main and previous is not None and not failing[0]:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_handler(rank: int, failing: list[bool], stopped: list[bool],
+                  redeliver: Callable[[], None] | None = None) -> Callable:
+    """The SIGTERM handler of one `watch`: raises `Stopped` once (setting `failing` and `stopped`), then ignores;
+    in a finalizer it raises nothing and calls `redeliver` (default: SIGTERM to this process `REDELIVER_S` later)."""
+    def stop(signum, frame):  # noqa: ARG001 - the signal module's signature
+        if failing[0]:
+            return
+        if _in_finalizer(frame):  # what a __del__ raises is swallowed (printed as "Exception ignored in ...")
+            (redeliver or _redeliver)()
+            return
+        failing[0] = stopped[0] = True
+        raise Stopped(f"rank {rank} stopped by the launcher (SIGTERM)")
+
+    return stop
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether `frame` runs inside a `__del__` (the garbage collector's finalizers run in whatever code allocated)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver() -> None:
+    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.daemon = True
+    timer.start()
 
 
 def _verdict(store, prefix: str, rank: int, world: int, what: str, window: float) -> str:

@@ -3,7 +3,8 @@ runs the replay through the command registry, rank 1 follows its forwards; input
 replay run first in one process records its `# expect` line; the torchrun run must match it (exit 0: the distributed
 trajectory digest equals the one-process strict digest), seal the run with its topology and verify it on the mesh.
 One process then refuses to replay the sealed tp2 run (it names its topology). The REPL's lead / follow path runs
-on two gloo ranks in-process (prompt-toolkit pipe input)."""
+on two gloo ranks in-process (prompt-toolkit pipe input). A rank SIGKILLed mid-generation (one-shot and replay, the
+CLI's one `peers.watch` around every mesh action) ends the survivor with one line naming it and nothing written."""
 
 from __future__ import annotations
 
@@ -139,3 +140,45 @@ def test_every_rank_raises_the_first_failing_ranks_own_line(case, line):
     results = run_ranks(_failing_rank, 2, case, timeout=120)
     assert [r["rc"] for r in results] == ["raised", "raised"]
     assert [r["error"] for r in results] == [line, line]
+
+
+DIES = """\
+import os, signal, sys
+if os.environ["RANK"] == "1":  # SIGKILL mid-generation: at the first TP gather of a forward, rank 0 computing its own
+    import h3lab.distributed.collectives as collectives
+    collectives._all_gather = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+from h3lab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+KILLED_REPLAY = """\
+!size 32x32
+!steps 1
+!mode strict
+a red fox
+!trajectory save out/sealed
+"""
+
+
+@pytest.mark.parametrize("action, what", [("one-shot", "generation"), ("replay", "replay")])
+def test_a_rank_killed_mid_generation_is_named_by_the_survivor(tmp_path, tiny_snapshot, action, what):
+    script, out, logs = tmp_path / "dies.py", tmp_path / "out", tmp_path / "logs"
+    script.write_text(DIES)
+    out.mkdir()
+    if action == "replay":
+        (tmp_path / "killed.h3").write_text(KILLED_REPLAY)
+        tail = ["--replay", str(tmp_path / "killed.h3"), "--allow-unchecked"]
+    else:
+        tail = ["-p", "a red fox", "--width", "32", "--height", "32", "--steps", "1", "-o", str(out / "fox.mp4"),
+                "--trajectory", str(out / "sealed")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
+           str(logs), "--redirects", "3", str(script), "--tp", "2", "--device", "cpu", "-d", str(tiny_snapshot), *tail]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode != 0
+    (err,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
+    text = err.read_text()
+    said = [line for line in text.splitlines() if line.startswith("h3lab:")]
+    assert said == [f"h3lab: error: rank 1 died mid-{what} (no word from it after the process group broke); every "
+                    "other rank stopped"], text[-3000:]
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    assert not list(out.iterdir())  # no output, no sealed trajectory, no temp file or hidden directory

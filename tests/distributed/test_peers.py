@@ -1,8 +1,14 @@
 """`peers._verdict`, the survivor's reading of its peers' word (a dict-backed store: no processes): a peer's own
 error is named as that rank's failure, a peer that never answers within the window is named dead, peers that all
-answered alive leave the original error standing; and which errors count as a broken collective."""
+answered alive leave the original error standing; which errors count as a broken collective; and the launcher's
+stop (SIGTERM) raised once, or sent again when it lands in a finalizer (where Python would swallow it)."""
 
 from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
 
 from h3lab.distributed import peers
 
@@ -43,3 +49,25 @@ def test_which_errors_are_a_broken_collective():
     except KeyError as wrapped:
         assert peers._broken_collective(wrapped)
     assert peers._broken_collective(KeyError("InterpreterError(\"Stopped('rank 0 stopped by the launcher')\")"))
+
+
+class _Finalized:
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __del__(self):
+        self.seen.append(sys._getframe())
+
+
+def test_the_stop_is_raised_once_and_sent_again_from_a_finalizer():
+    frames: list = []
+    _Finalized(frames)  # collected at once: its __del__ records the frame it ran in
+    in_del, here = frames[0], sys._getframe()
+    assert peers._in_finalizer(in_del) and not peers._in_finalizer(here)
+    failing, stopped, sent = [False], [False], []
+    stop = peers._stop_handler(3, failing, stopped, redeliver=lambda: sent.append(1))
+    assert stop(signal.SIGTERM, in_del) is None and sent == [1] and failing == [False]  # nothing raised, resent
+    with pytest.raises(peers.Stopped, match=r"^rank 3 stopped by the launcher \(SIGTERM\)$"):
+        stop(signal.SIGTERM, here)
+    assert failing == [True] and stopped == [True]
+    assert stop(signal.SIGTERM, here) is None and sent == [1]  # a second stop is ignored

@@ -1,8 +1,9 @@
-"""`h3lab train` on a mesh under torchrun (gloo ranks on the CPU, strict under the interpreter): `--tp 2` seals the
-run, the adapter and the final weights of the one-process run (only rank 0 writes and prints), and the sealed mesh
-run verifies on one process; a rank SIGKILLed mid-step under `--cp 2` ends the survivor
-with one line naming it, a non-zero exit and nothing half-written in the job folder; and the mesh flags' bad values,
-each refused with exit 2 and one stderr line before any model loads.
+"""`h3lab train` on a mesh under torchrun (gloo ranks on the CPU, strict under the interpreter), one step of a batch of
+two different clips: `--tp 2 --dp 2` (four ranks) and `--cp 2` (two) each seal the run, the adapter and the final
+weights of the one-process run (only rank 0 writes and prints), and the sealed four-rank run verifies on one process;
+a rank SIGKILLed mid-step under `--cp 2` ends the survivor with one line naming it, a non-zero exit and nothing
+half-written in the job folder; and the mesh flags' bad values, each refused with exit 2 and one stderr line before
+any model loads.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ TINY = H3Config.tiny()  # 2 heads: cp 2 gives each rank one head
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory, tiny_snapshot):
-    """One clip over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5), and the
-    session's tiny snapshot (passed with -d: the user cache's default snapshot is shared with other checkouts)."""
-    layout = build_layout("t2va", [1] * 4, 1, 4, 4, 3, patch_size=TINY.patch_size)
+    """Two clips, over 11 rows (t2va: 4 text, one 4x4 frame = 4 video rows, 3 audio; CP2 shards 6 + 5) and 13 rows
+    (5 audio; 7 + 6): a batch of 2 gives each data-parallel replica a different request. And the session's tiny
+    snapshot (passed with -d: the user cache's default snapshot is shared with other checkouts)."""
+    short, long = (build_layout("t2va", [1] * 4, 1, 4, 4, audio, patch_size=TINY.patch_size) for audio in (3, 5))
     path = tmp_path_factory.mktemp("mesh-data") / "clips"
-    save_dataset(path, [make_clip(TINY, layout, seed=9)])
+    save_dataset(path, [make_clip(TINY, short, seed=9), make_clip(TINY, long, seed=10)])
     return path, tiny_snapshot
 
 
@@ -75,26 +77,47 @@ def _torchrun(n: int, *tail: str) -> list[str]:
             "--master-port", str(_free_port()), *tail]
 
 
-def test_tp2_training_run_under_torchrun_equals_one_process(clips, tmp_path, capsys, tiny_snapshot):
-    """`--tp 2` (two ranks). `--tp 2 --dp 2 --batch-size 2` (four ranks) passed the same assertions by hand, in
-    minutes of the shared CPU: too slow for CI; data parallelism's bytes are the spawned DP2 x CP2 step test's."""
-    mesh_out, one_out = tmp_path / "mesh", tmp_path / "one"
-    cmd = _torchrun(2, "-m", "h3lab", "train", *_argv(clips, mesh_out, "--tp", "2"))
-    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def one_process(clips, tmp_path_factory) -> dict:
+    """The job's one-process run (batch 2), the manifest every mesh run must equal."""
+    out = tmp_path_factory.mktemp("one-process") / "job"
+    assert train.main(_argv(clips, out, "--batch-size", "2")) == 0
+    return _manifest(out)
+
+
+def _trains_on_a_mesh(clips, out, n: int, *mesh_flags: str) -> dict:
+    """`torchrun --nproc-per-node n -m h3lab train ... --batch-size 2 <mesh_flags>`: exit 0, rank 0 alone reports."""
+    cmd = _torchrun(n, "-m", "h3lab", "train", *_argv(clips, out, "--batch-size", "2", *mesh_flags))
+    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900, cwd=out.parent)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.stdout.count("trained 1 steps") == 1  # rank 0 alone reports
-    assert train.main(_argv(clips, one_out)) == 0
-    capsys.readouterr()
-    mesh, one = _manifest(mesh_out), _manifest(one_out)
+    assert done.stdout.count("trained 1 steps") == 1
+    return _manifest(out)
+
+
+def _same_run(mesh: dict, one: dict, topology: str) -> None:
     assert mesh["digest"] == one["digest"]  # losses, every gradient, weights and optimiser state, step by step
     assert mesh["adapter"]["final_sha256"] == one["adapter"]["final_sha256"]
     assert mesh["weights_file"] == one["weights_file"]
-    assert mesh["meta"]["mesh"]["topology"]["name"] == "tp2xcp1" and "mesh" not in one["meta"]
+    assert mesh["meta"]["mesh"]["topology"]["name"] == topology and "mesh" not in one["meta"]
     assert mesh["meta"]["job"] == one["meta"]["job"]  # the topology is no part of the job (resume may change it)
+
+
+def test_tp2_dp2_training_run_under_torchrun_equals_one_process(clips, one_process, tmp_path):
+    """Four ranks: two TP2 replicas, each computing one of the batch's two requests."""
+    mesh = _trains_on_a_mesh(clips, tmp_path / "mesh", 4, "--tp", "2", "--dp", "2")
+    _same_run(mesh, one_process, "tp2xcp1")
+    assert mesh["meta"]["mesh"]["data_parallel"] == {"dp": 2, "dp_rank": 0} and mesh["data_parallel"]
     # the mesh-trained run verifies on one process, step by step (a model carrying the job's adapter)
     model = H3Transformer.from_pretrained(str(clips[1]), subfolder="transformer", device="cpu")
     add_lora(model, 2, 3.0)
-    assert verify(mesh_out / "run", model).ok
+    assert verify(tmp_path / "mesh" / "run", model).ok
+
+
+def test_cp2_training_run_under_torchrun_equals_one_process(clips, one_process, tmp_path):
+    """Two ranks, each holding half of every request's rows (Ulysses): the sealed digest is the one-process run's."""
+    mesh = _trains_on_a_mesh(clips, tmp_path / "mesh", 2, "--cp", "2")
+    _same_run(mesh, one_process, "tp1xcp2")
+    assert not mesh["data_parallel"] and "data_parallel" not in mesh["meta"]["mesh"]
 
 
 DIES = """\
