@@ -217,6 +217,12 @@ def test_ineligible_and_bad_calls(model):
     with runtime.use_mode("auto"):
         cache.run(model, args, model._run_ops, device_ok=lambda a: True)
     assert strict_graph.last_path()["reason"] == "grad mode is on"
+    handle = model.transformer_blocks[0].ff.register_forward_hook(lambda *a: None)  # deep in the tree
+    try:
+        _auto(cache, model, args)
+    finally:
+        handle.remove()
+    assert strict_graph.last_path()["reason"] == "a torch forward hook is registered"
     expanded = (args[0][:, :1].expand(-1, args[0].shape[1], -1),) + args[1:]  # stride 0: no dense static copy
     out = _auto(cache, model, expanded)
     assert "not dense" in strict_graph.last_path()["reason"]
