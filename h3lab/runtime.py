@@ -38,6 +38,10 @@ on all rows of the rank's heads). The trace records served calls (`ops.log_serve
 (`Trace.placement`) and the forward's collective log (`Trace.collectives`); both are None, and absent from
 `to_dict()`, for a one-process forward.
 
+`derived(tensors, tag, make)` keeps a value derived from integer tensors (the AdaLN row index) while they are
+unchanged, and `frozen_index_caches()` is what a CUDA graph capture (`h3lab.cuda_graph`) runs inside: no index-cache
+entry is built there (a miss raises before any host sync), and the entries read are collected for the graph.
+
 `last_trace()` returns the `Trace` of the most recent forward in this context: per op call the hook point, the
 requested and actual backend, kernel id, tile config, accumulator dtype, shapes and dtypes, plus device, library
 versions and checkpoint fingerprint. `Trace.to_json()` serialises it.
