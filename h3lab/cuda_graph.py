@@ -62,13 +62,13 @@ MAX_GRAPHS = 3
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """What one mode's graphs depend on. `mode`: the runtime mode whose eager traces carry the path; `enabled`: its
-    on/off switch; `switch_name`: how `use_graphs` is spelled (the disabled reason names it); `refuse()`: "" or why a
-    call of this mode cannot be captured; `key()`: the mode's switches a captured forward depends on."""
+    on/off switch; `switch_name`: how `use_graphs` is spelled (the disabled reason names it); `refuse(args)`: "" or
+    why this call of the mode is not captured; `key()`: the mode's switches a captured forward depends on."""
 
     mode: str
     enabled: contextvars.ContextVar
     switch_name: str
-    refuse: Callable[[], str] = lambda: ""
+    refuse: Callable[[tuple], str] = lambda args: ""
     key: Callable[[], tuple] = lambda: ()
     last_path: contextvars.ContextVar = dataclasses.field(default=None)  # set in __post_init__
 
@@ -213,7 +213,7 @@ def _on_cuda(args: tuple) -> bool:
 def _ineligible(policy: Policy, model, args, backend, device_ok) -> str:
     if not policy.enabled.get():
         return f"graphs disabled ({policy.switch_name}(False))"
-    refused = policy.refuse()
+    refused = policy.refuse(args)
     if refused:
         return refused
     if not device_ok(args):

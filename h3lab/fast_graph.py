@@ -25,7 +25,7 @@ _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_grap
 
 POLICY = cuda_graph.Policy(
     mode="fast", enabled=_enabled, switch_name="fast_graph.use_graphs",
-    refuse=lambda: "fast emulation (CPU dry run)" if fast.emulated() else "", key=fast.graph_key,
+    refuse=lambda args: "fast emulation (CPU dry run)" if fast.emulated() else "", key=fast.graph_key,
 )
 
 

@@ -4,8 +4,8 @@ Why: a strict forward is ~2,000 Triton launches (50 blocks); at 2,066 rows the h
 its time (1.064x Diffusers on the H200, issue #24). A replayed graph launches the same kernels on the same buffers
 without the host.
 
-Switch and default: on by default for strict forwards on CUDA (no grad, no hooks, overrides or placement, outside
-`torch.inference_mode()`); `use_graphs(False)` turns them off for the enclosed forwards (the eager strict forward, as
+Switch and default: on by default for strict forwards on CUDA up to `MAX_ROWS` packed rows (no grad, no hooks,
+overrides or placement, outside `torch.inference_mode()`); `use_graphs(False)` turns them off for the enclosed forwards (the eager strict forward, as
 before; benchmarks compare both). On the CPU nothing changes: the forward runs eager (Triton's interpreter) and its
 trace says why (`graph = {"cuda_graph": "eager", "reason": "inputs not on a CUDA device"}`).
 
@@ -37,9 +37,23 @@ from . import cuda_graph
 from .fast import switch  # the one boolean context switch helper (fast's switches use it too)
 
 MAX_GRAPHS = cuda_graph.MAX_GRAPHS
+# Packed rows up to which strict forwards are captured: 12,369 (1344x768x39f) and below, where the host's launch path
+# is a visible part of a forward. Past it a forward is seconds of GPU work (the ~10 ms a graph saves is noise) and a
+# graph's private memory pool -- a forward's peak activations -- would stay held after the call, next to the VAE
+# decode that needs that memory.
+MAX_ROWS = 16384
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_strict_graphs", default=True)
 
-POLICY = cuda_graph.Policy(mode="strict", enabled=_enabled, switch_name="strict_graph.use_graphs")
+
+def _refuse(args: tuple) -> str:
+    """args are `H3Transformer._run_ops`' checked inputs; args[6] is position_ids (S, 3)."""
+    rows = args[6].shape[0] if len(args) > 6 and isinstance(args[6], torch.Tensor) else 0
+    if rows > MAX_ROWS:
+        return f"{rows} packed rows > strict_graph.MAX_ROWS = {MAX_ROWS} (eager: graphs pay only at short layouts)"
+    return ""
+
+
+POLICY = cuda_graph.Policy(mode="strict", enabled=_enabled, switch_name="strict_graph.use_graphs", refuse=_refuse)
 
 
 def use_graphs(enabled: bool):

@@ -217,6 +217,12 @@ def test_ineligible_and_bad_calls(model):
     with runtime.use_mode("auto"):
         cache.run(model, args, model._run_ops, device_ok=lambda a: True)
     assert strict_graph.last_path()["reason"] == "grad mode is on"
+    saved, strict_graph.MAX_ROWS = strict_graph.MAX_ROWS, args[6].shape[0] - 1
+    try:
+        _auto(cache, model, args)
+    finally:
+        strict_graph.MAX_ROWS = saved
+    assert strict_graph.last_path()["reason"].startswith(f"{args[6].shape[0]} packed rows > strict_graph.MAX_ROWS")
     handle = model.transformer_blocks[0].ff.register_forward_hook(lambda *a: None)  # deep in the tree
     try:
         _auto(cache, model, args)
