@@ -9,7 +9,8 @@ keeps the earlier results; a section that raises is recorded as an error and the
    forward_fp32_tf32x3.json hashes (64-bit addressing must not change strict bytes).
 2. `fp8_quantizer`: the Triton row quantiser (kernels/fp8_quant.py) byte-equal to `fast.quantize_rows_reference`,
    and the FP8 projection against its float32 emulation and against bf16 (relative L2 to a float64 truth).
-3. `table`: per shape, all impls interleaved (`h3lab-fast` = CUDA graphs + fused FP8 producers, `h3lab-fast-eager`
+3. `table`: per shape, all impls interleaved (`h3lab-strict` = the eager strict forward, `h3lab-strict-graph` = with
+   strict's CUDA graphs; `h3lab-fast` = CUDA graphs + fused FP8 producers, `h3lab-fast-eager`
    without graphs, `h3lab-fast-unfused` without the fused producers; graph impls warm up twice, the second call
    captures, and record `capture_call_s`, `graph_path` and the replay's bytes against the eager fast forward) (`--runs` timed runs after one warm-up each), median seconds, ratio to
    Diffusers, TFLOP/s of the model's matmul FLOPs, output hashes, strict/fast relative L2 against Diffusers;
@@ -45,6 +46,7 @@ from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared, make_
 COMMITTED = {"h3lab-strict": "5656264074a0503838a772e26b2c9d14a2ce30a60d8dd941c5e9a069900544ca",
              "h3lab-off": "5d170f025541bf2237466ee7d5b79ebbca339be94eee343dde149bb7b96aac55"}
 ALL_SHAPES = "512x512x22f,864x480x56f,1344x768x39f,1344x768x124f,1344x768x362f"
+GRAPH_IMPLS = ("h3lab-fast", "h3lab-fast-unfused", "h3lab-fast-cudnn", "h3lab-strict-graph")  # warm up twice
 
 
 def matmul_flops(config, rows: int, layers: int, batch: int = 1) -> float:
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import fast, fast_graph, runtime
+    from h3lab import fast, fast_graph, runtime, strict_graph
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -156,10 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"built in {t1 - t0:.1f}s; fast.prepare quantised {prepared} weights in {time.time() - t1:.1f}s", flush=True)
 
     def h3(model, mode, inputs):
-        """mode: off | strict | fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers) |
-        fast-cudnn (cuDNN bf16 attention instead of the FP8 kernel)."""
+        """mode: off | strict (eager: no CUDA graphs) | strict-graph (strict's CUDA graphs, h3lab.strict_graph) |
+        fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers) | fast-cudnn (cuDNN bf16
+        attention instead of the FP8 kernel)."""
         base = mode.split("-")[0]
         with runtime.use_mode(base), torch.no_grad(), emulate() if base == "fast" else contextlib.nullcontext(), \
+                strict_graph.use_graphs(mode == "strict-graph"), \
                 fast_graph.use_graphs(mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"), \
                 fast.use_fp8_attention("off" if mode == "fast-cudnn" else "auto"):
             return model(**inputs)
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
             for impl, fn in fns.items():  # warm-up (compilation, FP8 weights of a truncated model; graphs: capture)
                 try:
                     outs[impl] = fn()
-                    if impl in ("h3lab-fast", "h3lab-fast-unfused", "h3lab-fast-cudnn"):  # second call captures
+                    if impl in GRAPH_IMPLS:  # second call captures
                         sync(device)
                         start = time.perf_counter()
                         outs[impl] = fn()
@@ -290,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
                     peaks[impl] = max(peaks.get(impl, 0.0), peak_mem_gib(device))
                     if impl.startswith("h3lab-fast"):
                         paths[impl] = fast_graph.last_path()
+                    elif impl == "h3lab-strict-graph":
+                        paths[impl] = strict_graph.last_path()
             flops = matmul_flops(cfg, rows, n)
             ref = outs.get("diffusers")
             base = statistics.median(times["diffusers"]) if "diffusers" in live else None
@@ -315,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
                     ve, ae = outs["h3lab-fast-eager"]
                     entry["bytes_equal_fast_eager"] = bool(torch.equal(v, ve) and torch.equal(a, ae))
                     entry["rel_l2_vs_fast_eager_video"] = rel_l2(v, ve)
+                if impl == "h3lab-strict-graph" and "h3lab-strict" in outs and "h3lab-strict" not in errors:
+                    vs, as_ = outs["h3lab-strict"]
+                    entry["bytes_equal_strict_eager"] = bool(torch.equal(v, vs) and torch.equal(a, as_))
                 if ref is not None and impl != "diffusers":
                     entry["rel_l2_vs_diffusers_video"] = rel_l2(v, ref[0])
                     entry["rel_l2_vs_diffusers_audio"] = rel_l2(a, ref[1])

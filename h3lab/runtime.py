@@ -38,6 +38,10 @@ on all rows of the rank's heads). The trace records served calls (`ops.log_serve
 (`Trace.placement`) and the forward's collective log (`Trace.collectives`); both are None, and absent from
 `to_dict()`, for a one-process forward.
 
+`derived(tensors, tag, make)` keeps a value derived from integer tensors (the AdaLN row index) while they are
+unchanged, and `frozen_index_caches()` is what a CUDA graph capture (`h3lab.cuda_graph`) runs inside: no index-cache
+entry is built there (a miss raises before any host sync), and the entries read are collected for the graph.
+
 `last_trace()` returns the `Trace` of the most recent forward in this context: per op call the hook point, the
 requested and actual backend, kernel id, tile config, accumulator dtype, shapes and dtypes, plus device, library
 versions and checkpoint fingerprint. `Trace.to_json()` serialises it.
@@ -303,7 +307,7 @@ def last_trace() -> "Trace | None":
 
 
 def set_last_trace(trace: "Trace") -> None:
-    """Make `trace` `last_trace()`: a CUDA graph replay of a fast forward (`h3lab.fast_graph`) runs no op table."""
+    """Make `trace` `last_trace()`: a CUDA graph replay (`h3lab.cuda_graph`) runs no op table."""
     _last_trace.set(trace)
 
 
@@ -331,7 +335,7 @@ class Trace:
     records: list[OpRecord] = field(default_factory=list)
     placement: dict | None = None  # topology, rank, ownership of a sharded forward (h3lab.distributed)
     collectives: Any = None  # its CollectiveLog (`to_dict()`): each collective, its algorithm, fallback state
-    graph: dict | None = None  # fast mode: how the forward ran (`h3lab.fast_graph`: eager, captured or a replay)
+    graph: dict | None = None  # fast and strict: how the forward ran (`h3lab.cuda_graph`: eager, captured, replay)
 
     @property
     def fallbacks(self) -> list[OpRecord]:
@@ -535,6 +539,36 @@ def mode_op(name: str) -> Callable[..., Any]:
     and any placement, recording nothing: what an override that perturbs only some calls delegates the others to."""
     mode = current_mode()
     return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False, placement=False), name)
+
+
+# ------------------------------------------------------------------------------------- derived index tensors
+_DERIVED: Any = None
+
+
+def derived(tensors: tuple[torch.Tensor, ...], tag: str, make: Callable[[], Any]) -> Any:
+    """`make()` (a value derived from the integer tensors `tensors`: the AdaLN row index, a tensor's host bytes)
+    computed once while every tensor is the same live object at the same `_version`, as the strict kernels cache
+    their validated index metadata (`h3kernels._index_cache`): the same layout tensors give the same derived object,
+    so the kernels' caches keyed by it hit too, and a CUDA graph capture (`h3lab.cuda_graph`) finds it built.
+    Inside `torch.inference_mode()` nothing is cached (its result is an inference tensor, which a later forward
+    under autograd could not use)."""
+    global _DERIVED
+    if torch.is_inference_mode_enabled():
+        return make()
+    if _DERIVED is None:
+        from h3kernels._index_cache import IndexCache
+
+        _DERIVED = IndexCache(max_entries=256)
+    return _DERIVED.get(tuple(tensors), (tag,), lambda: {"value": make()})["value"]
+
+
+def frozen_index_caches():
+    """Context manager for a CUDA graph capture: no index-cache entry (strict kernels' or `derived`) is built
+    inside, a miss raises `h3kernels._index_cache.IndexCacheMiss` before any host sync; it yields the list of every
+    entry looked up (the graph keeps them alive)."""
+    from h3kernels import _index_cache
+
+    return _index_cache.frozen()
 
 
 def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:

@@ -5,14 +5,38 @@ and derive integer metadata from them (sort orders, inverse maps). The model pas
 every block and every denoising step, so the result is cached under the identity of the tensors: an entry is used
 only while every key tensor is the same live object with an unchanged `_version` (every in-place write, through
 any view, bumps it), otherwise the check runs again. Inference-mode tensors track no version and are never cached.
+
+`frozen()` (entered around a CUDA graph capture, `h3lab.cuda_graph`): inside it a lookup never builds -- a miss
+raises `IndexCacheMiss` at once, before any host sync could break the capture -- and every entry a lookup returns
+(and its `lazy` metadata) is appended to the list the context yields, so the graph can keep alive the device tensors
+it reads by address after the cache itself has dropped them. `lazy` refuses to compute inside it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+_FROZEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("h3kernels_index_cache_frozen", default=None)
+
+
+class IndexCacheMiss(RuntimeError):
+    """A lookup inside `frozen()` found no valid entry: building it would read the index tensors on the host."""
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[list]:
+    """No builds inside (a miss raises `IndexCacheMiss`); the yielded list collects every entry returned."""
+    pins: list = []
+    token = _FROZEN.set(pins)
+    try:
+        yield pins
+    finally:
+        _FROZEN.reset(token)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -40,7 +64,14 @@ class IndexCache:
             and all(ref() is t for ref, t in zip(entry[0], tensors))
             and entry[1] == versions
         ):
+            pins = _FROZEN.get()
+            if pins is not None:
+                pins.append(entry[2])
             return entry[2]
+        if _FROZEN.get() is not None:
+            raise IndexCacheMiss(f"index cache miss for {extra!r} on tensors of shapes "
+                                 f"{[list(t.shape) for t in tensors]} inside frozen() (a graph capture): "
+                                 "the entry must be built before capture")
         value = build()
         if None not in versions:
             if len(self._entries) >= self._max:
@@ -53,5 +84,7 @@ class IndexCache:
 def lazy(entry: dict, name: str, make: Callable[[], Any]) -> Any:
     """entry[name], computed by make() on first use (derived metadata only the backward needs, say)."""
     if name not in entry:
+        if _FROZEN.get() is not None:
+            raise IndexCacheMiss(f"lazy index metadata {name!r} not built before frozen() (a graph capture)")
         entry[name] = make()
     return entry[name]

@@ -53,7 +53,8 @@ Interpreter (CPU, TRITON_INTERPRET=1): bf16 tiles are widened to float32 before 
           rounded to nearest even by bit arithmetic (the interpreter truncates); tile loop, visiting order and cast
           points are the GPU's; the order inside one dot is numpy's, so CPU bytes are not promised equal to GPU's.
 Refused   not 4-D, shapes differ, dtypes other than bf16/fp32 or mixed, mixed devices, empty (any dim 0), D > 128,
-          B*H > 65535 (grid limit), CPU without the interpreter, key_order not an int64 (S,) permutation.
+          B*H > 65535 (grid limit), CPU without the interpreter, key_order not an int64 (S,) permutation (checked
+          on the host once per key_order tensor, cached while it is unchanged: `_index_cache.py`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import registry
+from ._index_cache import IndexCache
 from ._offsets import tile_offsets
 from .gemm import cast_rne, mma
 
@@ -507,8 +509,16 @@ def _validate(q, k, v, key_order=None) -> None:
             else:
                 desc = type(key_order).__name__
             raise registry.StrictUnsupported(f"attention: key_order is {desc}, must be an int64 tensor of shape ({S},)")
-        if not torch.equal(torch.sort(key_order).values, torch.arange(S, device=key_order.device)):
-            raise registry.StrictUnsupported(f"attention: key_order is not a permutation of 0..{S - 1}")
+        _PERMUTATIONS.get((key_order,), ("permutation", S), lambda: _check_permutation(key_order, S))
+
+
+_PERMUTATIONS = IndexCache()  # key_order tensors checked once (a host sync), not once per block and call
+
+
+def _check_permutation(key_order: torch.Tensor, S: int) -> dict:
+    if not torch.equal(torch.sort(key_order).values, torch.arange(S, device=key_order.device)):
+        raise registry.StrictUnsupported(f"attention: key_order is not a permutation of 0..{S - 1}")
+    return {}
 
 
 # ------------------------------------------------------------------------------------------------- autograd

@@ -4,7 +4,7 @@ Diffusers' two checks come first with Diffusers' messages (`position_ids` must b
 `timestep_indices` must be (seq_len,)). Then: tensor types, 3-D inputs of the config's feature widths, one batch size
 across the three inputs, 1-D float `timestep`, int64 index tensors whose lengths match the inputs' row counts, and
 index values in range (packed positions in [0, seq_len), timestep indices in [0, num_timesteps), tags in {0, 1, 2}).
-The range checks read min/max back to the host once per tensor.
+The range checks read every tensor's min/max back to the host together (one device sync a forward).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _check_index_tensors(named: dict[str, torch.Tensor]) -> None:
 
 
 def _check_index_ranges(named: dict[str, torch.Tensor], seq_len: int, num_timesteps: int) -> None:
-    """Index values in range (one min/max read back per tensor)."""
+    """Index values in range (every tensor's min/max read back to the host together: one device sync)."""
     limits = {
         "video_indices": (seq_len, "a packed position in [0, seq_len)"),
         "audio_indices": (seq_len, "a packed position in [0, seq_len)"),
@@ -125,11 +125,12 @@ def _check_index_ranges(named: dict[str, torch.Tensor], seq_len: int, num_timest
         "timestep_indices": (num_timesteps, "an index into timestep, in [0, num_timesteps)"),
         "token_tags": (NUM_MODALITIES, "a modality tag in {0 video, 1 text, 2 audio}"),
     }
-    for name, (limit, rule) in limits.items():
-        t = named[name]
-        if t.numel() == 0:
-            continue
-        lo, hi = (int(v) for v in torch.aminmax(t))
+    present = [name for name in limits if named[name].numel()]
+    if not present:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(named[name])) for name in present]).tolist()
+    for name, (lo, hi) in zip(present, bounds):
+        limit, rule = limits[name]
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise ModelInputError(f"{name} holds {bad}: each value must be {rule} (bound {limit})")

@@ -29,8 +29,8 @@ Contract:
   `model.reset_buffers(device)` recomputes `inv_freq` (it is not in the state dict). `from_pretrained` delegates to
   `h3lab.checkpoint.loader.load_transformer`.
 - `model.fingerprint` (default "") is written into the runtime trace of every forward.
-- Mode "fast": the checked forward goes through `h3lab.fast_graph.run` (CUDA graphs where eligible, else the same
-  eager forward); every other mode runs it directly.
+- Modes "fast" and "strict": the checked forward goes through `h3lab.fast_graph.run` / `h3lab.strict_graph.run`
+  (CUDA graphs where eligible, else the same eager forward; `h3lab.cuda_graph`); every other mode runs it directly.
 """
 
 from __future__ import annotations
@@ -178,10 +178,15 @@ class H3Transformer(nn.Module):
             check_key_order(key_order, position_ids)
         args = (hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
                 position_ids, video_indices, audio_indices, text_indices, key_order)
-        if runtime.current_mode() == "fast":  # CUDA graphs of the checked forward where eligible (fast_graph)
+        mode = runtime.current_mode()
+        if mode == "fast":  # CUDA graphs of the checked forward where eligible (fast_graph, strict_graph)
             from .. import fast_graph
 
             return fast_graph.run(self, args, self._run_ops)
+        if mode == "strict":
+            from .. import strict_graph
+
+            return strict_graph.run(self, args, self._run_ops)
         return self._run_ops(*args)
 
     def _run_ops(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +229,10 @@ class H3Transformer(nn.Module):
         rotary_emb = self.rope(position_ids.to(torch.float32))
 
         # 6. Block stack; each row reads AdaLN table row timestep_index*3 + tag (integer index arithmetic).
-        adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
+        # One tensor per layout (`runtime.derived`): the strict kernels' index caches then hit across forwards, and a
+        # CUDA graph capture finds the index and its validated metadata built.
+        adaln_indices = runtime.derived((timestep_indices, token_tags), "adaln_indices",
+                                        lambda: timestep_indices * NUM_MODALITIES + token_tags)
         for block in self.transformer_blocks:
             x = self._run_block(ops, hooks, block, x, temb, adaln_indices, rotary_emb, key_order)
 

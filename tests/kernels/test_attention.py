@@ -207,6 +207,11 @@ def test_bad_key_order_is_refused():
     ):
         with pytest.raises(registry.StrictUnsupported, match=message):
             attn.attention(q, k, v, key_order=order)
+    order = torch.randperm(8)
+    attn.attention(q, k, v, key_order=order)  # checked once, cached while the tensor is unchanged
+    order[0] = order[1]  # in place: a new _version, so checked again
+    with pytest.raises(registry.StrictUnsupported, match="not a permutation of 0..7"):
+        attn.attention(q, k, v, key_order=order)
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):

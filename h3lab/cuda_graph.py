@@ -1,0 +1,273 @@
+"""CUDA graphs of whole forwards, shared by `--mode fast` (`h3lab.fast_graph`) and strict (`h3lab.strict_graph`):
+capture once per input signature, replay for the denoising passes.
+
+Contract
+--------
+`GraphCache(policy).run(model, args, body)`: `body(*args)` is one traced forward (a fresh op table,
+`H3Transformer._run_ops`) of the checked inputs `args` (tensors, or None for an absent `key_order`), returning a
+tuple of tensors. A `Policy` names the mode it serves, its on/off switch and what else its graphs depend on.
+- Eligible calls: CUDA tensors, graphs enabled (`policy.enabled`, default on), grad mode off, no hook registered on
+  the model (h3lab hooks, torch forward hooks on any module, global torch hooks), no op override, no placement, no
+  capture already running, not inside `torch.inference_mode()` (its tensors carry no version: the index caches
+  cannot hold them), every tensor argument dense (`clone()` keeps its strides, so the graph computes on
+  buffers laid out as the caller's), and the policy's own rule (`policy.refuse()`: fast's CPU emulation, strict's
+  inference mode). Every other call is `body(*args)` itself: the eager forward, with the reason in `last_path()`.
+- Signature: the model (a weak reference, so a new model never meets an old graph) and the identity of each of its
+  modules (a replaced or wrapped module is a new signature), the model's fingerprint, the runtime mode, the policy's
+  switches (`policy.key()`), every parameter and buffer (id, data pointer, dtype, `_version`: a weight updated in
+  place, replaced, cast or added is a new signature), each argument's shape, dtype, strides and device, and the
+  *bytes* of every integer tensor argument. Integer arguments are the layout (index tensors): host-side decisions
+  and device metadata derived from them (the strict kernels' validated index maps, the AdaLN row index
+  `runtime.derived`) are resolved when the graph is captured and baked into it, so a graph serves exactly the
+  layout it was captured with; another layout of the same shapes is another signature. A tensor's bytes are read
+  to the host once while it is the same live tensor at the same `_version` (`runtime.derived`). Floating-point
+  arguments are data: copied into the graph's buffers before each replay.
+- A signature's first call copies the arguments into static buffers and runs the eager forward on them (the
+  warm-up: Triton compilation, cuBLAS/cuDNN plans, FP8 weights, and every index cache entry of the static layout
+  tensors); its result is the call's result. The second call captures the forward into a `torch.cuda.CUDAGraph`
+  (private memory pool, thread-local capture errors) on those buffers, inside `runtime.frozen_index_caches()`: no
+  index-cache entry may be built during the capture (a miss raises before any host sync could) and every entry the
+  capture read is kept with the graph, whose kernels read those tensors by address. Then it replays; later calls
+  copy their floating-point arguments into the buffers and replay. Outputs are cloned out of the graph's buffers, so
+  a result stays valid after the next replay. A new signature starts again with an eager call. A capture that fails
+  (an op that synchronises with the host, an index-cache miss) leaves that signature eager for good and says why.
+- At most `max_graphs` graphs are held (least recently used dropped with its memory pool), and at most
+  2 * `max_graphs` signatures waiting for their second call. Eligible calls from several threads are served one at
+  a time (a lock around copy, replay and clone).
+- The trace: a replay makes the captured forward's trace `runtime.last_trace()` again, with
+  `Trace.graph = {"cuda_graph": "captured" | "replay", "replays": n}`; an eager forward in the policy's mode says
+  {"cuda_graph": "eager", "reason": ...}. The mode, backends and kernel ids are those of the eager forward.
+- A graph replays the kernels the eager forward launched on the same buffers, so a deterministic eager forward
+  (strict) gives the same bytes; benchmarks/benchmark_strict_graph.py checks that on the H200.
+`Backend` is the capture seam: `CudaBackend` on the GPU; tests pass a backend that replays by re-running the body on
+the static buffers, so the signature, fallback and buffer logic runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from . import runtime
+
+MAX_GRAPHS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What one mode's graphs depend on. `mode`: the runtime mode whose eager traces carry the path; `enabled`: its
+    on/off switch; `switch_name`: how `use_graphs` is spelled (the disabled reason names it); `refuse(args)`: "" or
+    why this call of the mode is not captured; `key()`: the mode's switches a captured forward depends on."""
+
+    mode: str
+    enabled: contextvars.ContextVar
+    switch_name: str
+    refuse: Callable[[tuple], str] = lambda args: ""
+    key: Callable[[], tuple] = lambda: ()
+    last_path: contextvars.ContextVar = dataclasses.field(default=None)  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.last_path is None:
+            object.__setattr__(self, "last_path", contextvars.ContextVar(f"h3lab_{self.mode}_graph_path", default={}))
+
+
+class CudaBackend:
+    """Capture with `torch.cuda.graph` (its own side stream and private pool), replay on the current stream."""
+
+    def capture(self, body: Callable[[], tuple]) -> tuple[Any, tuple]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = body()
+        return graph, outputs
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+@dataclasses.dataclass
+class _Entry:
+    model: Any  # weakref to the model
+    graph: Any = None
+    static: tuple = ()
+    outputs: tuple = ()
+    trace: Any = None
+    pins: list = dataclasses.field(default_factory=list)  # index-cache entries the captured kernels read
+    calls: int = 0
+    replays: int = 0
+    failed: str = ""
+
+
+class GraphCache:
+    """Signature -> captured graph (see the module contract)."""
+
+    def __init__(self, policy: Policy, backend: Any = None, max_graphs: int = MAX_GRAPHS):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy is a {type(policy).__name__}: must be an h3lab.cuda_graph.Policy")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs!r}: must be a positive integer")
+        self.policy = policy
+        self.backend = backend or CudaBackend()
+        self.max_graphs = max_graphs
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._lock = threading.RLock()  # one thread at a time copies into a graph's buffers and replays it
+
+    def __len__(self) -> int:
+        return sum(1 for e in self._entries.values() if e.graph is not None)
+
+    def clear(self) -> None:
+        """Drop every graph (and its memory pool) and every waiting signature."""
+        with self._lock:
+            self._entries.clear()
+
+    def run(self, model: torch.nn.Module, args: tuple, body: Callable[..., tuple], *,
+            device_ok: Callable[[tuple], bool] | None = None) -> tuple:
+        reason = _ineligible(self.policy, model, args, self.backend, device_ok or _on_cuda)
+        tree = _walk(model) if not reason else None
+        if tree is not None and tree[2]:
+            reason = "a torch forward hook is registered"
+        if reason:
+            return self._eager(body, args, reason)
+        key = signature(model, args, self.policy, tree)
+        with self._lock:
+            return self._run(model, args, body, key)
+
+    def _run(self, model, args, body, key) -> tuple:
+        entry = self._entries.get(key)
+        if entry is None or entry.model() is not model:
+            return self._first(model, args, body, key)
+        self._entries.move_to_end(key)
+        entry.calls += 1
+        if entry.failed:
+            return self._eager(body, args, entry.failed)
+        if entry.graph is None:
+            _copy_data(entry.static, args)
+            try:
+                with runtime.frozen_index_caches() as pins:
+                    entry.graph, entry.outputs = self.backend.capture(lambda: body(*entry.static))
+            except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the eager forward, said why
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                entry.failed = f"capture failed: {type(exc).__name__}: {first}"
+                entry.static = ()
+                return self._eager(body, args, entry.failed)
+            entry.pins, entry.trace = pins, runtime.last_trace()
+            self._evict()
+            state = "captured"
+        else:
+            _copy_data(entry.static, args)
+            state = "replay"
+        entry.graph.replay()
+        entry.replays += 1
+        path = {"cuda_graph": state, "replays": entry.replays}
+        self.policy.last_path.set(path)
+        if entry.trace is not None:
+            runtime.set_last_trace(dataclasses.replace(entry.trace, graph=path))
+        return tuple(o.clone() for o in entry.outputs)
+
+    def _first(self, model, args, body, key) -> tuple:
+        """A new signature: static copies of the arguments, the eager forward on them (the warm-up)."""
+        static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        for i, (a, s) in enumerate(zip(args, static)):
+            if isinstance(a, torch.Tensor) and s.stride() != a.stride():
+                return self._eager(body, args, f"argument {i} of shape {list(a.shape)} has strides {a.stride()} that "
+                                               "are not dense (a static copy would change them)")
+        out = self._eager(body, static, "first call of this signature (the warm-up before capture)")
+        self._entries[key] = _Entry(model=weakref.ref(model), static=static, calls=1)
+        self._evict()
+        return out
+
+    def _eager(self, body, args, reason: str) -> tuple:
+        out = body(*args)
+        path = {"cuda_graph": "eager", "reason": reason}
+        self.policy.last_path.set(path)
+        trace = runtime.last_trace()
+        if trace is not None and trace.mode == self.policy.mode:
+            trace.graph = path
+        return out
+
+    def _evict(self) -> None:
+        captured = [k for k, e in self._entries.items() if e.graph is not None]
+        for key in captured[: max(0, len(captured) - self.max_graphs)]:
+            del self._entries[key]
+        waiting = [k for k, e in self._entries.items() if e.graph is None]
+        for key in waiting[: max(0, len(waiting) - 2 * self.max_graphs)]:
+            del self._entries[key]
+
+
+def _copy_data(static: tuple, args: tuple) -> None:
+    """The floating-point arguments into the static buffers (integer ones are equal by the signature)."""
+    for dst, src in zip(static, args):
+        if isinstance(dst, torch.Tensor) and dst.is_floating_point():
+            dst.copy_(src)
+
+
+def _on_cuda(args: tuple) -> bool:
+    return all(a.is_cuda for a in args if isinstance(a, torch.Tensor))
+
+
+def _ineligible(policy: Policy, model, args, backend, device_ok) -> str:
+    if not policy.enabled.get():
+        return f"graphs disabled ({policy.switch_name}(False))"
+    refused = policy.refuse(args)
+    if refused:
+        return refused
+    if not device_ok(args):
+        return "inputs not on a CUDA device"
+    if torch.is_grad_enabled():
+        return "grad mode is on"
+    if torch.is_inference_mode_enabled():
+        return ("inference mode (its tensors carry no version, so the index caches a graph is built on cannot hold "
+                "them; use torch.no_grad())")
+    if getattr(model, "_hooks", None):
+        return "an h3lab hook is registered"
+    if runtime.active_overrides():
+        return f"op overrides {list(runtime.active_overrides())}"
+    if runtime.current_placement() is not None:
+        return "a placement (sharded forward)"
+    if backend.capturing():
+        return "a capture is already running"
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "a torch forward hook is registered"
+    return ""  # a module's own forward hooks: `_walk`
+
+
+def _walk(model: torch.nn.Module) -> tuple[list, list, bool]:
+    """One pass over the module tree (`model.modules()` and `model.parameters()` cost ~1 ms each at 50 blocks):
+    (every module's id, every parameter and buffer, whether any module has a forward or forward-pre hook)."""
+    ids, tensors, hooked, stack = [], [], False, [model]
+    while stack:
+        m = stack.pop()
+        ids.append(id(m))
+        hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks)
+        tensors.extend(t for t in m._parameters.values() if t is not None)
+        tensors.extend(t for t in m._buffers.values() if t is not None)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return ids, tensors, hooked
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes on the host (one device read), read once per live tensor and `_version`."""
+    return runtime.derived((t,), "host_bytes",
+                           lambda: t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def signature(model: torch.nn.Module, args: tuple, policy: Policy, tree: tuple | None = None) -> tuple:
+    """The cache key of one call (see the module contract); `tree` is `_walk(model)` when the caller has it."""
+    ids, tensors, _ = tree if tree is not None else _walk(model)
+    parts: list = [id(model), getattr(model, "fingerprint", ""), runtime.current_mode(), policy.mode, policy.key(),
+                   tuple(ids)]
+    for a in args:
+        if a is None:
+            parts.append(None)
+            continue
+        meta = (tuple(a.shape), a.dtype, a.stride(), str(a.device))
+        parts.append(meta if a.is_floating_point() else (*meta, _host_bytes(a)))
+    parts.extend([(id(t), t.data_ptr(), t.dtype, t._version) for t in tensors])
+    return tuple(parts)
