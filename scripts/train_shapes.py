@@ -1,7 +1,7 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
     python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S] [--ref-seconds S]
-        [--audio-crop SAMPLES] [--partial-variants K]
+        [--audio-crop SAMPLES] [--partial-variants K] [--vaes-from SNAPSHOT]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
 1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
@@ -45,7 +45,8 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
 
 `--vae-seconds / --audio-seconds / --dit-seconds / --ref-seconds S` cap each training phase's wall time (the steps actually run are sealed, so the run can be
 repeated with `--vae-steps/--audio-steps/--dit-steps` set to them); `--quick` is a smoke run (a few clips and steps)
-for checking the script on a CPU. `--verify DIR` re-renders the data and checks a snapshot's seal and manifest.
+for checking the script on a CPU. `--vaes-from SNAPSHOT` skips phase 3 and takes both VAEs from an earlier sealed run
+trained on the same data (its seal's records and the files' hashes go into this seal). `--verify DIR` re-renders the data and checks a snapshot's seal and manifest.
 """
 
 from __future__ import annotations
@@ -329,6 +330,32 @@ def train_audio_vae(audio: np.ndarray, specs, args, device) -> tuple[torch.nn.Mo
                   "round_trip": check}
 
 
+def load_vaes(snapshot: Path, device) -> tuple[torch.nn.Module, torch.nn.Module, dict, dict]:
+    """`--vaes-from`: the video and audio VAEs of an earlier sealed h3-shapes snapshot, in place of phase 3. Their
+    records are the source seal's, with the source's data digest, git revision and the files' SHA-256 added (the
+    data digest must equal this run's: checked in `main`)."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+    seal_path = snapshot / SEAL
+    if not seal_path.is_file():
+        raise SystemExit(f"--vaes-from {snapshot}: no {SEAL}; give a sealed h3-shapes snapshot")
+    seal = json.loads(seal_path.read_text())
+    hashes = file_hashes(snapshot)
+    records = []
+    for sub, cls, phase in (("vae", AutoencoderKLMiniMaxH3, "video_vae"), ("audio_vae", AutoencoderKLMiniMaxH3Audio,
+                                                                           "audio_vae")):
+        weights = f"{sub}/diffusion_pytorch_model.safetensors"
+        if hashes.get(weights) != seal["weights"].get(weights):
+            raise SystemExit(f"--vaes-from {snapshot}: {weights} does not match its seal")
+        records.append({**seal["phases"][phase], "from": {"snapshot": snapshot.name, "git_rev": seal["git_rev"],
+                                                          "data_digest": seal["data_digest"],
+                                                          "sha256": hashes[weights]}})
+    vae = AutoencoderKLMiniMaxH3.from_pretrained(snapshot / "vae", use_safetensors=True).to(device).eval()
+    vae.disable_tiling()
+    avae = AutoencoderKLMiniMaxH3Audio.from_pretrained(snapshot / "audio_vae", use_safetensors=True).to(device).eval()
+    return vae, avae, records[0], records[1]
+
+
 # ------------------------------------------------------------------------------------------ the transformer
 def build_requests(snapshot: Path, specs, frames, audio, args, device):
     """Layout groups {key: dict(layout, text, video, audio)} of clean latent rows, as the session would feed them."""
@@ -559,6 +586,8 @@ def main(argv=None) -> int:
     for name in ("vae", "audio", "dit", "ref"):
         p.add_argument(f"--{name}-seconds", type=float, default=None, help=f"wall-time cap of the {name} phase")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--vaes-from", metavar="SNAPSHOT",
+                   help="take the video and audio VAEs from this sealed h3-shapes snapshot instead of training them")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 variant, a few steps per phase")
     p.add_argument("--verify", metavar="SNAPSHOT", help="check a trained snapshot's seal against fresh data")
     args = p.parse_args(argv)
@@ -580,11 +609,19 @@ def main(argv=None) -> int:
     from h3lab.checkpoint.tiny import make_tiny_snapshot
 
     specs, frames, audio, digest = make_data(args.variants, args.workers, 8 if args.quick else 1)
+    if args.vaes_from and not args.quick:
+        source = json.loads((Path(args.vaes_from) / SEAL).read_text()).get("data_digest")
+        if source != digest:
+            p.error(f"--vaes-from {args.vaes_from}: its VAEs were trained on other data ({str(source)[:16]}, this run "
+                    f"{digest[:16]})")
     print(f"data: {len(specs)} clips {frames.shape} {audio.shape} digest {digest[:16]} ({time.time() - t0:.1f} s)",
           flush=True)
     base = make_tiny_snapshot(out / "base", seed=0)
-    vae, vae_rec = train_video_vae(frames, args, device)
-    avae, audio_rec = train_audio_vae(audio, specs, args, device)
+    if args.vaes_from:
+        vae, avae, vae_rec, audio_rec = load_vaes(Path(args.vaes_from), device)
+    else:
+        vae, vae_rec = train_video_vae(frames, args, device)
+        avae, audio_rec = train_audio_vae(audio, specs, args, device)
     stage = out / "stage"  # the base with the trained VAEs: the encoders the transformer's data go through
     shutil.copytree(base, stage)
     for sub, model in (("vae", vae), ("audio_vae", avae)):
