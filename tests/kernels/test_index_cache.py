@@ -1,5 +1,6 @@
 """kernels/_index_cache.py: entries valid while the key tensors are the same live objects at the same `_version` and
-data pointer, and `frozen()` (a CUDA graph capture): no build inside, a miss raises before any host read, every hit is collected."""
+data pointer, and `frozen()` (a CUDA graph capture): no build inside, a miss raises before any host read, every hit is
+collected."""
 
 from __future__ import annotations
 
