@@ -4,7 +4,8 @@ Strict kernels validate their index tensors on the host (range, uniqueness, cove
 and derive integer metadata from them (sort orders, inverse maps). The model passes the *same* index tensors to
 every block and every denoising step, so the result is cached under the identity of the tensors: an entry is used
 only while every key tensor is the same live object with an unchanged `_version` (every in-place write, through
-any view, bumps it), otherwise the check runs again. Inference-mode tensors track no version and are never cached.
+any view, bumps it) and data pointer (`t.data = other` swaps the storage without a bump), otherwise the check runs
+again. Inference-mode tensors track no version and are never cached.
 
 `frozen()` (entered around a CUDA graph capture, `h3lab.cuda_graph`): inside it a lookup never builds -- a miss
 raises `IndexCacheMiss` at once, before any host sync could break the capture -- and every entry a lookup returns
@@ -39,9 +40,10 @@ def frozen() -> Iterator[list]:
         _FROZEN.reset(token)
 
 
-def _version(t: torch.Tensor) -> int | None:
+def _version(t: torch.Tensor) -> tuple | None:
+    """(`_version`, data pointer): `t.data = other` swaps the storage without bumping the version."""
     try:
-        return t._version
+        return t._version, t.data_ptr()
     except RuntimeError:  # inference tensors
         return None
 

@@ -4,13 +4,17 @@ Diffusers' two checks come first with Diffusers' messages (`position_ids` must b
 `timestep_indices` must be (seq_len,)). Then: tensor types, 3-D inputs of the config's feature widths, one batch size
 across the three inputs, 1-D float `timestep`, int64 index tensors whose lengths match the inputs' row counts, and
 index values in range (packed positions in [0, seq_len), timestep indices in [0, num_timesteps), tags in {0, 1, 2}).
-The range checks read every tensor's min/max back to the host together (one device sync a forward).
+The range checks read every tensor's min/max back to the host together (one device sync), and the permutation check of
+`key_order` reads it back once: both are kept while the tensors are the same live objects at the same `_version` and
+data pointer (`runtime.derived`), so a forward on the layout tensors of the last one (every denoising pass, a CUDA
+graph replay) checks them without a device sync; a changed or new tensor is read again.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import runtime
 from ..config import NUM_MODALITIES, H3Config
 from ..errors import H3Error
 
@@ -117,7 +121,8 @@ def _check_index_tensors(named: dict[str, torch.Tensor]) -> None:
 
 
 def _check_index_ranges(named: dict[str, torch.Tensor], seq_len: int, num_timesteps: int) -> None:
-    """Index values in range (every tensor's min/max read back to the host together: one device sync)."""
+    """Index values in range (every tensor's min/max read back to the host together: one device sync, kept while the
+    tensors are unchanged)."""
     limits = {
         "video_indices": (seq_len, "a packed position in [0, seq_len)"),
         "audio_indices": (seq_len, "a packed position in [0, seq_len)"),
@@ -128,7 +133,9 @@ def _check_index_ranges(named: dict[str, torch.Tensor], seq_len: int, num_timest
     present = [name for name in limits if named[name].numel()]
     if not present:
         return
-    bounds = torch.stack([torch.stack(torch.aminmax(named[name])) for name in present]).tolist()
+    tensors = tuple(named[name] for name in present)
+    bounds = runtime.derived(tensors, f"index_bounds:{','.join(present)}",
+                             lambda: torch.stack([torch.stack(torch.aminmax(t)) for t in tensors]).tolist())
     for name, (lo, hi) in zip(present, bounds):
         limit, rule = limits[name]
         if lo < 0 or hi >= limit:
@@ -144,5 +151,6 @@ def check_key_order(key_order, position_ids) -> None:
         raise ModelInputError(f"key_order is {got}: must be an int64 tensor of shape ({seq_len},)")
     if key_order.device != position_ids.device:
         raise ModelInputError(f"key_order is on {key_order.device}: must be on {position_ids.device} with the layout")
-    if not torch.equal(torch.sort(key_order).values, torch.arange(seq_len, device=key_order.device)):
+    if not runtime.derived((key_order,), "is_permutation", lambda: torch.equal(
+            torch.sort(key_order).values, torch.arange(seq_len, device=key_order.device))):
         raise ModelInputError(f"key_order is not a permutation of 0..{seq_len - 1}")

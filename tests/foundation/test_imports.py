@@ -291,7 +291,8 @@ def test_importing_the_session_loads_no_front_end():
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (module prefixes, rooms it may import)
     "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices"), ()),
     "schema": (("h3lab.schema",), ("base",)),
-    "runtime": (("h3lab.runtime", "h3lab.fast", "h3lab.cuda_graph", "h3lab.fast_graph", "h3lab.strict_graph"), ()),
+    "runtime": (("h3lab.runtime", "h3lab.fast", "h3lab.cuda_graph", "h3lab.module_tree", "h3lab.fast_graph",
+                 "h3lab.strict_graph"), ()),
     "checkpoint": (("h3lab.checkpoint",), ("base",)),
     "layout": (("h3lab.layout",), ("base",)),
     "sampler": (("h3lab.sampler",), ("base",)),

@@ -1,5 +1,6 @@
-"""kernels/_index_cache.py: entries valid while the key tensors are the same live objects at the same `_version`, and
-`frozen()` (a CUDA graph capture): no build inside, a miss raises before any host read, every hit is collected."""
+"""kernels/_index_cache.py: entries valid while the key tensors are the same live objects at the same `_version` and
+data pointer, and `frozen()` (a CUDA graph capture): no build inside, a miss raises before any host read, every hit is
+collected."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def test_an_entry_lives_while_its_tensors_are_unchanged():
     assert cache.get((index.clone(),), ("t",), build) is not first  # another tensor, same bytes: built again
     index.add_(1)  # in place: a new _version
     assert cache.get((index,), ("t",), build)["max"] == first["max"] + 1 and len(builds) == 3
+    version = index._version
+    index.data = index.data + 5  # new storage, the same object and _version
+    assert index._version == version
+    assert cache.get((index,), ("t",), build)["max"] == first["max"] + 6 and len(builds) == 4
 
 
 def test_frozen_collects_hits_and_refuses_to_build():

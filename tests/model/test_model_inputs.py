@@ -148,3 +148,39 @@ def test_diffusers_call_convention(models):
         ours(**inputs, attention_kwargs={"scale": 0.5})
     with pytest.raises(ModelInputError, match="return_dict=True"):
         ours(**inputs, return_dict=True)
+
+
+def test_index_checks_of_unchanged_tensors_read_nothing_back_and_a_changed_one_is_read_again(monkeypatch):
+    """The range and key_order checks are kept per live tensor and `_version` (runtime.derived): the same layout
+    tensors again cost no device read; an in-place write, new storage or a new tensor is checked again."""
+    from h3lab.model.inputs import check_inputs, check_key_order
+
+    case = small_case(CONFIG, batch=1)
+    names = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
+             "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices")
+    args = [case[n] for n in names]
+    seq = case["position_ids"].shape[0]
+    key_order = torch.randperm(seq, generator=torch.Generator().manual_seed(4))
+    check_inputs(CONFIG, *args)
+    check_key_order(key_order, case["position_ids"])
+
+    def refuse(*a, **k):
+        raise AssertionError("a device read for an unchanged tensor")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", refuse)
+        m.setattr(torch, "equal", refuse)
+        check_inputs(CONFIG, *args)
+        check_key_order(key_order, case["position_ids"])
+    tags = args[5]
+    tags[3] = 7  # in place: a new _version
+    with pytest.raises(ModelInputError, match="token_tags holds 7"):
+        check_inputs(CONFIG, *args)
+    tags[3] = 0
+    check_inputs(CONFIG, *args)
+    tags.data = torch.full_like(tags, 5)  # new storage, same object and _version
+    with pytest.raises(ModelInputError, match="token_tags holds 5"):
+        check_inputs(CONFIG, *args)
+    key_order[[0, 1]] = key_order[[1, 1]]  # no longer a permutation
+    with pytest.raises(ModelInputError, match="key_order is not a permutation"):
+        check_key_order(key_order, case["position_ids"])
