@@ -7,38 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fakes import ReplayBackend
 from strict_cases import forward_kwargs, make_layout, make_request
 
 from h3lab import H3Transformer, fast, fast_graph, runtime
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")
-
-
-class _Replay:
-    def __init__(self, body, outputs):
-        self.body, self.outputs = body, outputs
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.body()):
-            out.copy_(new)
-
-
-class ReplayBackend:
-    """Capture = run the body once on the static buffers; replay = run it again and copy into the outputs."""
-
-    def __init__(self, fail: bool = False):
-        self.captures, self.fail = 0, fail
-
-    def capture(self, body):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
-        self.captures += 1
-        outputs = body()
-        return _Replay(body, outputs), outputs
-
-    def capturing(self):
-        return False
 
 
 @pytest.fixture(scope="module")

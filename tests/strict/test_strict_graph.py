@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from graph_fakes import ReplayBackend
 from strict_cases import CONFIGS, build_model, forward_kwargs, make_layout, make_request
 
 from h3lab import cuda_graph, fast_graph, runtime, strict_graph
@@ -46,31 +47,6 @@ def no_host_reads():
         torch.equal = saved_equal
 
 
-class _Replay:
-    def __init__(self, body, outputs):
-        self.body, self.outputs = body, outputs
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.body()):
-            out.copy_(new)
-
-
-class ReplayBackend:
-    """Capture = run the body once on the static buffers with host reads forbidden; replay = run it again."""
-
-    def __init__(self):
-        self.captures = 0
-
-    def capture(self, body):
-        with no_host_reads():
-            outputs = body()
-        self.captures += 1
-        return _Replay(body, outputs), outputs
-
-    def capturing(self):
-        return False
-
-
 @pytest.fixture(scope="module")
 def model():
     return build_model(CONFIGS["h3d8"], "released", seed=21)
@@ -102,7 +78,7 @@ def _equal(a, b):
 
 
 def test_strict_capture_reads_nothing_on_the_host_and_replays_the_eager_bytes(model):
-    cache = strict_graph.GraphCache(ReplayBackend())
+    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
     a, b, c = (_args(_kwargs(model, s, permuted=True)) for s in (1, 2, 3))
     assert a[-1] is not None  # key_order: attention's permutation check is one of the resolved index checks
     outs, paths = [], []
@@ -128,7 +104,7 @@ def _auto(cache, model, args, mode="auto"):
 def test_another_layout_of_the_same_shapes_is_another_graph(model):
     """The timesteps swapped: same shapes, other timestep_indices bytes. A replay of the first graph would read the
     first layout's index metadata (baked in at capture); the signature holds the integer bytes, so it runs eager."""
-    cache = strict_graph.GraphCache(ReplayBackend())
+    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
     first = _args(_kwargs(model, 4))
     for _ in range(3):
         _auto(cache, model, first)
@@ -182,7 +158,7 @@ def test_the_signature_misses_on_every_change_that_can_change_a_byte(model):
 
 
 def test_a_mode_switch_misses_and_switching_back_replays(model):
-    cache = strict_graph.GraphCache(ReplayBackend())
+    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 7))
     for _ in range(3):
         _auto(cache, model, args)
@@ -209,7 +185,7 @@ def test_strict_on_the_cpu_stays_the_eager_forward_and_says_why(model):
 
 
 def test_ineligible_and_bad_calls(model):
-    cache = strict_graph.GraphCache(ReplayBackend())
+    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 9))
     with torch.inference_mode(), runtime.use_mode("auto"):
         cache.run(model, args, model._run_ops, device_ok=lambda a: True)
@@ -257,7 +233,7 @@ def test_an_index_cache_miss_at_capture_fails_loudly_not_by_a_host_sync(model):
     (a host sync inside a capture); it fails with the reason, and the signature stays eager with it."""
     from h3kernels import modulate
 
-    cache = strict_graph.GraphCache(ReplayBackend())
+    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 10))
     first = _strict(cache, model, args)
     modulate._CACHE._entries.clear()
