@@ -336,10 +336,7 @@ def load_vaes(snapshot: Path, device) -> tuple[torch.nn.Module, torch.nn.Module,
     data digest must equal this run's: checked in `main`)."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
-    seal_path = snapshot / SEAL
-    if not seal_path.is_file():
-        raise SystemExit(f"--vaes-from {snapshot}: no {SEAL}; give a sealed h3-shapes snapshot")
-    seal = json.loads(seal_path.read_text())
+    seal = json.loads((snapshot / SEAL).read_text())  # `main` refused a snapshot without a seal
     hashes = file_hashes(snapshot)
     records = []
     for sub, cls, phase in (("vae", AutoencoderKLMiniMaxH3, "video_vae"), ("audio_vae", AutoencoderKLMiniMaxH3Audio,
@@ -602,7 +599,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists():
         p.error(f"--out {out}: exists; give a fresh folder")
-    out.mkdir(parents=True)
+    if args.vaes_from and not (Path(args.vaes_from) / SEAL).is_file():
+        p.error(f"--vaes-from {args.vaes_from}: no {SEAL}; give a sealed h3-shapes snapshot")
     device = torch.device(args.device)
     t0 = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -614,6 +612,7 @@ def main(argv=None) -> int:
         if source != digest:
             p.error(f"--vaes-from {args.vaes_from}: its VAEs were trained on other data ({str(source)[:16]}, this run "
                     f"{digest[:16]})")
+    out.mkdir(parents=True)  # after every refusal: a refused run leaves no folder behind
     print(f"data: {len(specs)} clips {frames.shape} {audio.shape} digest {digest[:16]} ({time.time() - t0:.1f} s)",
           flush=True)
     base = make_tiny_snapshot(out / "base", seed=0)
