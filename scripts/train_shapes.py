@@ -1,14 +1,17 @@
 """Train the embedded default snapshot "h3-shapes" from a seed: the tiny H3 on procedural shapes and tones.
 
     python scripts/train_shapes.py --out OUT [--device cuda|cpu] [--seed 0] [--quick] [--vae-seconds S] [--audio-seconds S] [--dit-seconds S] [--ref-seconds S]
-        [--audio-crop SAMPLES] [--partial-variants K] [--vaes-from SNAPSHOT]
+        [--audio-crop SAMPLES] [--partial-variants K] [--vaes-from SNAPSHOT] [--text-words] [--text-branch-scale S]
 
 What it does, in order (every draw from `--seed`; nothing is downloaded):
 1. data: `h3lab.shapes` clips for the 48 training (colour, shape, direction) triples x `--variants` seeds (64x64,
    22 frames, 29,600 stereo samples at 32 kHz); the 12 held-out triples are never rendered here. Its digest is the
    SHA-256 over every clip's spec, frames and waveform bytes in order.
 2. a random tiny base snapshot (`make_tiny_snapshot(seed=0)`): the tokenizer, processor, schedulers and the Qwen3-VL
-   text encoder, which stays random (its layer-50 features are still prompt-specific).
+   text encoder, random (its layer-50 features are still prompt-specific). With `--text-words` the tokenizer gains
+   the shapes vocabulary as whole-word tokens, and `--text-branch-scale S` multiplies the encoder's residual
+   branches by S (`h3lab.shapes.words.tune_text_encoder`: a word's row is then mostly its own embedding, so a
+   held-out mix of words is made of rows seen in training; sealed as `text_encoder`).
 3. video VAE (`AutoencoderKLMiniMaxH3`, `VAE` below: the tiny structure with wider channels) trained as an
    autoencoder: reparameterised posterior sample -> decode, MSE in the pipeline's ImageNet-normalised pixel space
    with foreground pixels weighted `FG_WEIGHT` x, plus `KL_WEIGHT` x the per-element KL. Then the audio VAE
@@ -585,6 +588,10 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--vaes-from", metavar="SNAPSHOT",
                    help="take the video and audio VAEs from this sealed h3-shapes snapshot instead of training them")
+    p.add_argument("--text-words", action="store_true",
+                   help="give the tokenizer the shapes vocabulary as whole-word tokens (h3lab.shapes.words)")
+    p.add_argument("--text-branch-scale", type=float, default=1.0,
+                   help="multiply the text encoder's residual branches by this (0, 1]; 1 keeps the random encoder")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 variant, a few steps per phase")
     p.add_argument("--verify", metavar="SNAPSHOT", help="check a trained snapshot's seal against fresh data")
     args = p.parse_args(argv)
@@ -599,6 +606,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists():
         p.error(f"--out {out}: exists; give a fresh folder")
+    if not 0 < args.text_branch_scale <= 1:
+        p.error(f"--text-branch-scale {args.text_branch_scale}: must be in (0, 1]")
     if args.vaes_from and not (Path(args.vaes_from) / SEAL).is_file():
         p.error(f"--vaes-from {args.vaes_from}: no {SEAL}; give a sealed h3-shapes snapshot")
     device = torch.device(args.device)
@@ -616,6 +625,14 @@ def main(argv=None) -> int:
     print(f"data: {len(specs)} clips {frames.shape} {audio.shape} digest {digest[:16]} ({time.time() - t0:.1f} s)",
           flush=True)
     base = make_tiny_snapshot(out / "base", seed=0)
+    text_encoder_rec = None
+    if args.text_words or args.text_branch_scale != 1.0:
+        from h3lab.shapes.words import tune_text_encoder
+
+        text_encoder_rec = tune_text_encoder(base, words=args.text_words, branch_scale=args.text_branch_scale,
+                                             seed=args.seed)
+        print(f"text encoder: {len(text_encoder_rec['words'])} word tokens, branches x{args.text_branch_scale}",
+              flush=True)
     if args.vaes_from:
         vae, avae, vae_rec, audio_rec = load_vaes(Path(args.vaes_from), device)
     else:
@@ -643,7 +660,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "git_rev": _git_rev(), "data_digest": digest, "clips": len(specs),
         "geometry": GEOMETRY, "phases": {"video_vae": vae_rec, "audio_vae": audio_rec, "transformer": dit_rec,
                    "transformer_ref": ref_rec},
-        "text_check": text_rec,
+        "text_check": text_rec, "text_encoder": text_encoder_rec,
         "configs": {"transformer": TRANSFORMER.to_diffusers(), "vae": {k: list(v) if isinstance(v, tuple) else v
                                                                        for k, v in VAE.items()},
                     "audio_vae": {k: list(v) if isinstance(v, tuple) else v for k, v in AUDIO_VAE.items()}},
