@@ -314,7 +314,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
                                        "settings")),
     "plots": (("h3lab.plots",), ("base", "components", "sampler", "settings")),
     "preview": (("h3lab.preview",), ("base",)),
-    "shapes": (("h3lab.shapes",), ("base",)),
+    "shapes": (("h3lab.shapes",), ("base", "checkpoint")),
     "session": (("h3lab.session", "h3lab.generation", "h3lab.results", "h3lab.request_checks", "h3lab.reruns",
                  "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
                  "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest", "h3lab.keep"),
