@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> dict:
                       + (f"x{entry['ratio_vs_diffusers']:.3f} of diffusers" if "ratio_vs_diffusers" in entry else ""),
                       flush=True)
             del outs, fns, small, d_model, h_model
+            fast_graph.GRAPHS.clear()  # a shape's graph pools are not reused by the next (109,205 rows ran out of
+            strict_graph.GRAPHS.clear()  # memory beside them in session 5)
+            if device == "cuda":
+                torch.cuda.empty_cache()
             doc.setdefault("partial_table", []).extend(results[-len(impls):])
             save()
         doc.pop("partial_table", None)
