@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                       + (f"x{entry['ratio_vs_diffusers']:.3f} of diffusers" if "ratio_vs_diffusers" in entry else ""),
                       flush=True)
             del outs, fns, small, d_model, h_model
+            v = a = ve = ae = vs = as_ = ref = None  # noqa: F841 - a graph's outputs keep its private pool alive
             fast_graph.GRAPHS.clear()  # a shape's graph pools are not reused by the next (109,205 rows ran out of
             strict_graph.GRAPHS.clear()  # memory beside them in session 5)
             if device == "cuda":
