@@ -538,6 +538,10 @@ def assemble(out: Path, base: Path, vae, avae, dit, dit_ref, seal: dict) -> Path
                       TRANSFORMER)
     vae.to("cpu").save_pretrained(snap / "vae", safe_serialization=True)
     avae.to("cpu").save_pretrained(snap / "audio_vae", safe_serialization=True)
+    for sub in ("vae", "audio_vae"):  # a --vaes-from load records its source folder there; the release has none
+        config = json.loads((snap / sub / "config.json").read_text())
+        if config.pop("_name_or_path", None) is not None:
+            (snap / sub / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     seal["weights"] = {k: v for k, v in file_hashes(snap).items() if k.endswith(".safetensors")}
     (snap / SEAL).write_text(json.dumps(seal, indent=2, sort_keys=True) + "\n")
     manifest = {"version": TRAINED_VERSION, "files": file_hashes(snap)}
