@@ -121,7 +121,7 @@ def _failing_rank(rank: int, world: int, case: str) -> dict:
 
     def action() -> int:
         if case == "follower-first":
-            leading().send(("forward", "transformer", "strict", {}, []))  # the follower's models() fails
+            leading().send(("forward", "transformer", "strict", {}, [], None))  # the follower's models() fails
             time.sleep(0.5)
         raise ValidationError("width=50: must be a multiple of 32")
 
