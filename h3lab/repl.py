@@ -21,6 +21,13 @@
 - `run_repl(session_factory, settings, session_dir, ...)` is the entry point: the caller says how to get the
   `Session` (the CLI from its flags; a test or another front end injects one); this module never builds one and
   imports no other front end.
+- On a mesh (torchrun, `Session(mesh=...)` of several ranks) a generation whose collective breaks (a peer rank died:
+  `distributed.peers.broken_collective`) ends the session, not just that generation: the process group cannot
+  carry another forward. The worker prints nothing for it, drops the queue and stops the prompt (also one that
+  starts later); the launcher's stop (torchrun's SIGTERM to the survivors, `peers.Stopped`) landing in the prompt or
+  in a line's command is taken the same way, never echoed as a line's error. `run` then waits for the worker and
+  raises the first such error in the calling thread, where the CLI's `peers.watch` turns it into
+  the one line naming the dead rank ("rank 1 died mid-session ..."), exit 2. Nothing of that generation is written.
 - Testable without a terminal: `Repl(state, input=create_pipe_input(), output=DummyOutput())`, or `run_repl` with
   the same `input` / `output`.
 """
@@ -117,6 +124,7 @@ class Repl:
             output=output,
         )
         self.worker = threading.Thread(target=self._work, name="h3lab-generate", daemon=True)
+        self.lost: BaseException | None = None  # the broken collective that ended the session (mesh only)
         state.progress = self._progress
 
     # -------------------------------------------------------------------------------------- output
@@ -174,6 +182,9 @@ class Repl:
                 where = f"after pass {done}/{total}" if done else f"before pass 1/{total}"
                 self.echo(f"cancelled {where}; nothing written, the session is unchanged")
             except Exception as err:  # noqa: BLE001 - the session must survive any failure of one generation
+                if self._mesh_broken(err):
+                    self._lose(err)
+                    continue
                 self.echo(f"error: {user_message(err)}")
                 if _debug() and not isinstance(err, H3Error):
                     traceback.print_exc()
@@ -185,6 +196,33 @@ class Repl:
                     if self.pending == 0:
                         self.idle.set()
 
+    def _mesh_broken(self, err: BaseException) -> bool:
+        """Whether `err` is a broken collective of a session on a mesh of several ranks (module docstring)."""
+        mesh = getattr(self.state.session, "mesh", None)
+        if mesh is None or mesh.dp * mesh.topology.world_size == 1:
+            return False
+        from .distributed.peers import broken_collective
+
+        return broken_collective(err)
+
+    def _lose(self, err: BaseException) -> None:
+        """End the session on a broken mesh: drop the queue, stop the prompt; `run` raises the first such error."""
+        if self.lost is None:
+            self.lost = err
+        with self.count_lock:
+            self.pending -= self._drop_queued()
+            if self.pending == 0:
+                self.idle.set()
+        loop = self.prompt.app.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._stop_prompt)
+
+    def _stop_prompt(self) -> None:
+        """In the prompt's event loop (or its pre_run): end a running prompt when the session is lost."""
+        app = self.prompt.app
+        if self.lost is not None and app.future is not None and not app.future.done():
+            app.exit(exception=EOFError())
+
     def submit(self, prompt: str) -> None:
         settings = self.state.settings.replace(prompt=prompt)  # validated now, captured now
         self.state.get_session()  # load before queueing so a bad snapshot errors at the prompt
@@ -193,15 +231,19 @@ class Repl:
             self.idle.clear()
             self.jobs.put((settings, threading.Event()))
 
-    def cancel(self) -> None:
+    def _drop_queued(self) -> int:
+        """Take every queued (not running) generation off the queue (under `count_lock`); returns how many."""
         dropped = 0
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                return dropped
+            dropped += 1
+
+    def cancel(self) -> None:
         with self.count_lock:
-            while True:
-                try:
-                    self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                dropped += 1
+            dropped = self._drop_queued()
             self.pending -= dropped
             running = self.pending > 0
             if running:
@@ -231,6 +273,8 @@ class Repl:
 
     # -------------------------------------------------------------------------------------- lines
     def handle(self, line: str) -> None:
+        if self.lost is not None:  # the mesh broke: no line runs any more
+            return
         try:
             cmd = commands.parse(line)
             if cmd.name == "noop":
@@ -241,9 +285,14 @@ class Repl:
             if commands.COMMANDS[cmd.name].drain and not self.idle.is_set():
                 self.echo(f"!{cmd.name} waits for the queued generations to finish (Ctrl-C cancels them)")
                 self.wait_idle()
+                if self.lost is not None:
+                    return
             for out in commands.execute(self.state, cmd):
                 self.echo(out)
         except Exception as err:  # noqa: BLE001 - one bad line never ends the session
+            if self._mesh_broken(err):  # e.g. the launcher's stop while a drain waited for a broken generation
+                self._lose(err)
+                return
             self.echo(f"error: {user_message(err)}")
             if _debug() and not isinstance(err, H3Error):
                 traceback.print_exc()
@@ -253,18 +302,25 @@ class Repl:
         with patch_stdout(raw=True):
             for line in banner:
                 self.echo(line)
-            while self.state.running:
+            while self.state.running and self.lost is None:
                 try:
-                    line = self.prompt.prompt()
+                    line = self.prompt.prompt(pre_run=self._stop_prompt)
                 except KeyboardInterrupt:
                     self.cancel()
                     continue
                 except EOFError:
                     break
+                except Exception as err:  # noqa: BLE001 - the launcher's stop lands here while the prompt waits
+                    if not self._mesh_broken(err):
+                        raise
+                    self._lose(err)
+                    break
                 self.handle(line)
             self.wait_idle()
             self.jobs.put(None)
             self.worker.join()
+        if self.lost is not None:
+            raise self.lost
         return 0
 
 

@@ -34,12 +34,16 @@ def check_outputs(output: Any = None, wav: Any = None, frames_dir: Any = None) -
 
 
 def check_preset(store: Any, s: Any) -> None:
-    """The preset rules that need the DiT's depth, read from the injected model or the snapshot's config."""
+    """The preset rules that need the DiT's depth, read from the injected model or the snapshot's config, and the
+    session's mesh (token reduction refuses a CP / SP row cut)."""
     from .pipeline import variant_for
     from .presets import check_depth
+    from .presets.token_reduction import refuse_row_cut
 
     if s.layers is None and not s.token_reduction:
         return
+    if s.token_reduction:
+        refuse_row_cut(store.plan.placement_value())  # a CP / SP mesh: before any model loads
     variant = variant_for(s.task)
     model = store.injected.get(variant)
     config = {} if model is not None else store.component_config(variant)

@@ -37,6 +37,24 @@ def tiny_snapshot(tmp_path_factory):
     return make_tiny_snapshot(tmp_path_factory.mktemp("snapshot") / "h3-tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def deep_snapshot(tiny_snapshot, tmp_path_factory):
+    """The tiny snapshot with a 6-block `transformer/` (the same widths, its own seeded weights): layer thinning can
+    drop a block and token reduction (from block 4 on) has blocks to reduce."""
+    import shutil
+
+    from h3lab.checkpoint import tiny
+    from h3lab.config import H3Config
+
+    root = tmp_path_factory.mktemp("deep") / "h3-tiny-deep"
+    shutil.copytree(tiny_snapshot, root)
+    cfg = json.loads((root / "transformer" / "config.json").read_text())
+    shutil.rmtree(root / "transformer")
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    tiny._save_transformer(root / "transformer", 0, "transformer", H3Config.from_dict({**cfg, "num_layers": 6}))
+    return root
+
+
 _MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")  # scripts/module_seconds.py writes it
 
 

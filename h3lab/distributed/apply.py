@@ -116,6 +116,7 @@ def remove_plan(model: nn.Module) -> None:
     _remove(placement)
     if getattr(model, "h3lab_shard", None) is not None:
         del model.h3lab_shard  # the model holds its full weights again
+        model.__dict__.pop("h3lab_read_whole", None)
     del _PLACEMENTS[model]
     model.__dict__.pop("_h3lab_placement", None)
 

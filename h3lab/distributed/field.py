@@ -10,7 +10,9 @@ topology (tp, cp, sp and the row-parallel strategy the weights were sharded for)
 otherwise: a spec never runs on another topology than the one it names, so a sealed run replays its topology and
 `verify` of a distributed run needs that mesh. The loop then runs as always; the sharding lives in the model's
 placement. In lead mode (`follow.lead`, a torchrun front end) the run is announced to the other ranks, which
-resolve the same spec; a spec carrying custom callables cannot be announced and is refused there.
+resolve the same spec and run each announced pass through their run's own forward (per-pass transforms such as core
+reuse decide alike on every rank: `follow.passing`); a spec carrying custom callables cannot be announced and is
+refused there.
 
 The bytes do not depend on the topology: the trajectory digest of a distributed run equals the one-process strict
 digest of the same spec without placement, and so is the spec's result hash (`RunSpec.sha256`): the placement is
@@ -62,7 +64,7 @@ def apply_placement(value: dict[str, Any], run: ResolvedRun) -> Iterator[Resolve
         raise TopologyError(f"placement {asked}: the run's model is parallelized on {describe(held)}; a spec runs on "
                             "the topology it names")
     with follow.announce_run(run, placement):
-        yield run
+        yield run.replace(forward=follow.passing(run.forward))  # each forward's pass goes with its announcement
 
 
 register_field("placement", FieldProvider(validate=check_placement, apply=apply_placement, locate=row_owner),

@@ -8,11 +8,19 @@ long (an idle REPL waits for its user; the mesh's own groups only carry forwards
   ("resolve", key, spec)            a run with a placement starts (`RunSpec.placement`'s provider): the followers
                                     resolve the same spec on their model `key` (mode, the factors' overrides and
                                     hooks, the placement check) -- the inputs are rank 0's, broadcast
-  ("forward", key, mode, args, hooked)   before every sharded forward on rank 0: its arguments (host copies), its mode,
-                                    and the points rank 0 has hooks at (followers observe the same points, so the
-                                    hook view's gathers match)
+  ("forward", key, mode, args, hooked, i)   before every sharded forward on rank 0: its arguments (host copies), its
+                                    mode, the points rank 0 has hooks at (followers observe the same points, so the
+                                    hook view's gathers match) and the pass `i` of the run it belongs to (None outside
+                                    a run's forward)
   ("end",)                          that run ended (also on error)
   ("stop",)                         the front end is done: `follow` returns
+
+Per-pass transforms: a run's transforms may wrap its forward (`ResolvedRun.forward`) and decide per pass what the
+model does -- core reuse skips the block stack on its reuse passes, token reduction picks the pass's restore block
+(`h3lab.presets`). The placement provider wraps the finished run's forward with `passing`, so rank 0 announces each
+forward's pass; a follower resolves the spec with an innermost forward that calls its model with the announced
+arguments (`resolve(..., forward=...)`) and runs pass i's forward through its own run's wrappers, so every rank's
+transforms take the same per-pass decisions (the placement's agreement still checks the inputs).
 
 A run whose spec carries custom callables cannot be announced (callables do not travel) and is refused on rank 0.
 A follower that fails a message (any exception: an agreement refusal, a strict kernel that cannot run) keeps
@@ -23,6 +31,7 @@ exchanges every rank's first failure after "stop", so every rank reports the ear
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
 import time
@@ -40,6 +49,7 @@ from .placement import Placement, add_announcer
 
 CONTROL_TIMEOUT = timedelta(days=7)
 _channel: list["Channel"] = []  # the lead channel while `lead` runs on rank 0
+_pass: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3lab_follow_pass", default=None)
 
 
 class Channel:
@@ -91,7 +101,19 @@ def _announce_forward(placement: Placement, arguments: dict) -> None:
         return
     args = {k: _host(v) for k, v in arguments.items() if k != "self"}
     hooked = sorted(placement.model.hooked_points())
-    channel.send(("forward", placement.name, runtime.current_mode(), args, hooked))
+    channel.send(("forward", placement.name, runtime.current_mode(), args, hooked, _pass.get()))
+
+
+def passing(inner: Callable) -> Callable:
+    """A run's forward that marks its pass for the announcement (module docstring, "Per-pass transforms")."""
+    def forward(m, inputs, video, audio, i):
+        token = _pass.set(i)
+        try:
+            return inner(m, inputs, video, audio, i)
+        finally:
+            _pass.reset(token)
+
+    return forward
 
 
 @contextlib.contextmanager
@@ -126,31 +148,31 @@ def follow(channel: Channel, models: Callable[[str], Any]) -> tuple[float, str] 
     from ..run import RunSpec, resolve
 
     device = channel.mesh.device
-    runs: list[contextlib.ExitStack | None] = []
+    runs: list[tuple[contextlib.ExitStack, Any, dict] | None] = []
     failure: tuple[float, str] | None = None
     while True:
         message = channel.recv()
         op = message[0]
         if op == "stop":
-            for stack in reversed(runs):
-                if stack is not None:
-                    stack.close()
+            for entry in reversed(runs):
+                if entry is not None:
+                    entry[0].close()
             return failure
         try:
             if op == "resolve":
                 _, key, payload = message
                 runs.append(None)
                 spec = RunSpec.from_dict(payload["spec"], payload["tensors"]).to(device)
-                stack = contextlib.ExitStack()
-                stack.enter_context(resolve(spec, models(key), models=models))
-                runs[-1] = stack
+                stack, box = contextlib.ExitStack(), {}
+                run = stack.enter_context(resolve(spec, models(key), models=models, forward=_announced(box)))
+                runs[-1] = (stack, run, box)
             elif op == "end":
-                stack = runs.pop() if runs else None
-                if stack is not None:
-                    stack.close()
+                entry = runs.pop() if runs else None
+                if entry is not None:
+                    entry[0].close()
             elif op == "forward":
-                _, key, mode, args, hooked = message
-                _forward(models(key), mode, args, hooked, device, in_run=bool(runs))
+                _, key, mode, args, hooked, i = message
+                _forward(models(key), mode, args, hooked, device, runs[-1] if runs else None, i, in_run=bool(runs))
             else:
                 raise DistributedError(f"follow: unknown message {op!r} from rank 0")
         except Exception as exc:  # noqa: BLE001 - keep following; the front end reports the earliest failure
@@ -160,7 +182,21 @@ def follow(channel: Channel, models: Callable[[str], Any]) -> tuple[float, str] 
                 print(f"h3lab rank {channel.mesh.rank}: {exc}", file=sys.stderr)
 
 
-def _forward(model: Any, mode: str, args: dict, hooked: list[str], device, in_run: bool) -> None:
+def _announced(box: dict) -> Callable:
+    """A follower run's innermost forward: the model on the arguments rank 0 announced for this forward."""
+    def forward(m, inputs, video, audio, i):  # noqa: ARG001 - the run's forward signature
+        out = m(**box["args"])
+        return (out[0], out[1]) if isinstance(out, tuple) else (out.sample, out.audio_sample)
+
+    return forward
+
+
+def _forward(model: Any, mode: str, args: dict, hooked: list[str], device, entry, i: int | None,
+             in_run: bool) -> None:
+    """One announced forward; pass `i` of the open run `entry` goes through that run's forward (its per-pass
+    transforms), any other forward straight to the model."""
+    from ..run.loop import set_hook_step
+
     missing = sorted(set(hooked) - model.hooked_points())
     handle = model.add_hook(_observer, names=missing) if missing else None
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -169,7 +205,13 @@ def _forward(model: Any, mode: str, args: dict, hooked: list[str], device, in_ru
             if not in_run:
                 stack.enter_context(runtime.use_mode(mode))
             stack.enter_context(torch.no_grad())
-            model(**args)
+            if entry is not None and i is not None and entry[1].model is model:
+                _, run, box = entry
+                box["args"] = args
+                set_hook_step(model, i)
+                run.forward(model, run.inputs, args.get("hidden_states"), args.get("audio_hidden_states"), i)
+            else:
+                model(**args)
     finally:
         if handle is not None:
             handle.remove()

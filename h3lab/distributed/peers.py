@@ -44,7 +44,7 @@ class Stopped(DistributedError):
     """The launcher stopped this rank (SIGTERM) while a peer had failed."""
 
 
-def _broken_collective(exc: BaseException) -> bool:
+def broken_collective(exc: BaseException) -> bool:
     """A failure of the process group's transport (a peer gone) or the launcher's stop, not of this rank's own code;
     also when wrapped (the Triton interpreter re-raises what interrupts a kernel as its own error)."""
     seen = set()
@@ -81,7 +81,7 @@ def watch(mesh: Mesh, what: str = "run", window: float = WINDOW_S) -> Iterator[N
         yield
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then re-raised or named
         failing[0] = True
-        if not (stopped[0] or _broken_collective(exc)):  # whatever the stop interrupted counts as the stop
+        if not (stopped[0] or broken_collective(exc)):  # whatever the stop interrupted counts as the stop
             with contextlib.suppress(Exception):
                 store.set(prefix + str(mesh.rank), "failed: " + user_message(exc).splitlines()[0])
             raise

@@ -23,7 +23,10 @@ Names, full shapes and dtypes are checked against the meta-constructed model as 
 `load_sharded_transformer(path, mesh, subfolder=None, device=None, dtype_policy="released", ...)` builds the
 `H3Transformer` on the meta device and assigns the rank's tensors (sharded shapes), with the fingerprint the
 one-process loader records (`component_hash`: headers and samples of the whole component), so a sharded run's
-sealed identity is the checkpoint's. `parallelize(model, mesh)` recognises it (`model.h3lab_shard`) and does not
+sealed identity is the checkpoint's. It also gets `h3lab_read_whole(keys) -> {key: whole tensor}` (CPU, the
+policy's dtypes: what one process loads, `read_whole_checkpoint`), which layer thinning's block ranking reads the
+whole AdaLN projections through (each rank holds 1/tp of their channels); a counter-random shard's reader computes
+the whole tensors from the counter. `parallelize(model, mesh)` recognises it (`model.h3lab_shard`) and does not
 shard again.
 
 `random_shard_state_dict(config, seed, tp=1, rank=0, ...)`: seeded random weights for full-size studies without a
@@ -41,6 +44,7 @@ n_split). RMSNorm weights 1 + 0.2 u, biases 0.3 u, matrices u / sqrt(fan_in). `t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -303,12 +307,16 @@ def _counter_tensor(seed: int, key: str, full_shape, dim: int, ranges, device, s
 
 
 def random_shard_state_dict(config: H3Config, seed: int, tp: int = 1, rank: int = 0, row_parallel: str = "auto",
-                            device=None, dtype_policy: str = "released") -> dict[str, torch.Tensor]:
-    """Rank `rank`'s counter-random tensors at TP degree `tp` (module docstring), in the policy's dtypes."""
+                            device=None, dtype_policy: str = "released",
+                            keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s counter-random tensors at TP degree `tp` (module docstring), in the policy's dtypes; `keys`:
+    only those (default: all)."""
     _check(config, tp, rank, row_parallel)
     device = torch.device("cpu") if device is None else torch.device(device)
     out = {}
     for key, ref in _expected(config, dtype_policy).items():
+        if keys is not None and key not in keys:
+            continue
         shape = tuple(ref.shape)
         if len(shape) == 1 and key.endswith(".weight"):  # RMSNorm weights
             scale, offset = 0.2, 1.0
@@ -322,9 +330,25 @@ def random_shard_state_dict(config: H3Config, seed: int, tp: int = 1, rank: int 
     return out
 
 
+def read_whole_checkpoint(target, config: H3Config, layout: str, qkv_layout: str | None, dtype_policy: str,
+                          keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The whole (one-process) tensors `keys` of a checkpoint, on the CPU in the policy's dtypes -- what
+    `load_shard_state_dict` at tp 1 holds for them (`model.h3lab_read_whole` of a model holding only its shard)."""
+    with contextlib.ExitStack() as stack:
+        src = _Source(Path(target), layout, qkv_layout, config, stack)
+        out = {}
+        for key in keys:
+            if key not in src.entries:
+                raise CheckpointError(f"{target}: the checkpoint holds no tensor {key!r}")
+            tensor = src.read(key, *_full_ranges(src.shapes[key])).clone()
+            want = released_dtype(key) if dtype_policy == "released" else torch.float32  # check_entries' rule
+            out[key] = tensor.to(want) if tensor.dtype != want else tensor
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ models
 def _assemble(config: H3Config, tensors: dict[str, torch.Tensor], dtype_policy: str, device, fingerprint: str,
-              shard: tuple | None):
+              shard: tuple | None, read_whole=None):
     """An H3Transformer built on the meta device holding `tensors` (possibly sharded shapes), frozen, eval."""
     from ..model import H3Transformer
 
@@ -341,6 +365,8 @@ def _assemble(config: H3Config, tensors: dict[str, torch.Tensor], dtype_policy: 
     model.fingerprint = fingerprint
     model.dtype_policy = dtype_policy
     model.h3lab_shard = shard
+    if shard is not None:  # the block ranking of layer thinning reads whole tensors (presets.layer_thinning)
+        model.h3lab_read_whole = read_whole
     return model.eval()
 
 
@@ -358,7 +384,8 @@ def load_sharded_transformer(path, mesh, subfolder: str | None = None, device=No
     device = mesh.device if device is None else torch.device(device)
     sd = load_shard_state_dict(target, config, tp, rank, mesh.topology.row_parallel, layout, qkv_layout,
                                device=device, dtype_policy=dtype_policy)
-    return _assemble(config, dict(sd), dtype_policy, device, sd.fingerprint, (tp, rank, strategy))
+    read = functools.partial(read_whole_checkpoint, target, config, sd.layout, sd.qkv_layout, dtype_policy)
+    return _assemble(config, dict(sd), dtype_policy, device, sd.fingerprint, (tp, rank, strategy), read)
 
 
 def random_sharded_transformer(config: H3Config, mesh=None, seed: int = 0, device=None,
@@ -368,5 +395,9 @@ def random_sharded_transformer(config: H3Config, mesh=None, seed: int = 0, devic
     row_parallel = mesh.topology.row_parallel if mesh is not None else "auto"
     device = (mesh.device if mesh is not None else torch.device("cpu")) if device is None else torch.device(device)
     tensors = random_shard_state_dict(config, seed, tp, rank, row_parallel, device, dtype_policy)
+
+    def read(keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return random_shard_state_dict(config, seed, 1, 0, "auto", "cpu", dtype_policy, keys=tuple(keys))
+
     return _assemble(config, tensors, dtype_policy, device, f"random-counter:{seed}",
-                     (tp, rank, strategy) if mesh is not None and tp > 1 else None)
+                     (tp, rank, strategy) if mesh is not None and tp > 1 else None, read)

@@ -16,7 +16,10 @@ K-th pass and the last one, the same grid whole-velocity reuse evaluates on. K =
 
 Where it lives: a forward wrapper of the run (it sets, per pass, whether the stack runs) plus two torch forward
 pre-hooks -- on `transformer_blocks[0]` (takes x_in) and on `norm_out` (takes R, or substitutes x_in + R) -- all
-installed by `apply_core_reuse(run, K)` for the run's duration. The model has no special case. A forward of a pass
+installed by `apply_core_reuse(run, K)` for the run's duration. The model has no special case. The hooks read the
+stream positionally or by name (`x`): on a CP mesh the placement's own pre-hooks, which run first, cut the rows
+and pass the arguments by name; x_in and the stream at `norm_out` are then the rank's rows, and the residual
+arithmetic is row-local, so each row's bytes are the one-process ones. A forward of a pass
 whose core was not run earlier in the same run (drift's forward scope at such a pass) fails closed.
 """
 
@@ -59,15 +62,16 @@ def apply_core_reuse(run: Any, k: int) -> Iterator[Any]:
     plan = core_plan(run.schedule.num_passes, k)
     state: dict[str, Any] = {"core": True, "x_in": None, "residual": None}
 
-    def take_input(_module, args):
-        state["x_in"] = args[0]
+    def take_input(_module, args, kwargs):
+        state["x_in"] = args[0] if args else kwargs["x"]
 
-    def head(_module, args):
-        x = args[0]
+    def head(_module, args, kwargs):
+        x = args[0] if args else kwargs["x"]
         if state["core"]:
             state["residual"] = x.float() - state["x_in"].float()  # (B, S, hidden) float32
             return None
-        return ((state["x_in"].float() + state["residual"]).to(x.dtype),) + tuple(args[1:])
+        x = (state["x_in"].float() + state["residual"]).to(x.dtype)
+        return ((x,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "x": x})
 
     def forward(m, inputs, video, audio, i):
         if not plan[i] and state["residual"] is None:
@@ -79,8 +83,8 @@ def apply_core_reuse(run: Any, k: int) -> Iterator[Any]:
     handles = []
     with skip_blocks(model, lambda _i: not state["core"]):
         try:
-            handles.append(model.transformer_blocks[0].register_forward_pre_hook(take_input))
-            handles.append(model.norm_out.register_forward_pre_hook(head))
+            handles.append(model.transformer_blocks[0].register_forward_pre_hook(take_input, with_kwargs=True))
+            handles.append(model.norm_out.register_forward_pre_hook(head, with_kwargs=True))
             yield run.replace(forward=forward)
         finally:
             for h in handles:

@@ -8,7 +8,8 @@ final blocks"; it names no statistic, so h3lab fixes one and seals its result:
   (video, text, audio), every hidden channel and `GATE_TIMESTEPS` = 21 timesteps t = 0, 0.05, ..., 1 (the whole
   noise range, independent of any request). The table is the block's `adaln_proj` applied to silu of the model's own
   timestep embedding (`time_embedder` of the float32 sinusoid), evaluated in float64 from the checkpoint's weights.
-  A block whose gates are small adds little to the residual stream at every noise level.
+  A block whose gates are small adds little to the residual stream at every noise level. On a TP mesh a rank holds
+  1/tp of every table's channels; the ranking reads the whole projections from the checkpoint (`_whole_adaln`).
 - Protected: the first block (0) and the final block (num_layers - 1) always run.
 - Chosen: the protected blocks plus the N - 2 highest-scoring other blocks (ties: the lower index), run in index
   order. Because the choice for N is a prefix-extension of the choice for N - 1, a smaller N never needs a block a
@@ -115,15 +116,34 @@ def gate_scores(model: Any) -> dict[int, float]:
     for i, block in enumerate(model.transformer_blocks):
         if _is_released(block):
             continue
-        lin = block.adaln_proj.linear
+        weight, bias = _whole_adaln(model, i, a.device)
         total = torch.zeros((), dtype=torch.float64, device=a.device)
         for m in range(NUM_MODALITIES):
             for j in GATE_CHUNKS:
                 rows = slice(m * 6 * H + j * H, m * 6 * H + (j + 1) * H)
-                gate = a @ lin.weight[rows].double().T + lin.bias[rows].double()  # (T, H)
+                gate = a @ weight[rows].double().T + bias[rows].double()  # (T, H)
                 total += gate.abs().sum()
         scores[i] = float(total) / (GATE_TIMESTEPS * NUM_MODALITIES * len(GATE_CHUNKS) * H)
     return scores
+
+
+def _whole_adaln(model: Any, i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block i's whole AdaLN projection (weight, bias). A model holding only its TP shard (a mesh rank: 1/tp of
+    every table block's channels) reads them whole through its loader's `h3lab_read_whole` (the checkpoint's or
+    the counter init's tensors, what one process holds), so every topology ranks on the one-process bytes."""
+    lin = model.transformer_blocks[i].adaln_proj.linear
+    c = model.config
+    full = NUM_MODALITIES * 6 * c.hidden_size
+    if lin.weight.shape[0] == full:
+        return lin.weight, lin.bias
+    read = getattr(model, "h3lab_read_whole", None)
+    if read is None:
+        raise PresetError(f"layers: block {i}'s AdaLN projection holds {lin.weight.shape[0]} of its {full} rows (a "
+                          "TP shard) and the model names no checkpoint to read it whole from: rank the blocks on the "
+                          "whole model, or seal them (preset blocks=[...])")
+    key = f"transformer_blocks.{i}.adaln_proj.linear."
+    got = read((key + "weight", key + "bias"))
+    return got[key + "weight"].to(device), got[key + "bias"].to(device)
 
 
 def choose_blocks(model: Any, n: int) -> tuple[int, ...]:

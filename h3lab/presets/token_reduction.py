@@ -4,7 +4,8 @@ The seed (h3-metal): "After block 3 it pairs adjacent horizontal target-video to
 conditions, and reference tokens exact. The complete full-resolution state is kept as a bypass. During the first ten
 noisy evaluations it restores before block 40; subsequent detail-forming evaluations restore before block 30. Each
 token returns as its original value plus the update learned by its pair, so within-pair detail is not discarded."
-Refused at 256x256 ("Keep token reduction off at this size").
+Refused at 256x256 ("Keep token reduction off at this size"), and on a mesh with CP or SP (`refuse_row_cut`; a TP
+mesh runs it, byte-equal to one process).
 
 It is a layout transform plus a bypass, applied through block hooks:
 
@@ -60,6 +61,19 @@ def check_schedule(value: Any) -> dict[str, int] | None:
         raise PresetError(f"token_reduction={value}: needs 1 <= start < end <= early_end and early_evaluations >= 0 "
                           "(block 0 always sees the full layout)")
     return {k: value[k] for k in SCHEDULE_KEYS}
+
+
+def refuse_row_cut(placement: Any) -> None:
+    """Token reduction on a mesh whose CP (or SP) cut gives each rank part of the packed rows: refused (one line). The
+    pairs change the row count in the middle blocks and a pair's members may sit on two ranks; the row cut is made
+    once, at block 0, for the full rows. On a TP mesh without SP every rank holds every row: admitted."""
+    p = dict(placement or {})
+    cp, sp = int(p.get("cp", 1)), bool(p.get("sp", False))
+    if cp > 1 or sp:
+        where = f"tp{p.get('tp', 1)}xcp{cp}" + ("+sp" if sp else "")
+        raise PresetError(f"token_reduction on {where}: refused (it pairs target-video rows across the packed stream "
+                          "and changes the row count after block 0, where the CP / SP row cut is made for the full "
+                          "rows); use a TP mesh with --cp 1 and without --sp")
 
 
 def refuse_native_256(layout: Any) -> None:
@@ -192,7 +206,8 @@ def _register() -> None:
     register_preset(Preset(
         "token_reduction", _validate, _apply,
         lambda s, _model, _layout: {"token_reduction": dict(DEFAULT_SCHEDULE)} if s.token_reduction else {},
-        _describe, order=30, apply_order=20))
+        _describe, order=30, apply_order=20,
+        check=lambda value, run: refuse_row_cut(run.spec.placement) if "token_reduction" in value else None))
     declare(Setting(
         "token_reduction", bool, False, "pair horizontal video tokens inside the middle blocks (refused at 256x256)",
         order=100,

@@ -150,8 +150,10 @@ def _enter(stack: contextlib.ExitStack, name: str, cm: ContextManager[ResolvedRu
 
 @contextlib.contextmanager
 def resolve(spec: RunSpec, model: Any, *,
-            models: Mapping[str, Any] | Callable[[str], Any] | None = None) -> Iterator[ResolvedRun]:
-    """Hold `spec` applied to `model` for the duration of the `with` (see the module docstring)."""
+            models: Mapping[str, Any] | Callable[[str], Any] | None = None,
+            forward: Forward = model_forward) -> Iterator[ResolvedRun]:
+    """Hold `spec` applied to `model` for the duration of the `with` (see the module docstring). `forward`: the
+    innermost forward the transforms wrap (a mesh follower's calls the model with the lead rank's arguments)."""
     if not isinstance(spec, RunSpec):
         raise RunSpecError(f"spec is a {type(spec).__name__}: must be a RunSpec")
     custom = spec.custom or Custom()
@@ -162,7 +164,7 @@ def resolve(spec: RunSpec, model: Any, *,
                       stepper=spec.stepper, stepper_params=spec.stepper_params,
                       overrides=dict(custom.overrides), hooks=custom.hooks,
                       custom_stepper=custom.stepper, reuse=spec.reuse, reuse_mode=spec.reuse_mode,
-                      models=_lookup(models), base_model=model,
+                      models=_lookup(models), base_model=model, forward=forward,
                       changed={**{f"op:{op}": "a custom override" for op in custom.overrides},
                                **({"stepper": "a custom stepper"} if custom.stepper is not None else {})})
     with contextlib.ExitStack() as stack:

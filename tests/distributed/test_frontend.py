@@ -3,8 +3,9 @@ runs the replay through the command registry, rank 1 follows its forwards; input
 replay run first in one process records its `# expect` line; the torchrun run must match it (exit 0: the distributed
 trajectory digest equals the one-process strict digest), seal the run with its topology and verify it on the mesh.
 One process then refuses to replay the sealed tp2 run (it names its topology). The REPL's lead / follow path runs
-on two gloo ranks in-process (prompt-toolkit pipe input). A rank SIGKILLed mid-generation (one-shot and replay, the
-CLI's one `peers.watch` around every mesh action) ends the survivor with one line naming it and nothing written."""
+on two gloo ranks in-process (prompt-toolkit pipe input). A rank SIGKILLed mid-generation (one-shot, replay and the
+REPL fed through torchrun's stdin; the CLI's one `peers.watch` around every mesh action) ends the survivor with one
+line naming it, exit 2, and nothing written."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def _failing_rank(rank: int, world: int, case: str) -> dict:
 
     def action() -> int:
         if case == "follower-first":
-            leading().send(("forward", "transformer", "strict", {}, []))  # the follower's models() fails
+            leading().send(("forward", "transformer", "strict", {}, [], None))  # the follower's models() fails
             time.sleep(0.5)
         raise ValidationError("width=50: must be a multiple of 32")
 
@@ -159,26 +160,48 @@ a red fox
 """
 
 
-@pytest.mark.parametrize("action, what", [("one-shot", "generation"), ("replay", "replay")])
+KILLED_REPL = """\
+!size 32x32
+!steps 1
+a red fox
+!trajectory save out/sealed
+a red fox
+!quit
+"""
+
+
+@pytest.mark.parametrize("action, what", [("one-shot", "generation"), ("replay", "replay"), ("repl", "session")])
 def test_a_rank_killed_mid_generation_is_named_by_the_survivor(tmp_path, tiny_snapshot, action, what):
-    script, out, logs = tmp_path / "dies.py", tmp_path / "out", tmp_path / "logs"
+    """Rank 1 SIGKILLed at its first TP gather. The REPL (issue 25): its generation runs in the worker thread, fed
+    through torchrun's stdin; the broken mesh ends the session (no line's `error:`, no second generation)."""
+    script, out, logs, session = tmp_path / "dies.py", tmp_path / "out", tmp_path / "logs", tmp_path / "session"
     script.write_text(DIES)
     out.mkdir()
+    stdin = None
     if action == "replay":
         (tmp_path / "killed.h3").write_text(KILLED_REPLAY)
         tail = ["--replay", str(tmp_path / "killed.h3"), "--allow-unchecked"]
+    elif action == "repl":
+        tail, stdin = ["--session-dir", str(session)], KILLED_REPL
     else:
         tail = ["-p", "a red fox", "--width", "32", "--height", "32", "--steps", "1", "-o", str(out / "fox.mp4"),
                 "--trajectory", str(out / "sealed")]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
            str(logs), "--redirects", "3", str(script), "--tp", "2", "--device", "cpu", "-d", str(tiny_snapshot), *tail]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert run.returncode != 0
+    run = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-3000:]  # torchrun's own status; the ranks' are in its report
+    exits = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*exitcode\s*: (-?\d+)", run.stderr))
+    assert exits == {"0": "2", "1": "-9"}, run.stderr[-3000:]
     (err,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
-    text = err.read_text()
+    (said_out,) = [p for p in logs.rglob("stdout.log") if p.parent.name == "0"]
+    text, printed = err.read_text(), said_out.read_text()
     said = [line for line in text.splitlines() if line.startswith("h3lab:")]
     assert said == [f"h3lab: error: rank 1 died mid-{what} (no word from it after the process group broke); every "
                     "other rank stopped"], text[-3000:]
     assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    assert "error:" not in printed and "Connection closed" not in printed, printed[-3000:]
     assert not list(out.iterdir())  # no output, no sealed trajectory, no temp file or hidden directory
+    if action == "repl":
+        assert "h3lab h3-tiny" in printed and "size 32x32" in printed  # the REPL ran its lines up to the generation
+        assert sorted(p.name for p in session.rglob("*")) == ["history"]  # no numbered video, no temp file

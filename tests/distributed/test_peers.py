@@ -37,18 +37,18 @@ def test_a_silent_peer_is_named_dead_and_alive_peers_name_nobody():
     assert peers._verdict(Store({}), "p/", 0, 3, "run", 0.1).startswith("ranks [1, 2] died mid-run")
 
 
-def test_which_errors_are_a_broken_collective():
-    assert peers._broken_collective(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
-    assert peers._broken_collective(peers.Stopped("rank 0 stopped by the launcher (SIGTERM)"))
-    assert not peers._broken_collective(ValueError("a bad clip"))
+def test_which_errors_are_abroken_collective():
+    assert peers.broken_collective(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert peers.broken_collective(peers.Stopped("rank 0 stopped by the launcher (SIGTERM)"))
+    assert not peers.broken_collective(ValueError("a bad clip"))
     try:  # the interpreter re-raises what interrupted a kernel as its own error
         try:
             raise peers.Stopped("rank 0 stopped by the launcher (SIGTERM)")
         except peers.Stopped as inner:
             raise KeyError(repr(inner)) from inner
     except KeyError as wrapped:
-        assert peers._broken_collective(wrapped)
-    assert peers._broken_collective(KeyError("InterpreterError(\"Stopped('rank 0 stopped by the launcher')\")"))
+        assert peers.broken_collective(wrapped)
+    assert peers.broken_collective(KeyError("InterpreterError(\"Stopped('rank 0 stopped by the launcher')\")"))
 
 
 class _Finalized:

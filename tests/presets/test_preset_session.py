@@ -3,35 +3,18 @@ choice, prints it and releases the dropped block's weights, a later full request
 the thinned trajectory; the REPL commands (validated before any model loads, state unchanged on error) and the
 one-shot CLI; a pinned (injected) model is never released."""
 
-import json
 import re
-import shutil
 
 import pytest
 from preset_cases import deep_model
 
 from h3lab import commands, presets
-from h3lab.checkpoint import tiny
 from h3lab.errors import H3Error
 from h3lab.run.fields import thaw
 from h3lab.session import Session
 from h3lab.settings import GenerationSettings
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
-
-
-@pytest.fixture(scope="module")
-def deep_snapshot(tiny_snapshot, tmp_path_factory):
-    """The tiny snapshot with a 6-block `transformer/` (the same widths, its own seeded weights)."""
-    root = tmp_path_factory.mktemp("deep") / "h3-tiny-deep"
-    shutil.copytree(tiny_snapshot, root)
-    cfg = json.loads((root / "transformer" / "config.json").read_text())
-    shutil.rmtree(root / "transformer")
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    from h3lab.config import H3Config
-
-    tiny._save_transformer(root / "transformer", 0, "transformer", H3Config.from_dict({**cfg, "num_layers": 6}))
-    return root
 
 
 @pytest.fixture(scope="module")
