@@ -37,7 +37,7 @@ def test_a_silent_peer_is_named_dead_and_alive_peers_name_nobody():
     assert peers._verdict(Store({}), "p/", 0, 3, "run", 0.1).startswith("ranks [1, 2] died mid-run")
 
 
-def test_which_errors_are_abroken_collective():
+def test_which_errors_are_a_broken_collective():
     assert peers.broken_collective(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert peers.broken_collective(peers.Stopped("rank 0 stopped by the launcher (SIGTERM)"))
     assert not peers.broken_collective(ValueError("a bad clip"))
