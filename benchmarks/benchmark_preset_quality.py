@@ -10,7 +10,9 @@ the 50-pass reference of the same prompt and seed.
 - SSIM (`ssim`): Wang et al. 2004 on the luma (BT.601) of uint8 frames, an 11x11 Gaussian window (sigma 1.5),
   C1 = (0.01 * 255)^2, C2 = (0.03 * 255)^2, valid positions only, averaged over pixels and then frames; reported per
   config as the mean over prompts (and per prompt). 1.0 = the reference's frames.
-- Also per config: the mean wall seconds of one generate call (decode included) on `--device`.
+- Also per config: how many prompts' decoded clips still say all four attributes (`h3lab.shapes.measure` /
+  `matches`: colour, direction, tone, pan; the 50-pass reference's count is the `reference` row), and the mean wall
+  seconds of one generate call (decode included) on `--device`.
 - `--dry-run`: 2 prompts' worth of structure at 3/6 passes on the random tiny snapshot (the CI smoke run).
 - Output JSON in the benchmarks schema (DESIGN.md "Evidence").
 """
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--snapshot", default=None, help="snapshot (default: the embedded default)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=12, help="first N held-out prompts (12: all of them)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=None, help="JSON results path")
     p.add_argument("--dry-run", action="store_true", help="random tiny snapshot, 2 prompts, 3/6 passes")
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     import torch
 
     from h3lab import Session
-    from h3lab.shapes import ClipSpec, held_out_combos, prompt
+    from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt
 
     if args.device == "cpu":
         torch.set_num_threads(2)
@@ -101,20 +103,34 @@ def main(argv=None) -> int:
     doc = header("preset_quality", __file__, argv if argv is not None else sys.argv[1:], args.device,
                  snapshot=str(snapshot) if snapshot else "embedded default", reference_steps=ref_steps,
                  shape="64x64x22f", seed=args.seed)
-    prompts = [prompt(ClipSpec(*c)) for c in held_out_combos()[:args.prompts]]
-    refs = {text: session.generate(text, seed=args.seed, steps=ref_steps, **GEN).frames for text in prompts}
+    combos = {prompt(ClipSpec(*c)): c for c in held_out_combos()[:args.prompts]}
+    prompts = list(combos)
+
+    def says_all_four(text, result) -> bool:
+        colour, shape, direction = combos[text]
+        m = measure(result.frames, result.audio.numpy(), result.sample_rate)
+        return all(matches(m, colour, shape, direction).values())
+
+    ref_results = {text: session.generate(text, seed=args.seed, steps=ref_steps, **GEN) for text in prompts}
+    refs = {text: r.frames for text, r in ref_results.items()}
+    ref_all_four = sum(says_all_four(text, r) for text, r in ref_results.items())
+    doc["results"].append({"config": "reference", "settings": {"steps": ref_steps}, "ssim_vs_reference": 1.0,
+                           "ssim_min": 1.0, "all_four": ref_all_four, "prompts": prompts})
     for name, overrides in configs.items():
-        scores, secs = [], []
+        scores, secs, all_four = [], [], 0
         for text in prompts:
             t = time.perf_counter()
-            frames = session.generate(text, seed=args.seed, **{**GEN, **overrides}).frames
+            result = session.generate(text, seed=args.seed, **{**GEN, **overrides})
             secs.append(time.perf_counter() - t)
-            scores.append(ssim(frames, refs[text]))
+            scores.append(ssim(result.frames, refs[text]))
+            all_four += says_all_four(text, result)
         doc["results"].append({"config": name, "settings": overrides, "ssim_vs_reference": round(float(np.mean(scores)), 4),
                                "ssim_min": round(float(np.min(scores)), 4), "per_prompt": [round(s, 4) for s in scores],
+                               "all_four": all_four,
                                "mean_s": round(float(np.mean(secs)), 3), "prompts": prompts})
-        print(f"{name}: SSIM {np.mean(scores):.4f} (min {np.min(scores):.4f}) {np.mean(secs):.2f} s", flush=True)
-    print(table(doc["results"], ["config", "ssim_vs_reference", "ssim_min", "mean_s"]))
+        print(f"{name}: SSIM {np.mean(scores):.4f} (min {np.min(scores):.4f}), all four {all_four}/{len(prompts)}, "
+              f"{np.mean(secs):.2f} s", flush=True)
+    print(table(doc["results"], ["config", "ssim_vs_reference", "ssim_min", "all_four", "mean_s"]))
     write(args.out, doc)
     return 0
 
