@@ -212,6 +212,21 @@ def _on_cuda(args: tuple) -> bool:
     return all(a.is_cuda for a in args if isinstance(a, torch.Tensor))
 
 
+def packed_rows(args: tuple) -> int:
+    """The packed rows of `H3Transformer._run_ops`' checked inputs (args[6] is position_ids (S, 3)); 0 if absent."""
+    return args[6].shape[0] if len(args) > 6 and isinstance(args[6], torch.Tensor) else 0
+
+
+def refuse_rows(args: tuple, limit: int, name: str) -> str:
+    """"" or why a forward of more than `limit` packed rows is not captured (`name` spells the limit): past it a
+    forward is seconds of GPU work, the launches a graph saves are noise, and the graph's memory pool -- the
+    forward's peak activations -- would stay held after the call."""
+    rows = packed_rows(args)
+    if rows > limit:
+        return f"{rows} packed rows > {name} = {limit} (eager: graphs pay only at short layouts)"
+    return ""
+
+
 def _ineligible(policy: Policy, model, args, backend, device_ok) -> str:
     if not policy.enabled.get():
         return f"graphs disabled ({policy.switch_name}(False))"

@@ -4,6 +4,9 @@ signature's second call, replay after, outputs cloned, an LRU of graphs; see tha
 Fast's rules on top of it:
 - Its own switch, `use_graphs(enabled)` (default on), and `last_path()`: how the last fast forward in this context
   ran ({"cuda_graph": "eager" | "captured" | "replay", ...}).
+- Captured up to `MAX_ROWS` packed rows (37,853 = 1344x768x124f and below). Past it the forward runs eager: at
+  109,205 rows (1344x768x362f) a 3-block forward is 2.3 s of GPU work, and the graph's memory pool held 22 GiB of
+  its activations after the call, enough to run the H200 out of memory beside the next forward (session 7).
 - `fast.use_emulation()` (the CPU dry runs) is never captured; fast's switches (`fast.graph_key()`: fused producers,
   emulation, FP8 attention) are part of the signature.
 - Not strict and promises no bytes; on the H200 a replay's output bytes are compared with the eager fast forward's in
@@ -23,10 +26,17 @@ CudaBackend = cuda_graph.CudaBackend
 MAX_GRAPHS = cuda_graph.MAX_GRAPHS
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_graphs", default=True)
 
-POLICY = cuda_graph.Policy(
-    mode="fast", enabled=_enabled, switch_name="fast_graph.use_graphs",
-    refuse=lambda args: "fast emulation (CPU dry run)" if fast.emulated() else "", key=fast.graph_key,
-)
+MAX_ROWS = 65536
+
+
+def _refuse(args: tuple) -> str:
+    if fast.emulated():
+        return "fast emulation (CPU dry run)"
+    return cuda_graph.refuse_rows(args, MAX_ROWS, "fast_graph.MAX_ROWS")
+
+
+POLICY = cuda_graph.Policy(mode="fast", enabled=_enabled, switch_name="fast_graph.use_graphs", refuse=_refuse,
+                           key=fast.graph_key)
 
 
 def use_graphs(enabled: bool):

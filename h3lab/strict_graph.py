@@ -46,11 +46,7 @@ _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_strict_gr
 
 
 def _refuse(args: tuple) -> str:
-    """args are `H3Transformer._run_ops`' checked inputs; args[6] is position_ids (S, 3)."""
-    rows = args[6].shape[0] if len(args) > 6 and isinstance(args[6], torch.Tensor) else 0
-    if rows > MAX_ROWS:
-        return f"{rows} packed rows > strict_graph.MAX_ROWS = {MAX_ROWS} (eager: graphs pay only at short layouts)"
-    return ""
+    return cuda_graph.refuse_rows(args, MAX_ROWS, "strict_graph.MAX_ROWS")
 
 
 POLICY = cuda_graph.Policy(mode="strict", enabled=_enabled, switch_name="strict_graph.use_graphs", refuse=_refuse)

@@ -115,6 +115,14 @@ def test_ineligible_calls_run_eager_and_say_why(model):
     with torch.no_grad():
         cache.run(model, a, model._run_ops)  # CPU tensors with the default device check
     assert fast_graph.last_path()["reason"] == "inputs not on a CUDA device"
+    saved, fast_graph.MAX_ROWS = fast_graph.MAX_ROWS, a[6].shape[0] - 1
+    try:
+        for _ in range(3):
+            _run(cache, model, a)
+    finally:
+        fast_graph.MAX_ROWS = saved
+    assert fast_graph.last_path()["reason"] == (f"{a[6].shape[0]} packed rows > fast_graph.MAX_ROWS = "
+                                                f"{a[6].shape[0] - 1} (eager: graphs pay only at short layouts)")
     assert cache.backend.captures == 0
     with pytest.raises(TypeError, match="must be True or False"):
         with fast_graph.use_graphs("yes"):
