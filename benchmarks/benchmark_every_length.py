@@ -80,7 +80,7 @@ def truncated(config, dm, n: int, device):
 
 OP_CLASSES = (  # (class, name fragments), first match wins: where a profiled forward spends its GPU time
     ("gemm", ("nvjet", "_gemm", "gemm", "cutlass", "xmma")),
-    ("attention", ("sdpa", "flash", "_attn", "fmha")),
+    ("attention", ("sdpa", "flash", "_attn", "_attention", "fmha")),  # _attention: fast's _attention_fp8_kernel
     ("norm_modulate", ("layer_norm", "rms_norm", "_norm_modulate", "_gated_residual")),
     ("rope", ("_rope",)),
     ("copy_cat_gather", ("CatArray", "gather", "copy", "Memcpy", "Memset", "_pack")),
