@@ -25,7 +25,7 @@ demo: $(STAMP)
 demo-strict: $(STAMP)
 	mkdir -p outputs
 	TRITON_INTERPRET=1 $(BIN)/h3lab --profile --mode strict --width 64 --height 64 --frames 22 --steps 3 \
-		-p "A red fox walks through fresh snow." -o outputs/fox-strict.mp4
+		-p "a blue square moves right, a middle tone" -o outputs/demo-strict.mp4
 
 info: $(STAMP)
 	$(BIN)/h3lab --info

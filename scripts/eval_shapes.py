@@ -10,7 +10,8 @@
   all-four fractions, and every clip's measurement.
 - FL2VA: for each of the first `--fl2va` held-out triples, a fresh rendered clip (seed 1000) gives its first and last frames as anchors;
   the generated clip's first and last decoded frames are compared with them (PSNR in dB over uint8 RGB).
-- `--strip`: a frame strip (frames 0, 5, 10, 16, 21 side by side, 3x nearest upscale) of the first held-out clip.
+- `--strip`: a frame strip (frames 0, 5, 10, 16, 21 side by side, 3x nearest upscale) of `make demo`'s clip (the
+  held-out "a blue square moves right, a middle tone", seed 42; the README shows it).
 - Output JSON in the benchmarks schema (name, date, gpu, torch, triton, git_rev, command, results).
 """
 
@@ -36,6 +37,7 @@ from h3lab.shapes.clips import first_last  # noqa: E402
 
 GEN = dict(width=64, height=64, frames=22, mode="off")
 STRIP_FRAMES = (0, 5, 10, 16, 21)
+DEMO = (ClipSpec("blue", "square", "right"), 42)  # `make demo`'s prompt and seed: the strip's clip
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -97,9 +99,12 @@ def main(argv=None) -> int:
                      "all": all(ok.values()), "measured": m.to_dict(), "seconds": round(time.time() - t, 2)})
         print(f"[{split}] {prompt(spec)!r} seed {seed}: {ok} {m.colour} {m.direction} {m.tone} {m.pan_direction}",
               flush=True)
-        if len(rows) == 1 and args.strip:
-            Path(args.strip).parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(strip(res.frames)).save(args.strip)
+    if args.strip:
+        res = session.generate(prompt(DEMO[0]), seed=DEMO[1], steps=args.steps, **GEN)
+        Path(args.strip).parent.mkdir(parents=True, exist_ok=True)
+        tmp_strip = Path(args.strip).with_suffix(".tmp.png")
+        Image.fromarray(strip(res.frames)).save(tmp_strip)
+        os.replace(tmp_strip, args.strip)
     fl = []
     with tempfile.TemporaryDirectory() as tmp:
         for (colour, shape, direction) in held_out_combos()[:args.fl2va]:
