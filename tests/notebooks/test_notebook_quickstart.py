@@ -9,7 +9,8 @@ def test_quickstart_runs():
     nb = execute("01_quickstart")
     text = text_of(nb)
     assert "t2va seed 42, 64x64, 22 frames" in text and "digest" in text
-    assert images(nb) == 3  # latent strip, norms, sigma grids
+    assert images(nb) == 4  # frames, latent strip, norms, sigma grids
+    assert "matches the prompt: {'colour': True, 'direction': True, 'tone': True, 'pan': True}" in text
     html = [o["data"]["text/html"] for o in outputs(nb) if "text/html" in o.get("data", {})]
     assert any("<video" in h and "data:video/mp4;base64" in h for h in html)
     widgets = [o for o in outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
