@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 INTERPRET_ENV = "TRITON_INTERPRET"
-_EXPECTED = {"strict": "strict", "off": "torch", "audit": "torch"}  # auto: whatever served each call
-_MODE_NOTES = {"off": "the reference torch arithmetic", "audit": "the production path, every op recorded as not strict"}
+_EXPECTED = {"strict": "strict", "off": "torch", "audit": "torch", "fast": "fast"}  # auto: whatever served each call
+_MODE_NOTES = {"off": "the reference torch arithmetic", "audit": "the production path, every op recorded as not strict",
+               "fast": "FP8 projections and attention, not strict"}
 
 
 def backend_counts(trace: Mapping[str, Any] | None) -> dict[str, int]:
@@ -90,12 +91,14 @@ def what_ran(trace: Mapping[str, Any] | None, mode: str | None = None, fallback_
     if untraced == forwards:
         return f"{mode}: {forwards:,} forwards untraced (the model records no provenance, e.g. Diffusers'): backend unknown"
     strict, torch_, override = counts.get("strict", 0), counts.get("torch", 0), counts.get("override", 0)
-    other = {b: n for b, n in counts.items() if b not in ("strict", "torch", "override")}
-    served = [b for b, n in (("strict", strict), ("torch", torch_)) if n]
+    fast_ = counts.get("fast", 0)
+    other = {b: n for b, n in counts.items() if b not in ("strict", "torch", "override", "fast")}
+    served = [b for b, n in (("strict", strict), ("torch", torch_), ("fast", fast_)) if n]
     actual = " + ".join(served) or ("override" if override else "nothing")
     head = mode if _EXPECTED.get(mode, "strict") == actual else f"{mode} → {actual}"
     parts = [f"{strict:,} strict", f"{torch_:,} torch"]
     parts += [f"{override:,} override"] if override else []
+    parts += [f"{fast_:,} fast"] if fast_ else []
     parts += [f"{n:,} {b}" for b, n in sorted(other.items())]
     line = f"{head}: {' / '.join(parts)} op calls in {forwards:,} forwards"
     if untraced:

@@ -39,6 +39,14 @@ def test_auto_that_fell_back_says_so_and_why():
         "(strict kernels in Triton's interpreter, cpu; linear: K=7 is not a multiple of 16)")
 
 
+def test_fast_names_its_backend_not_nothing():
+    summary = {**SUMMARY, "mode": "fast", "forwards": 2, "ops": {"linear": {"fast": 256}, "attention": {"fast": 50}}}
+    assert whatran.what_ran(summary, "fast") == (
+        "fast: 0 strict / 0 torch / 306 fast op calls in 2 forwards (FP8 projections and attention, not strict)")
+    mixed = {**summary, "ops": {"linear": {"fast": 250, "torch": 6}}}
+    assert whatran.what_ran(mixed, "fast").startswith("fast → torch + fast: 0 strict / 6 torch / 250 fast op calls")
+
+
 def test_off_audit_overrides_and_ablations():
     off = {**SUMMARY, "mode": "off", "ops": {"linear": {"torch": 1616, "override": 4}}}
     assert whatran.what_ran(off, "off", ablations=["A6"]) == (
