@@ -55,6 +55,23 @@ def deep_snapshot(tiny_snapshot, tmp_path_factory):
     return root
 
 
+@pytest.fixture
+def benchmark_main(tmp_path, monkeypatch):
+    """run(script_stem, *args) -> the JSON a benchmarks/ script wrote: imports the script from benchmarks/ (as the
+    scripts import `_common`) and calls its `main([*args, "--out", tmp_path / "<stem>.json"])`."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+    def run(stem: str, *args: str) -> dict:
+        monkeypatch.setattr("sys.argv", [f"{stem}.py"])
+        out = tmp_path / f"{stem}.json"
+        importlib.import_module(stem).main([*args, "--out", str(out)])
+        return json.loads(out.read_text())
+
+    return run
+
+
 _MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")  # scripts/module_seconds.py writes it
 
 
