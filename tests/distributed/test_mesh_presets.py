@@ -3,8 +3,9 @@ torchrun front end's code path, `frontend.run_on_mesh`, 2 gloo CPU ranks), on a 
 (so `--layers 5` drops one and token reduction reduces blocks 4 and 5). Each admitted preset's trajectory digest
 equals the one-process strict run's on the same request: core reuse (the follower takes rank 0's per-pass
 decisions), layer thinning (TP ranks rank the blocks on the whole AdaLN weights read from the checkpoint), token
-reduction on TP, whole-velocity reuse. Token reduction on a CP mesh is refused on every rank alike with one line,
-before any model loads."""
+reduction on TP, whole-velocity reuse; on CP the 256x256 RoPE halving (on the 2-block tiny snapshot: 64 video rows
+a latent frame, and the halving acts on the inputs, before block 0). Token reduction on a CP mesh is refused on
+every rank alike with one line, before any model loads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from h3lab.session import Session
 REQUEST = dict(width=32, height=32, frames=5, steps=3, mode="strict", seed=7)
 ONE_PASS = dict(steps=1)  # layer thinning and token reduction change every pass: one shows it
 PAIRS = dict(width=64, height=64)  # token reduction pairs horizontal tokens: 2 x 2 tokens per latent frame
+HALVED = dict(width=256, height=256, frames=1)  # the 256x256 RoPE halving (automatic at that canvas), one latent frame
 
 
 def _mesh_rank(rank: int, world: int, snapshot: str, tp: int, cp: int, sp: bool, knobs: str) -> dict:
@@ -71,6 +73,15 @@ def test_presets_on_a_mesh_equal_one_process(deep_snapshot, tp, cp, sp, knobs):
     assert [r["rc"] for r in results] == ["0", "0"], results
     assert json.loads(results[0]["presets"]) == want_presets  # the same sealed preset (layers: the same blocks)
     assert json.loads(results[0]["hashes"]) == want_hashes
+
+
+def test_rope_halving_on_cp_equals_one_process(tiny_snapshot):
+    knobs = [{**HALVED, **ONE_PASS}]
+    want_hashes, want_presets = _one_process(tiny_snapshot, knobs)
+    assert want_presets[0].get("rope") == "halved", want_presets
+    results = run_ranks(_mesh_rank, 2, str(tiny_snapshot), 1, 2, False, json.dumps(knobs), timeout=300)
+    assert [r["rc"] for r in results] == ["0", "0"], results
+    assert json.loads(results[0]["presets"]) == want_presets and json.loads(results[0]["hashes"]) == want_hashes
 
 
 def test_token_reduction_on_cp_is_refused_on_every_rank_before_any_load(deep_snapshot):
