@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import time
 
-from _common import header, prepare, write
+from _common import header, prepare, rel_l2, write
 
 PROMPTS = (("blue", "square", "right"), ("red", "circle", "left"), ("yellow", "triangle", "down"))
 
@@ -30,35 +30,33 @@ def main(argv: list[str] | None = None) -> dict:
     from h3lab import Session, fast, whatran
     from h3lab.shapes import ClipSpec, matches, measure, prompt
 
-    doc = header("fast_default", __file__, argv, device, snapshot="embedded default (h3-shapes)",
-                 request={"width": 64, "height": 64, "frames": 22, "steps": args.steps, "seed": 42})
+    request = dict(width=64, height=64, frames=22, steps=args.steps, seed=42)
+    doc = header("fast_default", __file__, argv, device, snapshot="embedded default (h3-shapes)", request=request)
     session = Session(None, device=device)
     session.keep = ("latents",)
     context = fast.use_emulation() if device == "cpu" else contextlib.nullcontext()
-    request = dict(width=64, height=64, frames=22, steps=args.steps, seed=42)
     with context:
         for colour, shape, direction in PROMPTS:
             text = prompt(ClipSpec(colour, shape, direction))
             row: dict = {"prompt": text}
+            results = {}
             for mode in ("off", "fast"):
                 start = time.perf_counter()
-                result = session.generate(text, mode=mode, **request)
+                result = results[mode] = session.generate(text, mode=mode, **request)
                 seconds = time.perf_counter() - start
                 m = measure(result.frames, result.audio.numpy(), result.sample_rate)
                 row[mode] = {"trajectory_hash": result.trajectory_hash, "seconds": seconds,
                              "denoise_s": result.timings.get("denoise"),
                              "what_ran": whatran.what_ran(result.trajectory.manifest["trace"], mode),
-                             "graph": result.trajectory.manifest["trace"].get("graph"),
                              "match": matches(m, colour, shape, direction), "measured": m.to_dict()}
-                row[f"_{mode}"] = result
-            a, b = row.pop("_off"), row.pop("_fast")
-            row["drift_lines"] = session.drift_lines(a, b)
+            row["drift_lines"] = session.drift_lines(results["off"], results["fast"])
+            off_kept, fast_kept = results["off"].trajectory.kept, results["fast"].trajectory.kept
             per_pass = []
             for i in range(args.steps):
                 entry = {"pass": i}
                 for kind in ("video", "audio"):
-                    x, y = (r.trajectory.kept[f"{kind}.{i:04d}"].float() for r in (a, b))
-                    entry[f"latent_{kind}_rel_l2"] = float((x - y).norm() / x.norm())
+                    key = f"{kind}.{i:04d}"
+                    entry[f"latent_{kind}_rel_l2"] = rel_l2(fast_kept[key], off_kept[key])
                 per_pass.append(entry)
             row["per_pass"] = per_pass
             doc["results"].append(row)

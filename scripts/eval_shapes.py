@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
 from h3lab.shapes.clips import first_last  # noqa: E402
+from h3lab.io_utils import atomic_write  # noqa: E402
 
 GEN = dict(width=64, height=64, frames=22, mode="off")
 STRIP_FRAMES = (0, 5, 10, 16, 21)
@@ -101,10 +102,7 @@ def main(argv=None) -> int:
               flush=True)
     if args.strip:
         res = session.generate(prompt(DEMO[0]), seed=DEMO[1], steps=args.steps, **GEN)
-        Path(args.strip).parent.mkdir(parents=True, exist_ok=True)
-        tmp_strip = Path(args.strip).with_suffix(".tmp.png")
-        Image.fromarray(strip(res.frames)).save(tmp_strip)
-        os.replace(tmp_strip, args.strip)
+        atomic_write(args.strip, lambda tmp: Image.fromarray(strip(res.frames)).save(tmp, format="PNG"))
     fl = []
     with tempfile.TemporaryDirectory() as tmp:
         for (colour, shape, direction) in held_out_combos()[:args.fl2va]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import Session, fast
+from h3lab import Session, fast, runtime
 
 PROMPT = "a blue square moves right, a middle tone"
 REQUEST = dict(width=64, height=64, frames=22, steps=3, seed=42)
@@ -46,7 +46,7 @@ def test_fast_latents_stay_close_to_off(runs):
 
 def test_fast_without_emulation_refuses_the_cpu_and_leaves_the_session_usable():
     session = Session(None, device="cpu")
-    with pytest.raises(Exception) as info:
+    with pytest.raises(runtime.FastModeError) as info:
         session.generate(PROMPT, mode="fast", **REQUEST)
     assert "\n" not in str(info.value) and "CUDA" in str(info.value)
     assert session.generate(PROMPT, mode="off", **{**REQUEST, "steps": 1}).trajectory_hash
