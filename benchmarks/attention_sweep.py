@@ -22,8 +22,9 @@ SWEEP_SEQS = (2066, 12369, 37853)
 DRY_SEQS = (67, 130, 256)
 
 
-def variants():
-    """[(name, class, ForwardVariant, AttentionTiles)]: byte-keeping first, then byte-changing."""
+def variants(only=None):
+    """[(name, class, ForwardVariant, AttentionTiles)]: byte-keeping first, then byte-changing; `only`: just the
+    named ones (in this order)."""
     import torch
     from h3kernels import attention as attn
 
@@ -50,6 +51,8 @@ def variants():
         ("tma_m64_w4_s1", tma, T(64, 4, 1)),
         ("tma_m256_w8", tma, T(256, 8, 2)),
         ("tma_warp_specialize", V(split_tail=True, even_d=True, tma=True, warp_specialize=True), base),
+        ("tma_lookahead", V(split_tail=True, even_d=True, tma=True, lookahead=True), base),
+        ("tma_lookahead_stages2", V(split_tail=True, even_d=True, tma=True, lookahead=True), T(128, 8, 2)),
         ("exp_triton", V(split_tail=True, even_d=True, tma=True, exp="triton"), base),
         ("exp_ftz", V(split_tail=True, even_d=True, tma=True, exp="ftz"), base),
     ]
@@ -64,7 +67,13 @@ def variants():
         ("block_n64_m64_w4", tma, T(64, 4, n=64)),
         ("block_n64_m64_w4_s2", tma, T(64, 4, 2, n=64)),
     ]
-    return [(n, "byte-keeping", v, t) for n, v, t in keep] + [(n, "byte-changing", v, t) for n, v, t in change]
+    rows = [(n, "byte-keeping", v, t) for n, v, t in keep] + [(n, "byte-changing", v, t) for n, v, t in change]
+    if only:
+        unknown = sorted(set(only) - {r[0] for r in rows})
+        if unknown:
+            raise ValueError(f"unknown attention variants {unknown}; known: {[r[0] for r in rows]}")
+        rows = [r for r in rows if r[0] in only]
+    return rows
 
 
 def _inputs(S, heads, head_dim, device):
@@ -90,10 +99,10 @@ def _compile_worker(names, heads, head_dim, device="cuda"):
     return errors
 
 
-def _precompile(n_procs, heads, head_dim, device="cuda"):
+def _precompile(n_procs, heads, head_dim, device="cuda", only=None):
     import multiprocessing
 
-    names = [v[0] for v in variants()]
+    names = [v[0] for v in variants(only)]
     chunks = [names[i::n_procs] for i in range(n_procs)]
     with multiprocessing.get_context("spawn").Pool(n_procs) as pool:
         results = pool.starmap(_compile_worker, [(c, heads, head_dim, device) for c in chunks])
@@ -131,8 +140,8 @@ def _fp32_rel_l2(o, q, k, v):
     return math.sqrt(err / ref)
 
 
-def sweep_forward(seqs, heads: int, head_dim: int, device: str, precompile: int = 0):
-    """(variant table, results): see the module docstring."""
+def sweep_forward(seqs, heads: int, head_dim: int, device: str, precompile: int = 0, only=None):
+    """(variant table, results): see the module docstring; `only` restricts the variants by name."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -142,8 +151,8 @@ def sweep_forward(seqs, heads: int, head_dim: int, device: str, precompile: int 
 
     if seqs is None:
         seqs = DRY_SEQS if device == "cpu" else SWEEP_SEQS
-    table = [{"variant": n, "class": c, "forward": v.describe(), "tile": t.describe()} for n, c, v, t in variants()]
-    compile_errors = _precompile(precompile, heads, head_dim) if precompile and device == "cuda" else {}
+    table = [{"variant": n, "class": c, "forward": v.describe(), "tile": t.describe()} for n, c, v, t in variants(only)]
+    compile_errors = _precompile(precompile, heads, head_dim, only=only) if precompile and device == "cuda" else {}
     timed = _timer(device)
     results = []
     for S in seqs:
@@ -161,7 +170,7 @@ def sweep_forward(seqs, heads: int, head_dim: int, device: str, precompile: int 
             fns["cudnn"], fns["flash"] = forced(SDPBackend.CUDNN_ATTENTION), forced(SDPBackend.FLASH_ATTENTION)
         ref_o, ref_lse = attn._forward(q, k, v, None)
         rows = {}
-        for name, klass, variant, tiles in variants():
+        for name, klass, variant, tiles in variants(only):
             row = {"rows": S, "variant": name, "class": klass, "forward": variant.describe(), "tile": tiles.describe()}
             rows[name] = row
             try:

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="--sweep: sequence lengths (default 2066 12369 37853; dry run 67 130 256)")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="time the older forward/backward tile candidates instead of the forward variants")
+    parser.add_argument("--sweep-variants", nargs="+", metavar="NAME",
+                        help="--sweep: only these variants (attention_sweep.variants names; default all)")
     parser.add_argument("--precompile", type=int, default=0,
                         help="--sweep on CUDA: compile the variants first in this many processes (Triton cache)")
     args = parser.parse_args(argv)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
             from attention_sweep import sweep_forward
 
             doc["variants"], doc["results"] = sweep_forward(args.sweep_seqs, heads, head_dim, device,
-                                                            args.precompile)
+                                                            args.precompile, args.sweep_variants)
             print(table(doc["results"], ["rows", "variant", "class", "bytes_equal", "median_s", "tflops",
                                          "ratio_vs_cudnn", "ratio_vs_sdpa", "error"]))
         write(args.out, doc)

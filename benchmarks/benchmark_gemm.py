@@ -14,7 +14,7 @@ rows give the same bytes as in the full batch), `repeat_equal`, `tp_equal` (tree
 give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike.
 `--sweep` times other tile configs through the same kernel (exploration only; the contract's tiles are constants).
 `--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops, the contract's paired
-chunks at 2 and 3 stages) against cuBLAS, interleaved per shape, each output compared byte for byte with the
+chunks at 2 and 3 stages, the flat K loop) against cuBLAS, interleaved per shape, each output compared byte for byte with the
 chunk-by-chunk loops' (`equal_chunkloops`).
 """
 
@@ -152,8 +152,9 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
-    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, and paired at
-    2 stages; every output checked byte-equal to the chunk-by-chunk loops'."""
+    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, paired at
+    2 stages, and the flat loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4/5 stages or the
+    paired two); every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch
@@ -161,7 +162,9 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
 
     base = gemm.TREE_TILES[torch.bfloat16]
     variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base),
-                ("paired-s2", dataclasses.replace(base, paired=True, num_stages=2))]
+                ("paired-s2", dataclasses.replace(base, paired=True, flat=False, num_stages=2))]
+    variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4, 5)]
+    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3))]
     out = []
     for M in rows_list:
         for name, op, K, N in shapes:

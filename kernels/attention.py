@@ -120,14 +120,15 @@ class ForwardVariant:
     tma: bool = False
     loop_stages: int | None = None
     warp_specialize: bool = False
+    lookahead: bool = False
     exp: str = "libdevice"
     prescale_q: bool = False
     reciprocal: bool = False
     fp_fusion: bool = False
 
     def describe(self) -> str:
-        parts = [name for name in ("split_tail", "even_d", "tma", "warp_specialize", "prescale_q", "reciprocal",
-                                   "fp_fusion") if getattr(self, name)]
+        parts = [name for name in ("split_tail", "even_d", "tma", "warp_specialize", "lookahead", "prescale_q",
+                                   "reciprocal", "fp_fusion") if getattr(self, name)]
         if self.loop_stages is not None:
             parts.append(f"loop_stages{self.loop_stages}")
         if self.exp != "libdevice":
@@ -190,7 +191,19 @@ def _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, MASKED: tl.constexpr, EXP: 
               INTERPRETED: tl.constexpr):
     """One BLOCK_N tile of the online softmax (the contract's per-tile update); MASKED sets s2 = -inf where not
     kv_ok (only the tail tile needs it: on a full tile the select is the identity)."""
-    s2 = mma(q, kT, tl.zeros((q.shape[0], kT.shape[1]), dtype=tl.float32), "ieee", INTERPRETED) * scale
+    s2 = _fwd_scores(q, kT, scale, INTERPRETED)
+    return _fwd_update(s2, v, acc, l_i, m_i, kv_ok, MASKED, EXP, INTERPRETED)
+
+
+@triton.jit
+def _fwd_scores(q, kT, scale, INTERPRETED: tl.constexpr):
+    """s2 = fp32(q . k) * qk_scale for one BLOCK_N tile (the contract's base-2 logits)."""
+    return mma(q, kT, tl.zeros((q.shape[0], kT.shape[1]), dtype=tl.float32), "ieee", INTERPRETED) * scale
+
+
+@triton.jit
+def _fwd_update(s2, v, acc, l_i, m_i, kv_ok, MASKED: tl.constexpr, EXP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The online-softmax update of one tile from its logits s2 (`_fwd_step` after the scores)."""
     if MASKED:
         s2 = tl.where(kv_ok[None, :], s2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s2, axis=1))
@@ -239,7 +252,7 @@ def _attn_fwd_kernel(
     HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERPRETED: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_TAIL: tl.constexpr, TMA: tl.constexpr,
     LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP: tl.constexpr, PRESCALE_Q: tl.constexpr,
-    RECIPROCAL: tl.constexpr,
+    RECIPROCAL: tl.constexpr, LOOKAHEAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -270,10 +283,24 @@ def _attn_fwd_kernel(
     n_full = 0
     if SPLIT_TAIL:
         n_full = (S // BLOCK_N) * BLOCK_N
-    for n0 in tl.range(0, n_full, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
-        kT, v, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs, svd,
-                               HAS_ORDER, TMA, False, EVEN_D)
-        acc, l_i, m_i = _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, False, EXP, INTERPRETED)
+    if LOOKAHEAD:  # byte-keeping: tile j+1's scores are computed before tile j's update (same ops, same order)
+        if n_full > 0:
+            kT, v_next, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, 0, offs_n, offs_d, d_ok, S, sks, skd,
+                                        svs, svd, HAS_ORDER, TMA, False, EVEN_D)
+            s_next = _fwd_scores(q, kT, scale, INTERPRETED)
+            for n0 in tl.range(BLOCK_N, n_full, BLOCK_N, num_stages=LOOP_STAGES):
+                s2 = s_next
+                v = v_next
+                kT, v_next, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks,
+                                            skd, svs, svd, HAS_ORDER, TMA, False, EVEN_D)
+                s_next = _fwd_scores(q, kT, scale, INTERPRETED)
+                acc, l_i, m_i = _fwd_update(s2, v, acc, l_i, m_i, kv_ok, False, EXP, INTERPRETED)
+            acc, l_i, m_i = _fwd_update(s_next, v_next, acc, l_i, m_i, kv_ok, False, EXP, INTERPRETED)
+    else:
+        for n0 in tl.range(0, n_full, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
+            kT, v, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs,
+                                   svd, HAS_ORDER, TMA, False, EVEN_D)
+            acc, l_i, m_i = _fwd_step(q, kT, v, acc, l_i, m_i, kv_ok, scale, False, EXP, INTERPRETED)
     for n0 in range(n_full, S, BLOCK_N):  # SPLIT_TAIL: the one masked tail tile (if S % BLOCK_N); else every tile
         kT, v, kv_ok = _fwd_kv(k_base, v_base, kd, vd, order_ptr, n0, offs_n, offs_d, d_ok, S, sks, skd, svs, svd,
                                HAS_ORDER, TMA, True, EVEN_D)
@@ -443,7 +470,7 @@ def _forward(q, k, v, order, variant: ForwardVariant | None = None, tiles: Atten
         HAS_ORDER=order is not None, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=block_d,
         INTERPRETED=interpreted, EVEN_D=variant.even_d and D == block_d, SPLIT_TAIL=variant.split_tail,
         TMA=tma, LOOP_STAGES=variant.loop_stages, WARP_SPECIALIZE=variant.warp_specialize, EXP=variant.exp,
-        PRESCALE_Q=variant.prescale_q, RECIPROCAL=variant.reciprocal,
+        PRESCALE_Q=variant.prescale_q, RECIPROCAL=variant.reciprocal, LOOKAHEAD=variant.lookahead and variant.split_tail,
         num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, enable_fp_fusion=variant.fp_fusion,
     )
     return o, lse

@@ -105,6 +105,7 @@ class Tile:
     tma: bool = True  # read aligned row-major operands through TMA descriptors (else always pointers)
     precision: str = "ieee"  # float32 operands: "ieee" (FMA) or "tf32x3" (three TF32 tensor-core products)
     paired: bool = True  # a tree's chunk pairs accumulate in one K loop (`_paired_chunks`; else one loop per chunk)
+    flat: bool = False  # a tree's chunks in ONE K loop over all of K, the tree's adds at chunk ends (`_flat_tree`)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -114,6 +115,7 @@ class Tile:
         flags = ("-persistent" if self.persistent else "") + ("-tma" if self.tma else "")
         flags += "" if self.precision == "ieee" else f"-{self.precision}"
         flags += "" if self.paired else "-chunkloops"  # the schedule before the paired loops (same bytes)
+        flags += "-flat" if self.flat else ""
         flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
         return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
@@ -269,6 +271,77 @@ def _pair(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
 
 
 @triton.jit
+def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_ptr,
+               N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+               PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr):
+    """The declared tree over N_CHUNKS (2, 4 or 8) whole-BLOCK_K chunks in ONE loop over K, so the operand
+    pipeline never drains at a chunk boundary. Not PAIRED: iteration t adds K tile t into the one accumulator;
+    at the last tile of chunk c the accumulator is p_c (its tiles ascending, from zero: `_chunk`'s operations in
+    `_chunk`'s order), it enters the tree and restarts from zero. PAIRED: iteration t of pair j adds chunk 2j's
+    and chunk 2j+1's tile t into two accumulators (`_paired_chunks`' operations). Finished subtrees wait in
+    registers, the one that would make a fourth live tile (p0..p3's sum, when p6 or the (p6, p7) pair runs) in the
+    program's scratch slot. Each add is the tree's: ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), a float32
+    add being commutative, so the bytes are the chunk loops'. Returns the tree's float32 sum."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tiles = CHUNK_K // BLOCK_K  # whole tiles per chunk (EVEN_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    no_mask = offs_k < BLOCK_K
+    if PAIRED:
+        for t in range(0, tiles * (N_CHUNKS // 2)):
+            j = t // tiles
+            k = (2 * j) * CHUNK_K + (t - j * tiles) * BLOCK_K
+            a, b = _tiles_at(x_src, w_src, off_m, off_n, k, stride_xk, stride_wk, no_mask,
+                             USE_TMA, X_TRANS, W_TRANS, True)
+            a2, b2 = _tiles_at(x_src, w_src, off_m, off_n, k + CHUNK_K, stride_xk, stride_wk, no_mask,
+                               USE_TMA, X_TRANS, W_TRANS, True)
+            acc = mma(a, b, acc, PRECISION, INTERPRETED)
+            acc2 = mma(a2, b2, acc2, PRECISION, INTERPRETED)
+            if t - j * tiles == tiles - 1:  # pair j done: s = p_2j + p_(2j+1)
+                s = acc + acc2
+                if j == 0:
+                    h1 = s  # p0 + p1
+                elif j == 1:
+                    h1 = h1 + s  # (p0 + p1) + (p2 + p3)
+                elif j == 2:
+                    _stash(slot_ptr, h1, BLOCK_M, BLOCK_N)
+                    h1 = s  # p4 + p5
+                else:
+                    h1 = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (h1 + s)  # left half + ((p4 + p5) + (p6 + p7))
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        for t in range(0, tiles * N_CHUNKS):
+            c = t // tiles
+            a, b = _tiles_at(x_src, w_src, off_m, off_n, t * BLOCK_K, stride_xk, stride_wk, no_mask,
+                             USE_TMA, X_TRANS, W_TRANS, True)
+            acc = mma(a, b, acc, PRECISION, INTERPRETED)
+            if t - c * tiles == tiles - 1:  # chunk c done: acc = p_c
+                if c == 0:
+                    h1 = acc
+                elif c == 1:
+                    h1 = h1 + acc  # p0 + p1
+                elif c == 2:
+                    h2 = acc
+                elif c == 3:
+                    h1 = h1 + (h2 + acc)  # (p0 + p1) + (p2 + p3)
+                elif c == 4:
+                    h2 = acc
+                elif c == 5:
+                    h2 = h2 + acc  # p4 + p5
+                elif c == 6:
+                    _stash(slot_ptr, h1, BLOCK_M, BLOCK_N)
+                    h1 = acc  # p6
+                else:
+                    h1 = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (h2 + (h1 + acc))  # left + ((p4+p5) + (p6+p7))
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return h1
+
+
+@triton.jit
 def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(off_m, off_n) of output tile number `tile` in the grouped order (GROUP_M row tiles share a column sweep,
     for L2 reuse). The order only schedules: which program computes a tile, and when, never changes its values."""
@@ -309,7 +382,7 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr, FLAT: tl.constexpr,
 ):
     # persistent: program p computes output tiles p, p + n_programs, ...
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
@@ -324,7 +397,10 @@ def _gemm_kernel(
         # first; finished subtrees wait in the program's scratch slots, so at most two accumulators are live
         slot0 = scratch_ptr + tl.program_id(0).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
         slot1 = slot0 + BLOCK_M * BLOCK_N
-        if N_CHUNKS == 1:
+        if FLAT and EVEN_K and N_CHUNKS > 1:
+            acc = _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot0, N_CHUNKS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
+        elif N_CHUNKS == 1:
             acc = _chunk(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
         elif N_CHUNKS == 2:
@@ -483,7 +559,7 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
         PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
-        PAIRED=tile.paired, num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+        PAIRED=tile.paired, FLAT=tile.flat, num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )
     return out
 

@@ -3,6 +3,7 @@ tolerance, byte-invariance (repeat, batch 1 vs N, batch position, unrelated batc
 strided views, no-grad vs grad), the consistent-permutation property under a canonical `key_order`, backward
 determinism, and refusals. CPU under TRITON_INTERPRET=1 (tests/conftest.py), tiny shapes."""
 
+import dataclasses
 import math
 
 import pytest
@@ -114,17 +115,19 @@ def test_strided_views_give_the_same_bytes():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("S", [128, 130])  # no tail tile / a 2-key tail tile
+@pytest.mark.parametrize("S", [128, 130, 400])  # no tail tile / a 2-key tail tile / 3 full tiles and a tail
 def test_byte_keeping_forward_variants_keep_the_bytes(S):
-    """The contract's forward loop (split tail, unmasked D) against today's one masked loop, with and without a
-    key_order: o and lse2 bit-identical (the interpreter runs the GPU's tile loop and masks)."""
+    """The contract's forward loop (split tail, unmasked D) and the lookahead loop (tile j+1's scores before tile
+    j's update) against the one masked loop, with and without a key_order: o and lse2 bit-identical (the
+    interpreter runs the GPU's tile loop and masks)."""
     q, k, v = _qkv((2, S, 2, 16), torch.bfloat16, seed=40 + S)
     order = torch.randperm(S, generator=torch.Generator().manual_seed(S))
     one_loop = attn.ForwardVariant()
     assert attn.FORWARD[torch.bfloat16] != one_loop and attn.FORWARD[torch.bfloat16].split_tail
     for key_order in (None, order):
         ref_o, ref_lse = attn._forward(q, k, v, key_order, one_loop)
-        for variant in (attn.FORWARD[torch.bfloat16], attn.ForwardVariant(split_tail=True)):
+        lookahead = dataclasses.replace(attn.FORWARD[torch.bfloat16], lookahead=True)
+        for variant in (attn.FORWARD[torch.bfloat16], attn.ForwardVariant(split_tail=True), lookahead):
             o, lse = attn._forward(q, k, v, key_order, variant)
             assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse), (variant.describe(), key_order is None)
 
@@ -257,15 +260,16 @@ def test_forward_sweep_dry_run_reports_bytes_and_classes(tmp_path, monkeypatch):
     import attention_sweep
     import benchmark_attention
 
-    some = [v for v in attention_sweep.variants() if v[0] in ("contract", "unmasked", "tma", "prescale_q")]
-    monkeypatch.setattr(attention_sweep, "variants", lambda: some)
     out = tmp_path / "sweep.json"
-    benchmark_attention.main(["--dry-run", "--sweep", "--sweep-seqs", "67", "--out", str(out)])
+    benchmark_attention.main(["--dry-run", "--sweep", "--sweep-seqs", "67", "--sweep-variants", "contract",
+                              "unmasked", "tma", "prescale_q", "--out", str(out)])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"contract", "unmasked", "tma", "prescale_q", "sdpa"}
     assert all(rows[n]["bytes_equal"] and rows[n]["class"] == "byte-keeping" for n in ("contract", "unmasked", "tma"))
     assert rows["prescale_q"]["class"] == "byte-changing" and not rows["prescale_q"]["bytes_equal"]
     assert all(r["median_s"] > 0 and "error" not in r for r in rows.values())
+    with pytest.raises(ValueError, match="unknown attention variants"):
+        attention_sweep.variants(["tma", "no_such_variant"])
 
 
 # -------------------------------------------------------------------------------------------- registry, runtime

@@ -117,16 +117,36 @@ def test_tree_partials_reproduce_tp1(dtype, ranks):
     ((2, 35), 1024, 4, None),  # a TP2 rank's subtree
     ((70,), 256, 2, False),  # a TP4 rank's subtree
 ])
-def test_paired_chunks_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma):
-    """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators) is a schedule, not new arithmetic: every
-    output byte equals the chunk-by-chunk loops' on fresh random inputs, bias or not, float32 partials too."""
+@pytest.mark.parametrize("paired,flat", [(True, False), (False, True), (True, True)])
+def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma, paired, flat):
+    """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators) and `Tile.flat` (one K loop over every
+    chunk, the tree's adds at chunk ends) are schedules, not new arithmetic: every output byte equals the
+    chunk-by-chunk loops' on fresh random inputs, bias or not, float32 partials too (uneven chunks fall back to the
+    chunk loops under `flat`)."""
     x, w, b = _inputs(dtype, rows=rows, K=K, seed=K + n_chunks)
     x2d = x.reshape(-1, K)
-    paired, loops = (dataclasses.replace(gemm.TREE_TILES[dtype], paired=p) for p in (True, False))
+    schedule = dataclasses.replace(gemm.TREE_TILES[dtype], paired=paired, flat=flat)
+    loops = dataclasses.replace(gemm.TREE_TILES[dtype], paired=False, flat=False)
     for bias, out_dtype in ((b, dtype), (None, torch.float32)):
-        y = gemm._gemm(x2d, w, bias, n_chunks, paired, out_dtype, use_tma)
+        y = gemm._gemm(x2d, w, bias, n_chunks, schedule, out_dtype, use_tma)
         assert torch.equal(y, gemm._gemm(x2d, w, bias, n_chunks, loops, out_dtype, use_tma))
-    assert gemm.TREE_TILES[torch.bfloat16].paired and "chunkloops" in loops.describe()
+    assert "chunkloops" in loops.describe() and ("-flat" in schedule.describe()) == flat
+
+
+def test_flat_schedule_keeps_the_tree_association():
+    """The flat loop's adds are the tree's: a flat result differs from the same partials summed left to right
+    (so the equality above is not a property of any association)."""
+    x, w, _ = _inputs(torch.float32, rows=(40,), K=1024, seed=5)
+    flat = dataclasses.replace(gemm.TREE_TILES[torch.float32], flat=True)
+    x2d = x.reshape(-1, 1024)
+    y = gemm._gemm(x2d, w, None, 8, flat, torch.float32)
+    parts = [gemm._gemm(x2d[:, c * 128:(c + 1) * 128], w[:, c * 128:(c + 1) * 128], None, 1, flat, torch.float32)
+             for c in range(8)]
+    tree = ((parts[0] + parts[1]) + (parts[2] + parts[3])) + ((parts[4] + parts[5]) + (parts[6] + parts[7]))
+    serial = parts[0]
+    for p in parts[1:]:
+        serial = serial + p
+    assert torch.equal(y, tree) and not torch.equal(y, serial)
 
 
 def test_tree_differs_from_the_flat_k_loop():
@@ -366,7 +386,8 @@ def test_benchmark_schedules_dry_run_compares_bytes(tmp_path, monkeypatch):
     out = tmp_path / "gemm.json"
     benchmark_gemm.main(["--schedules", "--dry-run", "--rows", "67", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "paired-s2"]
+    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "paired-s2", "flat-s3", "flat-s4",
+                                         "flat-s5", "flat-paired-s3"]
     assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:])
     assert rows[2]["tile"] == gemm.TREE_TILES[torch.bfloat16].describe()
 
