@@ -153,8 +153,8 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
     the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, paired at
-    2 stages, and the flat loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4/5 stages or the
-    paired two); every output checked byte-equal to the chunk-by-chunk loops'."""
+    2 stages, and the flat loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4/5 stages, the
+    paired two, or a 64-row tile on one warpgroup, so two programs share an SM); every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch
@@ -164,7 +164,9 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
     variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base),
                 ("paired-s2", dataclasses.replace(base, paired=True, flat=False, num_stages=2))]
     variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4, 5)]
-    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3))]
+    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3)),
+                 ("flat-m64-w4-s4", dataclasses.replace(base, block_m=64, num_warps=4, paired=False, flat=True,
+                                                        num_stages=4))]
     out = []
     for M in rows_list:
         for name, op, K, N in shapes:
