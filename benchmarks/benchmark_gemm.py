@@ -15,7 +15,8 @@ give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32
 `--sweep` times other tile configs through the same kernel (exploration only; the contract's tiles are constants).
 `--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops, the contract's paired
 chunks at 2 and 3 stages, the flat K loop) against cuBLAS, interleaved per shape, each output compared byte for byte with the
-chunk-by-chunk loops' (`equal_chunkloops`).
+chunk-by-chunk loops' (`equal_chunkloops`); two diagnostic rows (`tree: false`, other bytes) time one plain K loop at
+the tree's tile and at `linear`'s, the ceiling a tree schedule could reach.
 """
 
 from __future__ import annotations
@@ -152,21 +153,19 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
-    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, paired at
-    2 stages, and the flat loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4/5 stages, the
-    paired two, or a 64-row tile on one warpgroup, so two programs share an SM); every output checked byte-equal to the chunk-by-chunk loops'."""
+    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, and the flat
+    loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4 stages or the paired two); every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch
     from h3kernels import gemm
 
     base = gemm.TREE_TILES[torch.bfloat16]
-    variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base),
-                ("paired-s2", dataclasses.replace(base, paired=True, flat=False, num_stages=2))]
-    variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4, 5)]
-    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3)),
-                 ("flat-m64-w4-s4", dataclasses.replace(base, block_m=64, num_warps=4, paired=False, flat=True,
-                                                        num_stages=4))]
+    variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base)]
+    variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4)]
+    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3))]
+    # not the tree (other bytes, timed only): one K loop and one accumulator at the tree's tile, and at `linear`'s
+    diagnostics = [("kloop-tree-tile", base), ("kloop-linear-tile", gemm.LINEAR_TILES[torch.bfloat16])]
     out = []
     for M in rows_list:
         for name, op, K, N in shapes:
@@ -192,7 +191,11 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
                 out.append({"rows": M, "proj": name, "what": label, "tile": tile.describe(), "median_s": ts,
                             "tflops": flops / ts / 1e12, "ratio_vs_cublas": ts / t,
                             "equal_chunkloops": bool(torch.equal(y, ref))})
-            print(table(out[-len(variants) - 1:], ["proj", "rows", "what", "median_s", "tflops", "ratio_vs_cublas",
+            for label, tile in diagnostics:
+                ts = measure(lambda tile=tile: gemm._gemm(x, w, b, 1, tile, x.dtype), device)["median_s"]
+                out.append({"rows": M, "proj": name, "what": label, "tile": tile.describe(), "median_s": ts,
+                            "tflops": flops / ts / 1e12, "ratio_vs_cublas": ts / t, "tree": False})
+            print(table(out[-len(variants) - len(diagnostics) - 1:], ["proj", "rows", "what", "median_s", "tflops", "ratio_vs_cublas",
                                                     "equal_chunkloops"]), flush=True)
     return out
 

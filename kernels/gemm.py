@@ -278,18 +278,17 @@ def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_p
     """The declared tree over N_CHUNKS (2, 4 or 8) whole-BLOCK_K chunks in ONE loop over K, so the operand
     pipeline never drains at a chunk boundary. Not PAIRED: iteration t adds K tile t into the one accumulator;
     at the last tile of chunk c the accumulator is p_c (its tiles ascending, from zero: `_chunk`'s operations in
-    `_chunk`'s order), it enters the tree and restarts from zero. PAIRED: iteration t of pair j adds chunk 2j's
-    and chunk 2j+1's tile t into two accumulators (`_paired_chunks`' operations). Finished subtrees wait in
-    registers, the one that would make a fourth live tile (p0..p3's sum, when p6 or the (p6, p7) pair runs) in the
-    program's scratch slot. Each add is the tree's: ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), a float32
-    add being commutative, so the bytes are the chunk loops'. Returns the tree's float32 sum."""
+    `_chunk`'s order), it enters the tree and restarts from zero; one finished subtree waits in registers (`held`),
+    the others in the program's two scratch slots. PAIRED: iteration t of pair j adds chunk 2j's and chunk 2j+1's
+    tile t into two accumulators (`_paired_chunks`' operations); finished pairs wait in the slots. Each add is the
+    tree's, ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) (a float32 add is commutative), so the bytes are the
+    chunk loops'. Returns the tree's float32 sum."""
+    slot1 = slot_ptr + BLOCK_M * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    held = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     tiles = CHUNK_K // BLOCK_K  # whole tiles per chunk (EVEN_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    no_mask = offs_k < BLOCK_K
+    no_mask = tl.arange(0, BLOCK_K) < BLOCK_K
     if PAIRED:
         for t in range(0, tiles * (N_CHUNKS // 2)):
             j = t // tiles
@@ -303,14 +302,17 @@ def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_p
             if t - j * tiles == tiles - 1:  # pair j done: s = p_2j + p_(2j+1)
                 s = acc + acc2
                 if j == 0:
-                    h1 = s  # p0 + p1
+                    held = s  # p0 + p1 (the result when N_CHUNKS == 2)
+                    if N_CHUNKS > 2:
+                        _stash(slot_ptr, s, BLOCK_M, BLOCK_N)
                 elif j == 1:
-                    h1 = h1 + s  # (p0 + p1) + (p2 + p3)
+                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
+                    if N_CHUNKS > 4:
+                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)
                 elif j == 2:
-                    _stash(slot_ptr, h1, BLOCK_M, BLOCK_N)
-                    h1 = s  # p4 + p5
+                    _stash(slot1, s, BLOCK_M, BLOCK_N)  # p4 + p5
                 else:
-                    h1 = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (h1 + s)  # left half + ((p4 + p5) + (p6 + p7))
+                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (_unstash(slot1, BLOCK_M, BLOCK_N) + s)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -320,25 +322,22 @@ def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_p
                              USE_TMA, X_TRANS, W_TRANS, True)
             acc = mma(a, b, acc, PRECISION, INTERPRETED)
             if t - c * tiles == tiles - 1:  # chunk c done: acc = p_c
-                if c == 0:
-                    h1 = acc
-                elif c == 1:
-                    h1 = h1 + acc  # p0 + p1
-                elif c == 2:
-                    h2 = acc
+                if c == 0 or c == 2 or c == 4 or c == 6:
+                    if c == 2:
+                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)  # p0 + p1
+                    elif c == 6:
+                        _stash(slot1, held, BLOCK_M, BLOCK_N)  # p4 + p5
+                    elif c == 4:
+                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)  # (p0 + p1) + (p2 + p3)
+                    held = acc  # p_c waits for p_(c+1)
                 elif c == 3:
-                    h1 = h1 + (h2 + acc)  # (p0 + p1) + (p2 + p3)
-                elif c == 4:
-                    h2 = acc
-                elif c == 5:
-                    h2 = h2 + acc  # p4 + p5
-                elif c == 6:
-                    _stash(slot_ptr, h1, BLOCK_M, BLOCK_N)
-                    h1 = acc  # p6
+                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (held + acc)  # (p0 + p1) + (p2 + p3)
+                elif c == 7:  # left half + ((p4 + p5) + (p6 + p7))
+                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (_unstash(slot1, BLOCK_M, BLOCK_N) + (held + acc))
                 else:
-                    h1 = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (h2 + (h1 + acc))  # left + ((p4+p5) + (p6+p7))
+                    held = held + acc  # c == 1 or 5: p0 + p1 / p4 + p5
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return h1
+    return held
 
 
 @triton.jit

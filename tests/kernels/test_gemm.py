@@ -386,9 +386,10 @@ def test_benchmark_schedules_dry_run_compares_bytes(tmp_path, monkeypatch):
     out = tmp_path / "gemm.json"
     benchmark_gemm.main(["--schedules", "--dry-run", "--rows", "67", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "paired-s2", "flat-s3", "flat-s4",
-                                         "flat-s5", "flat-paired-s3", "flat-m64-w4-s4"]
-    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:])
+    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "flat-s3", "flat-s4", "flat-paired-s3",
+                                         "kloop-tree-tile", "kloop-linear-tile"]
+    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:6])
+    assert all(r["tree"] is False and "equal_chunkloops" not in r for r in rows[6:])
     assert rows[2]["tile"] == gemm.TREE_TILES[torch.bfloat16].describe()
 
 
