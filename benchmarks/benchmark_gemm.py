@@ -154,7 +154,8 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
     the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, and the flat
-    loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4 stages or the paired two); every output checked byte-equal to the chunk-by-chunk loops'."""
+    loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4 stages or the paired two), and one
+    accumulator with every partial parked in scratch (`Tile.stash_all`) at `linear`'s 128x256 tile; every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch
@@ -164,6 +165,9 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
     variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base)]
     variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4)]
     variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3))]
+    wide = gemm.LINEAR_TILES[torch.bfloat16]  # 128x256: one accumulator, every partial parked (`Tile.stash_all`)
+    variants += [(f"stashall-256-s{s}", dataclasses.replace(wide, stash_all=True, num_stages=s)) for s in (3, 4)]
+    variants += [("stashall-128-s4", dataclasses.replace(base, paired=False, stash_all=True, num_stages=4))]
     # not the tree (other bytes, timed only): one K loop and one accumulator at the tree's tile, and at `linear`'s
     diagnostics = [("kloop-tree-tile", base), ("kloop-linear-tile", gemm.LINEAR_TILES[torch.bfloat16])]
     out = []

@@ -106,6 +106,7 @@ class Tile:
     precision: str = "ieee"  # float32 operands: "ieee" (FMA) or "tf32x3" (three TF32 tensor-core products)
     paired: bool = True  # a tree's chunk pairs accumulate in one K loop (`_paired_chunks`; else one loop per chunk)
     flat: bool = False  # a tree's chunks in ONE K loop over all of K, the tree's adds at chunk ends (`_flat_tree`)
+    stash_all: bool = False  # one accumulator; every chunk partial parked in scratch, the adds in memory (`_stash_tree`)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -116,6 +117,7 @@ class Tile:
         flags += "" if self.precision == "ieee" else f"-{self.precision}"
         flags += "" if self.paired else "-chunkloops"  # the schedule before the paired loops (same bytes)
         flags += "-flat" if self.flat else ""
+        flags += "-stashall" if self.stash_all else ""
         flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
         return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
@@ -430,6 +432,103 @@ def _gemm_kernel(
         tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+@triton.jit
+def _park(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a float32 (BLOCK_M, BLOCK_N) tile in a scratch slot; the barrier orders it before any reader."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(slot_ptr + offs, tile)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _merge(left_ptr, right_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """left slot <- left + right (float32), in two column halves so that only two half tiles are in registers."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    for hh in tl.static_range(2):
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + (hh * HALF + tl.arange(0, HALF))[None, :]
+        a = tl.load(left_ptr + offs, cache_modifier=".cg")
+        b = tl.load(right_ptr + offs, cache_modifier=".cg")
+        tl.store(left_ptr + offs, a + b)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _finish(left_ptr, right_ptr, b_ptr, y_ptr, off_m, off_n, M, N, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+            TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """y tile = (left [+ right]) [+ bias], cast once, stored in two column halves."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    for hh in tl.static_range(2):
+        cols_local = hh * HALF + tl.arange(0, HALF)
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols_local[None, :]
+        acc = tl.load(left_ptr + offs, cache_modifier=".cg")
+        if TWO:
+            acc = acc + tl.load(right_ptr + offs, cache_modifier=".cg")
+        offs_n = off_n + cols_local
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n % N).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + tile_offsets(offs_m, stride_ym, offs_n, stride_yn)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.debug_barrier()
+
+
+@lean
+@triton.jit(do_not_specialize=["M"])
+def _gemm_stash_kernel(
+    x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,
+    scratch_ptr,  # float32 (n_programs, 4, BLOCK_M, BLOCK_N): every chunk partial and subtree waits here
+    M, N, CHUNK_K, n_programs,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """`_gemm_kernel`'s tree (N_CHUNKS 2, 4 or 8) with ONE live accumulator, so the tile can be as wide as `linear`'s:
+    each chunk partial p_c is `_chunk`'s (its BLOCK_K tiles ascending, from zero) and is parked in a slot; the tree's
+    adds ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) run on the slots in float32 (`_merge`), the last one with
+    the bias and the cast (`_finish`). Same adds, same order: the chunk loops' bytes."""
+    tl.static_assert(N_CHUNKS == 2 or N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 2, 4 or 8")
+    SLOT: tl.constexpr = BLOCK_M * BLOCK_N
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
+        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        x_src, w_src = _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N,
+                                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K, USE_TMA)
+        s0 = scratch_ptr + tl.program_id(0).to(tl.int64) * (4 * SLOT)
+        s1 = s0 + SLOT
+        s2 = s1 + SLOT
+        s3 = s2 + SLOT
+        for c in tl.static_range(N_CHUNKS):
+            acc = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
+            if c == 0:
+                _park(s0, acc, BLOCK_M, BLOCK_N)
+            elif c == 1:
+                _park(s1, acc, BLOCK_M, BLOCK_N)
+                if N_CHUNKS > 2:
+                    _merge(s0, s1, BLOCK_M, BLOCK_N)  # p0 + p1
+            elif c == 2 or c == 4:
+                _park(s1, acc, BLOCK_M, BLOCK_N)
+            elif c == 3:
+                _park(s2, acc, BLOCK_M, BLOCK_N)
+                _merge(s1, s2, BLOCK_M, BLOCK_N)  # p2 + p3
+                if N_CHUNKS > 4:
+                    _merge(s0, s1, BLOCK_M, BLOCK_N)  # (p0 + p1) + (p2 + p3)
+            elif c == 5 or c == 6:
+                _park(s2, acc, BLOCK_M, BLOCK_N)
+                if c == 5:
+                    _merge(s1, s2, BLOCK_M, BLOCK_N)  # p4 + p5
+            else:
+                _park(s3, acc, BLOCK_M, BLOCK_N)
+                _merge(s2, s3, BLOCK_M, BLOCK_N)  # p6 + p7
+                _merge(s1, s2, BLOCK_M, BLOCK_N)  # (p4 + p5) + (p6 + p7)
+        _finish(s0, s1, b_ptr, y_ptr, off_m, off_n, M, N, stride_ym, stride_yn, HAS_BIAS, True,
+                BLOCK_M, BLOCK_N, INTERPRETED)
+
+
 @lean
 @triton.jit(do_not_specialize=["M"])
 def _gemm_partials_kernel(
@@ -547,6 +646,19 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
     x_desc, w_desc, chunk_k, even_k = _plan_operands(x, w, n_chunks, tile, use_tma)
     tma = x_desc is not None
     n_programs = _n_programs(x, triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), tile)
+    if tile.stash_all and n_chunks > 1:
+        scratch = torch.empty((n_programs, 4, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
+        _gemm_stash_kernel[(n_programs,)](
+            x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
+            M, N, chunk_k, n_programs,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
+            PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",
+            num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+        )
+        return out
     scratch = out  # unused unless the tree has 4 or 8 chunks
     if n_chunks >= 4:
         scratch = torch.empty((n_programs, 2, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)

@@ -117,20 +117,37 @@ def test_tree_partials_reproduce_tp1(dtype, ranks):
     ((2, 35), 1024, 4, None),  # a TP2 rank's subtree
     ((70,), 256, 2, False),  # a TP4 rank's subtree
 ])
-@pytest.mark.parametrize("paired,flat", [(True, False), (False, True), (True, True)])
-def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma, paired, flat):
-    """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators) and `Tile.flat` (one K loop over every
-    chunk, the tree's adds at chunk ends) are schedules, not new arithmetic: every output byte equals the
+@pytest.mark.parametrize("paired,flat,stash_all", [(True, False, False), (False, True, False), (True, True, False),
+                                                   (False, False, True)])
+def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma, paired, flat, stash_all):
+    """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators), `Tile.flat` (one K loop over every
+    chunk, the tree's adds at chunk ends) and `Tile.stash_all` (one accumulator, every partial parked in scratch,
+    the adds in memory) are schedules, not new arithmetic: every output byte equals the
     chunk-by-chunk loops' on fresh random inputs, bias or not, float32 partials too (uneven chunks fall back to the
     chunk loops under `flat`)."""
     x, w, b = _inputs(dtype, rows=rows, K=K, seed=K + n_chunks)
     x2d = x.reshape(-1, K)
-    schedule = dataclasses.replace(gemm.TREE_TILES[dtype], paired=paired, flat=flat)
+    schedule = dataclasses.replace(gemm.TREE_TILES[dtype], paired=paired, flat=flat, stash_all=stash_all)
     loops = dataclasses.replace(gemm.TREE_TILES[dtype], paired=False, flat=False)
     for bias, out_dtype in ((b, dtype), (None, torch.float32)):
         y = gemm._gemm(x2d, w, bias, n_chunks, schedule, out_dtype, use_tma)
         assert torch.equal(y, gemm._gemm(x2d, w, bias, n_chunks, loops, out_dtype, use_tma))
     assert "chunkloops" in loops.describe() and ("-flat" in schedule.describe()) == flat
+
+
+@pytest.mark.parametrize("n_chunks", [8, 4, 2])
+def test_stash_all_at_the_wide_tile_equals_the_chunk_loops(n_chunks):
+    """`stash_all` at `linear`'s 128x256 tile (its partials and subtrees through scratch, merged in column halves)
+    on 300 outputs (a partial second column tile): the chunk loops' bytes, bias or not."""
+    K = 512
+    x = randn(37, K, dtype=torch.bfloat16, seed=11)
+    w = randn(300, K, dtype=torch.bfloat16, seed=12, scale=K**-0.5)
+    b = randn(300, dtype=torch.bfloat16, seed=13)
+    wide = dataclasses.replace(gemm.LINEAR_TILES[torch.bfloat16], stash_all=True)
+    loops = dataclasses.replace(gemm.TREE_TILES[torch.bfloat16], paired=False)
+    for bias, out_dtype in ((b, torch.bfloat16), (None, torch.float32)):
+        assert torch.equal(gemm._gemm(x, w, bias, n_chunks, wide, out_dtype),
+                           gemm._gemm(x, w, bias, n_chunks, loops, out_dtype))
 
 
 def test_flat_schedule_keeps_the_tree_association():
@@ -387,9 +404,10 @@ def test_benchmark_schedules_dry_run_compares_bytes(tmp_path, monkeypatch):
     benchmark_gemm.main(["--schedules", "--dry-run", "--rows", "67", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "flat-s3", "flat-s4", "flat-paired-s3",
-                                         "kloop-tree-tile", "kloop-linear-tile"]
-    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:6])
-    assert all(r["tree"] is False and "equal_chunkloops" not in r for r in rows[6:])
+                                         "stashall-256-s3", "stashall-256-s4", "stashall-128-s4", "kloop-tree-tile",
+                                         "kloop-linear-tile"]
+    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:9])
+    assert all(r["tree"] is False and "equal_chunkloops" not in r for r in rows[9:])
     assert rows[2]["tile"] == gemm.TREE_TILES[torch.bfloat16].describe()
 
 
