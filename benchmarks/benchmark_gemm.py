@@ -162,12 +162,12 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
     from h3kernels import gemm
 
     base = gemm.TREE_TILES[torch.bfloat16]
-    variants = [("chunkloops-s4", dataclasses.replace(base, paired=False, num_stages=4)), ("contract", base)]
-    variants += [(f"flat-s{s}", dataclasses.replace(base, paired=False, flat=True, num_stages=s)) for s in (3, 4)]
-    variants += [("flat-paired-s3", dataclasses.replace(base, paired=True, flat=True, num_stages=3))]
-    wide = gemm.LINEAR_TILES[torch.bfloat16]  # 128x256: one accumulator, every partial parked (`Tile.stash_all`)
-    variants += [(f"stashall-256-s{s}", dataclasses.replace(wide, stash_all=True, num_stages=s)) for s in (3, 4)]
-    variants += [("stashall-128-s4", dataclasses.replace(base, paired=False, stash_all=True, num_stages=4))]
+    R = dataclasses.replace
+    variants = [("chunkloops-s4", R(base, paired=False, num_stages=4)), ("contract", base),
+                ("fresh-slots", R(base, fresh_slots=True)),
+                ("slot-tma-chunkloops-s3", R(base, paired=False, slot_tma=True)),
+                ("slot-tma-chunkloops-s4", R(base, paired=False, slot_tma=True, num_stages=4)),
+                ("slot-tma-paired-s2", R(base, slot_tma=True, num_stages=2))]
     # not the tree (other bytes, timed only): one K loop and one accumulator at the tree's tile, and at `linear`'s
     diagnostics = [("kloop-tree-tile", base), ("kloop-linear-tile", gemm.LINEAR_TILES[torch.bfloat16])]
     out = []

@@ -107,6 +107,8 @@ class Tile:
     paired: bool = True  # a tree's chunk pairs accumulate in one K loop (`_paired_chunks`; else one loop per chunk)
     flat: bool = False  # a tree's chunks in ONE K loop over all of K, the tree's adds at chunk ends (`_flat_tree`)
     stash_all: bool = False  # one accumulator; every chunk partial parked in scratch, the adds in memory (`_stash_tree`)
+    fresh_slots: bool = False  # scratch-slot addresses formed at each use, not hoisted (`_slot_offsets`; no spills)
+    slot_tma: bool = False  # the scratch slots through a TMA descriptor (`_desc_stash`; CUDA with TMA operands only)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -118,6 +120,8 @@ class Tile:
         flags += "" if self.paired else "-chunkloops"  # the schedule before the paired loops (same bytes)
         flags += "-flat" if self.flat else ""
         flags += "-stashall" if self.stash_all else ""
+        flags += "-freshslots" if self.fresh_slots else ""
+        flags += "-slottma" if self.slot_tma else ""
         flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
         return f"{shape}-w{self.num_warps}s{self.num_stages}{flags}"
@@ -237,20 +241,27 @@ def _paired_chunks(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
 
 
 @triton.jit
-def _stash(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _slot_offsets(salt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets of a (BLOCK_M, BLOCK_N) slot. `salt` is a runtime zero that varies with the output tile (see
+    `_gemm_kernel`): it changes no address, but keeps the compiler from hoisting a 128x128 tensor of 64-bit slot
+    pointers out of the persistent loop, where it stayed live in registers and made the kernel spill."""
+    return (tl.arange(0, BLOCK_M) + salt)[:, None] * BLOCK_N + (tl.arange(0, BLOCK_N) + salt)[None, :]
+
+
+@triton.jit
+def _stash(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, salt=0):
     """Park a finished float32 subtree (BLOCK_M, BLOCK_N) in a scratch slot of this program, so the next pair of
     chunks runs with two live accumulators instead of up to four. float32 in, float32 out: the bytes do not change.
     The barriers order the slot's accesses across the program's threads."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    offs = _slot_offsets(salt, BLOCK_M, BLOCK_N)
     tl.debug_barrier()
     tl.store(slot_ptr + offs, tile)
     tl.debug_barrier()
 
 
 @triton.jit
-def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    return tl.load(slot_ptr + offs, cache_modifier=".cg")
+def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, salt=0):
+    return tl.load(slot_ptr + _slot_offsets(salt, BLOCK_M, BLOCK_N), cache_modifier=".cg")
 
 
 @triton.jit
@@ -343,6 +354,16 @@ def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_p
 
 
 @triton.jit
+def _desc_stash(desc, row0, tile):
+    """Park a float32 subtree through the scratch's TMA descriptor and wait until the bulk store has completed
+    (`cp.async.bulk.wait_group 0`: its writes done, not only its shared-memory reads), so a later load sees it."""
+    desc.store([row0, 0], tile)
+    tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, $1;", "=r,r", [row0], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(off_m, off_n) of output tile number `tile` in the grouped order (GROUP_M row tiles share a column sweep,
     for L2 reuse). The order only schedules: which program computes a tile, and when, never changes its values."""
@@ -374,16 +395,19 @@ def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stri
 
 
 @lean
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "zero"])
 def _gemm_kernel(
     x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,  # x (M, K), w (N, K) (pointers or descriptors), bias (N,), y (M, N)
     scratch_ptr,  # float32 (n_programs, 2, BLOCK_M, BLOCK_N): per-program slots for finished subtrees (tree only)
     M, N, CHUNK_K, n_programs,  # K = N_CHUNKS * CHUNK_K; n_programs = grid size (persistent loop stride)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    zero,  # the host passes 0 (`_slot_offsets`)
+    scratch_desc,  # SLOT_TMA: a TMA descriptor over the scratch as (n_programs * 2 * BLOCK_M, BLOCK_N) rows
     HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr, FLAT: tl.constexpr,
+    FRESH_SLOTS: tl.constexpr, SLOT_TMA: tl.constexpr,
 ):
     # persistent: program p computes output tiles p, p + n_programs, ...
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
@@ -409,21 +433,44 @@ def _gemm_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
         else:
             tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
-            s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
-            _stash(slot0, s, BLOCK_M, BLOCK_N)
-            s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
-            acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
-            if N_CHUNKS == 8:
-                _stash(slot0, acc, BLOCK_M, BLOCK_N)
-                s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
-                _stash(slot1, s, BLOCK_M, BLOCK_N)
-                s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
-                s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
-                acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
+            salt = 0
+            if FRESH_SLOTS:
+                salt = tile * zero  # a runtime 0 that varies with the tile: slot addresses formed at each use
+            if SLOT_TMA:  # the slots through a TMA descriptor: no per-element slot addresses in registers
+                row0 = tl.program_id(0) * (2 * BLOCK_M)
+                s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
+                _desc_stash(scratch_desc, row0, s)
+                s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
+                acc = scratch_desc.load([row0, 0]) + s  # (p0 + p1) + (p2 + p3)
+                if N_CHUNKS == 8:
+                    _desc_stash(scratch_desc, row0, acc)
+                    s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED,
+                              PAIRED)
+                    _desc_stash(scratch_desc, row0 + BLOCK_M, s)
+                    s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED,
+                              PAIRED)
+                    s = scratch_desc.load([row0 + BLOCK_M, 0]) + s  # (p4 + p5) + (p6 + p7)
+                    acc = scratch_desc.load([row0, 0]) + s
+            else:
+                s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
+                _stash(slot0, s, BLOCK_M, BLOCK_N, salt)
+                s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
+                acc = _unstash(slot0, BLOCK_M, BLOCK_N, salt) + s  # (p0 + p1) + (p2 + p3)
+                if N_CHUNKS == 8:
+                    _stash(slot0, acc, BLOCK_M, BLOCK_N, salt)
+                    s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
+                    _stash(slot1, s, BLOCK_M, BLOCK_N, salt)
+                    s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
+                    s = _unstash(slot1, BLOCK_M, BLOCK_N, salt) + s  # (p4 + p5) + (p6 + p7)
+                    acc = _unstash(slot0, BLOCK_M, BLOCK_N, salt) + s
 
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]  # bias (BLOCK_N,) in float32, once
@@ -660,17 +707,23 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
         )
         return out
     scratch = out  # unused unless the tree has 4 or 8 chunks
+    scratch_desc = None
     if n_chunks >= 4:
         scratch = torch.empty((n_programs, 2, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
+    slot_tma = tile.slot_tma and tma and n_chunks >= 4 and x.device.type == "cuda"
+    if slot_tma:
+        scratch_desc = TensorDescriptor.from_tensor(scratch.view(-1, tile.block_n), [tile.block_m, tile.block_n])
     _gemm_kernel[(n_programs,)](
         x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
         M, N, chunk_k, n_programs,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), 0,
+        scratch_desc if slot_tma else scratch,
         HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
         PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
-        PAIRED=tile.paired, FLAT=tile.flat, num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
+        PAIRED=tile.paired, FLAT=tile.flat, FRESH_SLOTS=tile.fresh_slots, SLOT_TMA=slot_tma,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )
     return out
 

@@ -117,9 +117,11 @@ def test_tree_partials_reproduce_tp1(dtype, ranks):
     ((2, 35), 1024, 4, None),  # a TP2 rank's subtree
     ((70,), 256, 2, False),  # a TP4 rank's subtree
 ])
-@pytest.mark.parametrize("paired,flat,stash_all", [(True, False, False), (False, True, False), (True, True, False),
-                                                   (False, False, True)])
-def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma, paired, flat, stash_all):
+@pytest.mark.parametrize("paired,flat,stash_all,fresh", [(True, False, False, False), (False, True, False, False),
+                                                         (True, True, False, False), (False, False, True, False),
+                                                         (True, False, False, True)])
+def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks, use_tma, paired, flat, stash_all,
+                                                       fresh):
     """`Tile.paired` (chunks 2j and 2j+1 in one loop, two accumulators), `Tile.flat` (one K loop over every
     chunk, the tree's adds at chunk ends) and `Tile.stash_all` (one accumulator, every partial parked in scratch,
     the adds in memory) are schedules, not new arithmetic: every output byte equals the
@@ -127,7 +129,8 @@ def test_tree_schedules_equal_the_chunk_by_chunk_loops(dtype, rows, K, n_chunks,
     chunk loops under `flat`)."""
     x, w, b = _inputs(dtype, rows=rows, K=K, seed=K + n_chunks)
     x2d = x.reshape(-1, K)
-    schedule = dataclasses.replace(gemm.TREE_TILES[dtype], paired=paired, flat=flat, stash_all=stash_all)
+    schedule = dataclasses.replace(gemm.TREE_TILES[dtype], paired=paired, flat=flat, stash_all=stash_all,
+                                   fresh_slots=fresh, slot_tma=True)  # slot_tma: CUDA only, a no-op here
     loops = dataclasses.replace(gemm.TREE_TILES[dtype], paired=False, flat=False)
     for bias, out_dtype in ((b, dtype), (None, torch.float32)):
         y = gemm._gemm(x2d, w, bias, n_chunks, schedule, out_dtype, use_tma)
@@ -403,11 +406,11 @@ def test_benchmark_schedules_dry_run_compares_bytes(tmp_path, monkeypatch):
     out = tmp_path / "gemm.json"
     benchmark_gemm.main(["--schedules", "--dry-run", "--rows", "67", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "flat-s3", "flat-s4", "flat-paired-s3",
-                                         "stashall-256-s3", "stashall-256-s4", "stashall-128-s4", "kloop-tree-tile",
+    assert [r["what"] for r in rows] == ["cublas", "chunkloops-s4", "contract", "fresh-slots", "slot-tma-chunkloops-s3",
+                                         "slot-tma-chunkloops-s4", "slot-tma-paired-s2", "kloop-tree-tile",
                                          "kloop-linear-tile"]
-    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:9])
-    assert all(r["tree"] is False and "equal_chunkloops" not in r for r in rows[9:])
+    assert all(r["equal_chunkloops"] and r["median_s"] > 0 for r in rows[1:7])
+    assert all(r["tree"] is False and "equal_chunkloops" not in r for r in rows[7:])
     assert rows[2]["tile"] == gemm.TREE_TILES[torch.bfloat16].describe()
 
 
