@@ -13,8 +13,8 @@ Checks on the strict output (strict rows of the JSON): `rows_equal` (the first r
 rows give the same bytes as in the full batch), `repeat_equal`, `tp_equal` (tree ops: TP2/4/8 subtrees recombined
 give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike.
 `--sweep` times other tile configs through the same kernel (exploration only; the contract's tiles are constants).
-`--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops, the contract's paired
-chunks at 2 and 3 stages, the flat K loop) against cuBLAS, interleaved per shape, each output compared byte for byte with the
+`--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops with pointer slots, the
+contract's TMA slots, the paired chunks) against cuBLAS, interleaved per shape, each output compared byte for byte with the
 chunk-by-chunk loops' (`equal_chunkloops`); two diagnostic rows (`tree: false`, other bytes) time one plain K loop at
 the tree's tile and at `linear`'s, the ceiling a tree schedule could reach.
 """
@@ -153,9 +153,8 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
-    the chunk-by-chunk loops at 4 stages (the schedule before the paired chunks), the contract tile, and the flat
-    loop (`Tile.flat`: one K loop over all chunks, one accumulator at 3/4 stages or the paired two), and one
-    accumulator with every partial parked in scratch (`Tile.stash_all`) at `linear`'s 128x256 tile; every output checked byte-equal to the chunk-by-chunk loops'."""
+    the chunk-by-chunk loops at 4 stages with pointer slots, the contract tile (the same loops, TMA slots), and the
+    paired chunks at 3 stages (the contract before); every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch
@@ -163,11 +162,8 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
 
     base = gemm.TREE_TILES[torch.bfloat16]
     R = dataclasses.replace
-    variants = [("chunkloops-s4", R(base, paired=False, num_stages=4)), ("contract", base),
-                ("fresh-slots", R(base, fresh_slots=True)),
-                ("slot-tma-chunkloops-s3", R(base, paired=False, slot_tma=True)),
-                ("slot-tma-chunkloops-s4", R(base, paired=False, slot_tma=True, num_stages=4)),
-                ("slot-tma-paired-s2", R(base, slot_tma=True, num_stages=2))]
+    variants = [("chunkloops-s4", R(base, paired=False, slot_tma=False, num_stages=4)), ("contract", base),
+                ("paired-s3", R(base, paired=True, slot_tma=False, num_stages=3))]
     # not the tree (other bytes, timed only): one K loop and one accumulator at the tree's tile, and at `linear`'s
     diagnostics = [("kloop-tree-tile", base), ("kloop-linear-tile", gemm.LINEAR_TILES[torch.bfloat16])]
     out = []

@@ -7,7 +7,7 @@ Math      y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x (..., K) is flattened
 Tiles     one fixed config per (op, dtype), never autotuned and never chosen from M (`LINEAR_TILES`, `TREE_TILES`):
             linear      bf16  BLOCK 128x256x64, GROUP_M 8, 8 warps, 3 stages, persistent, TMA
                         fp32  BLOCK 128x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA, tf32x3
-            linear_tree bf16  BLOCK 128x128x64, GROUP_M 8, 8 warps, 3 stages, persistent, TMA, paired chunks
+            linear_tree bf16  BLOCK 128x128x64, GROUP_M 8, 8 warps, 4 stages, persistent, TMA, TMA slots
                         fp32  BLOCK 128x64x32,  GROUP_M 8, 4 warps, 3 stages, persistent, TMA, tf32x3
           BLOCK_K fixes the reduction order; BLOCK_M/BLOCK_N only group independent outputs. Persistent: one
           program per SM loops over output tiles (which program computes a tile never changes its values). TMA:
@@ -29,7 +29,20 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           wait in a float32 scratch slot of the program (exact), so at most two accumulators are live. A TP2/4/8
           rank owning 4/2/1 consecutive chunks computes its subtree with `tree_partial`, and `tree_combine`
           finishes the same tree: TP1 bytes.
-          Paired chunks (`Tile.paired`, the bf16 tree tile): chunks 2j and 2j+1 accumulate in ONE loop over their
+          TMA slots (`Tile.slot_tma`, the bf16 tree tile on CUDA): the finished subtrees are parked through a TMA
+          descriptor over the scratch (`_desc_stash`: a bulk store, then `cp.async.bulk.wait_group 0` so its writes
+          are complete before the barrier and the slot's TMA load) instead of a pointer store: float32 in, float32
+          out, the same adds (bytes checked on the H200 against the chunk loops, gemm_tree_slot_tma.json). A local
+          sm_90 compile shows why it pays: the pointer slots keep a 128x128 tensor of 64-bit slot addresses and two
+          layout conversions live across the loops, and the kernel spills (226 spill stores at 8 chunks, 0 at 2);
+          through the descriptor it spills a quarter of that. Measured (H200, one run): 1.53x / 1.33x cuBLAS on
+          o_proj / ffn_down at 37,853 rows, the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x
+          over three runs); at 12,369 rows 1.72x / 1.43x (paired 1.77x / 1.44x). The ceiling at this tile, one plain
+          K loop with no tree, is 1.31-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but cannot hold a
+          finished subtree beside its accumulator: a one-accumulator schedule parking every partial in scratch
+          (130-148 TFLOP/s) and one K loop over all chunks with the adds at chunk ends (103-134 TFLOP/s) were
+          byte-equal and far slower (gemm_tree_schedules_session9.json, gemm_tree_flat_held3.json), so were not kept.
+          Paired chunks (`Tile.paired`, the bf16 tree tile before): chunks 2j and 2j+1 accumulate in ONE loop over their
           BLOCK_K tiles, iteration k adding chunk 2j's tile k into p_2j and chunk 2j+1's tile k into p_(2j+1). Each
           partial sees exactly the dots it sees chunk by chunk (same tiles, same ascending order, from zero), so
           the bytes are the chunk-by-chunk loops' (CPU: tests/kernels/test_gemm.py; H200: benchmark_gemm.py
@@ -105,9 +118,6 @@ class Tile:
     tma: bool = True  # read aligned row-major operands through TMA descriptors (else always pointers)
     precision: str = "ieee"  # float32 operands: "ieee" (FMA) or "tf32x3" (three TF32 tensor-core products)
     paired: bool = True  # a tree's chunk pairs accumulate in one K loop (`_paired_chunks`; else one loop per chunk)
-    flat: bool = False  # a tree's chunks in ONE K loop over all of K, the tree's adds at chunk ends (`_flat_tree`)
-    stash_all: bool = False  # one accumulator; every chunk partial parked in scratch, the adds in memory (`_stash_tree`)
-    fresh_slots: bool = False  # scratch-slot addresses formed at each use, not hoisted (`_slot_offsets`; no spills)
     slot_tma: bool = False  # the scratch slots through a TMA descriptor (`_desc_stash`; CUDA with TMA operands only)
 
     def __post_init__(self) -> None:
@@ -118,9 +128,6 @@ class Tile:
         flags = ("-persistent" if self.persistent else "") + ("-tma" if self.tma else "")
         flags += "" if self.precision == "ieee" else f"-{self.precision}"
         flags += "" if self.paired else "-chunkloops"  # the schedule before the paired loops (same bytes)
-        flags += "-flat" if self.flat else ""
-        flags += "-stashall" if self.stash_all else ""
-        flags += "-freshslots" if self.fresh_slots else ""
         flags += "-slottma" if self.slot_tma else ""
         flags += f"-split{TREE_CHUNKS}" if split else ""
         shape = f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k}-G{self.group_m}"
@@ -132,7 +139,7 @@ LINEAR_TILES = {
     torch.float32: Tile(128, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="tf32x3"),
 }
 TREE_TILES = {
-    torch.bfloat16: Tile(128, 128, 64, 8, 8, 3, persistent=True, tma=True),
+    torch.bfloat16: Tile(128, 128, 64, 8, 8, 4, persistent=True, tma=True, paired=False, slot_tma=True),
     # float32 keeps the chunk-by-chunk loops (its paired schedule is byte-equal but unmeasured on the GPU)
     torch.float32: Tile(128, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="tf32x3", paired=False),
 }
@@ -241,27 +248,20 @@ def _paired_chunks(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
 
 
 @triton.jit
-def _slot_offsets(salt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Element offsets of a (BLOCK_M, BLOCK_N) slot. `salt` is a runtime zero that varies with the output tile (see
-    `_gemm_kernel`): it changes no address, but keeps the compiler from hoisting a 128x128 tensor of 64-bit slot
-    pointers out of the persistent loop, where it stayed live in registers and made the kernel spill."""
-    return (tl.arange(0, BLOCK_M) + salt)[:, None] * BLOCK_N + (tl.arange(0, BLOCK_N) + salt)[None, :]
-
-
-@triton.jit
-def _stash(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, salt=0):
+def _stash(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Park a finished float32 subtree (BLOCK_M, BLOCK_N) in a scratch slot of this program, so the next pair of
     chunks runs with two live accumulators instead of up to four. float32 in, float32 out: the bytes do not change.
     The barriers order the slot's accesses across the program's threads."""
-    offs = _slot_offsets(salt, BLOCK_M, BLOCK_N)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.debug_barrier()
     tl.store(slot_ptr + offs, tile)
     tl.debug_barrier()
 
 
 @triton.jit
-def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, salt=0):
-    return tl.load(slot_ptr + _slot_offsets(salt, BLOCK_M, BLOCK_N), cache_modifier=".cg")
+def _unstash(slot_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(slot_ptr + offs, cache_modifier=".cg")
 
 
 @triton.jit
@@ -281,76 +281,6 @@ def _pair(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
     right = _chunk(x_src, w_src, off_m, off_n, c + 1, CHUNK_K, stride_xk, stride_wk,
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
     return left + right
-
-
-@triton.jit
-def _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot_ptr,
-               N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-               PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr):
-    """The declared tree over N_CHUNKS (2, 4 or 8) whole-BLOCK_K chunks in ONE loop over K, so the operand
-    pipeline never drains at a chunk boundary. Not PAIRED: iteration t adds K tile t into the one accumulator;
-    at the last tile of chunk c the accumulator is p_c (its tiles ascending, from zero: `_chunk`'s operations in
-    `_chunk`'s order), it enters the tree and restarts from zero; one finished subtree waits in registers (`held`),
-    the others in the program's two scratch slots. PAIRED: iteration t of pair j adds chunk 2j's and chunk 2j+1's
-    tile t into two accumulators (`_paired_chunks`' operations); finished pairs wait in the slots. Each add is the
-    tree's, ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) (a float32 add is commutative), so the bytes are the
-    chunk loops'. Returns the tree's float32 sum."""
-    slot1 = slot_ptr + BLOCK_M * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    held = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tiles = CHUNK_K // BLOCK_K  # whole tiles per chunk (EVEN_K)
-    no_mask = tl.arange(0, BLOCK_K) < BLOCK_K
-    if PAIRED:
-        for t in range(0, tiles * (N_CHUNKS // 2)):
-            j = t // tiles
-            k = (2 * j) * CHUNK_K + (t - j * tiles) * BLOCK_K
-            a, b = _tiles_at(x_src, w_src, off_m, off_n, k, stride_xk, stride_wk, no_mask,
-                             USE_TMA, X_TRANS, W_TRANS, True)
-            a2, b2 = _tiles_at(x_src, w_src, off_m, off_n, k + CHUNK_K, stride_xk, stride_wk, no_mask,
-                               USE_TMA, X_TRANS, W_TRANS, True)
-            acc = mma(a, b, acc, PRECISION, INTERPRETED)
-            acc2 = mma(a2, b2, acc2, PRECISION, INTERPRETED)
-            if t - j * tiles == tiles - 1:  # pair j done: s = p_2j + p_(2j+1)
-                s = acc + acc2
-                if j == 0:
-                    held = s  # p0 + p1 (the result when N_CHUNKS == 2)
-                    if N_CHUNKS > 2:
-                        _stash(slot_ptr, s, BLOCK_M, BLOCK_N)
-                elif j == 1:
-                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
-                    if N_CHUNKS > 4:
-                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)
-                elif j == 2:
-                    _stash(slot1, s, BLOCK_M, BLOCK_N)  # p4 + p5
-                else:
-                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (_unstash(slot1, BLOCK_M, BLOCK_N) + s)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        for t in range(0, tiles * N_CHUNKS):
-            c = t // tiles
-            a, b = _tiles_at(x_src, w_src, off_m, off_n, t * BLOCK_K, stride_xk, stride_wk, no_mask,
-                             USE_TMA, X_TRANS, W_TRANS, True)
-            acc = mma(a, b, acc, PRECISION, INTERPRETED)
-            if t - c * tiles == tiles - 1:  # chunk c done: acc = p_c
-                if c == 0 or c == 2 or c == 4 or c == 6:
-                    if c == 2:
-                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)  # p0 + p1
-                    elif c == 6:
-                        _stash(slot1, held, BLOCK_M, BLOCK_N)  # p4 + p5
-                    elif c == 4:
-                        _stash(slot_ptr, held, BLOCK_M, BLOCK_N)  # (p0 + p1) + (p2 + p3)
-                    held = acc  # p_c waits for p_(c+1)
-                elif c == 3:
-                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (held + acc)  # (p0 + p1) + (p2 + p3)
-                elif c == 7:  # left half + ((p4 + p5) + (p6 + p7))
-                    held = _unstash(slot_ptr, BLOCK_M, BLOCK_N) + (_unstash(slot1, BLOCK_M, BLOCK_N) + (held + acc))
-                else:
-                    held = held + acc  # c == 1 or 5: p0 + p1 / p4 + p5
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return held
 
 
 @triton.jit
@@ -395,19 +325,17 @@ def _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N, stride_xm, stri
 
 
 @lean
-@triton.jit(do_not_specialize=["M", "zero"])
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
     x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,  # x (M, K), w (N, K) (pointers or descriptors), bias (N,), y (M, N)
     scratch_ptr,  # float32 (n_programs, 2, BLOCK_M, BLOCK_N): per-program slots for finished subtrees (tree only)
     M, N, CHUNK_K, n_programs,  # K = N_CHUNKS * CHUNK_K; n_programs = grid size (persistent loop stride)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    zero,  # the host passes 0 (`_slot_offsets`)
     scratch_desc,  # SLOT_TMA: a TMA descriptor over the scratch as (n_programs * 2 * BLOCK_M, BLOCK_N) rows
     HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr, FLAT: tl.constexpr,
-    FRESH_SLOTS: tl.constexpr, SLOT_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr, SLOT_TMA: tl.constexpr,
 ):
     # persistent: program p computes output tiles p, p + n_programs, ...
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
@@ -422,10 +350,7 @@ def _gemm_kernel(
         # first; finished subtrees wait in the program's scratch slots, so at most two accumulators are live
         slot0 = scratch_ptr + tl.program_id(0).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
         slot1 = slot0 + BLOCK_M * BLOCK_N
-        if FLAT and EVEN_K and N_CHUNKS > 1:
-            acc = _flat_tree(x_src, w_src, off_m, off_n, CHUNK_K, stride_xk, stride_wk, slot0, N_CHUNKS,
-                             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
-        elif N_CHUNKS == 1:
+        if N_CHUNKS == 1:
             acc = _chunk(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
         elif N_CHUNKS == 2:
@@ -433,9 +358,6 @@ def _gemm_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
         else:
             tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
-            salt = 0
-            if FRESH_SLOTS:
-                salt = tile * zero  # a runtime 0 that varies with the tile: slot addresses formed at each use
             if SLOT_TMA:  # the slots through a TMA descriptor: no per-element slot addresses in registers
                 row0 = tl.program_id(0) * (2 * BLOCK_M)
                 s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
@@ -458,122 +380,25 @@ def _gemm_kernel(
             else:
                 s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
-                _stash(slot0, s, BLOCK_M, BLOCK_N, salt)
+                _stash(slot0, s, BLOCK_M, BLOCK_N)
                 s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
-                acc = _unstash(slot0, BLOCK_M, BLOCK_N, salt) + s  # (p0 + p1) + (p2 + p3)
+                acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
                 if N_CHUNKS == 8:
-                    _stash(slot0, acc, BLOCK_M, BLOCK_N, salt)
+                    _stash(slot0, acc, BLOCK_M, BLOCK_N)
                     s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
-                    _stash(slot1, s, BLOCK_M, BLOCK_N, salt)
+                    _stash(slot1, s, BLOCK_M, BLOCK_N)
                     s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
-                    s = _unstash(slot1, BLOCK_M, BLOCK_N, salt) + s  # (p4 + p5) + (p6 + p7)
-                    acc = _unstash(slot0, BLOCK_M, BLOCK_N, salt) + s
+                    s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
+                    acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
 
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]  # bias (BLOCK_N,) in float32, once
         y_ptrs = y_ptr + tile_offsets(offs_m, stride_ym, offs_n, stride_yn)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-
-
-@triton.jit
-def _park(slot_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store a float32 (BLOCK_M, BLOCK_N) tile in a scratch slot; the barrier orders it before any reader."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(slot_ptr + offs, tile)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _merge(left_ptr, right_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """left slot <- left + right (float32), in two column halves so that only two half tiles are in registers."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    for hh in tl.static_range(2):
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + (hh * HALF + tl.arange(0, HALF))[None, :]
-        a = tl.load(left_ptr + offs, cache_modifier=".cg")
-        b = tl.load(right_ptr + offs, cache_modifier=".cg")
-        tl.store(left_ptr + offs, a + b)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _finish(left_ptr, right_ptr, b_ptr, y_ptr, off_m, off_n, M, N, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
-            TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
-    """y tile = (left [+ right]) [+ bias], cast once, stored in two column halves."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    for hh in tl.static_range(2):
-        cols_local = hh * HALF + tl.arange(0, HALF)
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols_local[None, :]
-        acc = tl.load(left_ptr + offs, cache_modifier=".cg")
-        if TWO:
-            acc = acc + tl.load(right_ptr + offs, cache_modifier=".cg")
-        offs_n = off_n + cols_local
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n % N).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + tile_offsets(offs_m, stride_ym, offs_n, stride_yn)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-    tl.debug_barrier()
-
-
-@lean
-@triton.jit(do_not_specialize=["M"])
-def _gemm_stash_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, b_ptr, y_ptr,
-    scratch_ptr,  # float32 (n_programs, 4, BLOCK_M, BLOCK_N): every chunk partial and subtree waits here
-    M, N, CHUNK_K, n_programs,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, N_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, X_TRANS: tl.constexpr, W_TRANS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """`_gemm_kernel`'s tree (N_CHUNKS 2, 4 or 8) with ONE live accumulator, so the tile can be as wide as `linear`'s:
-    each chunk partial p_c is `_chunk`'s (its BLOCK_K tiles ascending, from zero) and is parked in a slot; the tree's
-    adds ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) run on the slots in float32 (`_merge`), the last one with
-    the bias and the cast (`_finish`). Same adds, same order: the chunk loops' bytes."""
-    tl.static_assert(N_CHUNKS == 2 or N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 2, 4 or 8")
-    SLOT: tl.constexpr = BLOCK_M * BLOCK_N
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), n_programs):
-        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        x_src, w_src = _sources(x_ptr, w_ptr, x_desc, w_desc, offs_m, offs_n, M, N,
-                                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K, USE_TMA)
-        s0 = scratch_ptr + tl.program_id(0).to(tl.int64) * (4 * SLOT)
-        s1 = s0 + SLOT
-        s2 = s1 + SLOT
-        s3 = s2 + SLOT
-        for c in tl.static_range(N_CHUNKS):
-            acc = _chunk(x_src, w_src, off_m, off_n, c, CHUNK_K, stride_xk, stride_wk,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED)
-            if c == 0:
-                _park(s0, acc, BLOCK_M, BLOCK_N)
-            elif c == 1:
-                _park(s1, acc, BLOCK_M, BLOCK_N)
-                if N_CHUNKS > 2:
-                    _merge(s0, s1, BLOCK_M, BLOCK_N)  # p0 + p1
-            elif c == 2 or c == 4:
-                _park(s1, acc, BLOCK_M, BLOCK_N)
-            elif c == 3:
-                _park(s2, acc, BLOCK_M, BLOCK_N)
-                _merge(s1, s2, BLOCK_M, BLOCK_N)  # p2 + p3
-                if N_CHUNKS > 4:
-                    _merge(s0, s1, BLOCK_M, BLOCK_N)  # (p0 + p1) + (p2 + p3)
-            elif c == 5 or c == 6:
-                _park(s2, acc, BLOCK_M, BLOCK_N)
-                if c == 5:
-                    _merge(s1, s2, BLOCK_M, BLOCK_N)  # p4 + p5
-            else:
-                _park(s3, acc, BLOCK_M, BLOCK_N)
-                _merge(s2, s3, BLOCK_M, BLOCK_N)  # p6 + p7
-                _merge(s1, s2, BLOCK_M, BLOCK_N)  # (p4 + p5) + (p6 + p7)
-        _finish(s0, s1, b_ptr, y_ptr, off_m, off_n, M, N, stride_ym, stride_yn, HAS_BIAS, True,
-                BLOCK_M, BLOCK_N, INTERPRETED)
 
 
 @lean
@@ -693,19 +518,6 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
     x_desc, w_desc, chunk_k, even_k = _plan_operands(x, w, n_chunks, tile, use_tma)
     tma = x_desc is not None
     n_programs = _n_programs(x, triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), tile)
-    if tile.stash_all and n_chunks > 1:
-        scratch = torch.empty((n_programs, 4, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
-        _gemm_stash_kernel[(n_programs,)](
-            x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
-            M, N, chunk_k, n_programs,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-            EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
-            PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",
-            num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
-        )
-        return out
     scratch = out  # unused unless the tree has 4 or 8 chunks
     scratch_desc = None
     if n_chunks >= 4:
@@ -716,13 +528,13 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
     _gemm_kernel[(n_programs,)](
         x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
         M, N, chunk_k, n_programs,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), 0,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         scratch_desc if slot_tma else scratch,
         HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],
         PRECISION=tile.precision, INTERPRETED=x.device.type == "cpu",  # CPU means the interpreter
-        PAIRED=tile.paired, FLAT=tile.flat, FRESH_SLOTS=tile.fresh_slots, SLOT_TMA=slot_tma,
+        PAIRED=tile.paired, SLOT_TMA=slot_tma,
         num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )
     return out
