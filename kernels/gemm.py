@@ -34,8 +34,8 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           are complete before the barrier and the slot's TMA load) instead of a pointer store: float32 in, float32
           out, the same adds (bytes checked on the H200 against the chunk loops, gemm_tree_slot_tma.json). A local
           sm_90 compile shows why it pays: the pointer slots keep a 128x128 tensor of 64-bit slot addresses and two
-          layout conversions live across the loops, and the kernel spills (226 spill stores at 8 chunks, 0 at 2);
-          through the descriptor it spills a quarter of that. Measured (H200, one run): 1.53x / 1.33x cuBLAS on
+          layout conversions live across the loops, and the kernel spills (paired: 226 spill stores at 8 chunks,
+          0 at 2); through the descriptor, 150 at 4 stages (58 at 3 stages, which run slower). Measured (H200, one run): 1.53x / 1.33x cuBLAS on
           o_proj / ffn_down at 37,853 rows, the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x
           over three runs); at 12,369 rows 1.72x / 1.43x (paired 1.77x / 1.44x). The ceiling at this tile, one plain
           K loop with no tree, is 1.31-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but cannot hold a
