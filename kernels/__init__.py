@@ -12,7 +12,8 @@ if __name__ == "kernels":
     # Imported as the top-level `kernels` from a checkout's root (the current directory is on sys.path under
     # `python -m ...`): that name belongs to the PyPI `kernels` distribution, which transformers (>= 5.25 requires
     # it) and diffusers import. Hand the import over to that distribution, found on sys.path without this checkout;
-    # without it, fail as a missing module would. This folder itself is only ever `h3kernels`.
+    # without it, stay an empty module without a file, as a bare namespace folder would be, so that availability
+    # probes (transformers' `_is_package_available`) read "not installed". This folder itself is only `h3kernels`.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -22,11 +23,11 @@ if __name__ == "kernels":
     _path = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _path)
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder imports as h3kernels)",
-                                  name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+        __file__ = None  # noqa: F811 - the probes' sign of a namespace folder, not an install
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
 else:
     from . import _interpreter_dot, _interpreter_patching, registry  # noqa: F401
 

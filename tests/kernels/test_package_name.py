@@ -31,3 +31,13 @@ def test_top_level_kernels_is_the_pypi_distribution_from_the_checkout_root():
 def test_transformers_hub_kernels_imports_from_the_checkout_root():
     done = _import_from_root("import transformers.integrations.hub_kernels; print('ok')")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_without_the_distribution_top_level_kernels_reads_as_not_installed():
+    """No PyPI `kernels` on the path (the GPU image): the folder must not pose as it -- no file, no attributes -- so
+    transformers' availability probe says "absent" and never imports from it."""
+    code = ("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p]; "
+            "import kernels; print(kernels.__file__, [n for n in vars(kernels) if not n.startswith('_')])")
+    done = _import_from_root(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(None, 1) == ["None", "[]\n"]
