@@ -35,10 +35,12 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           out, the same adds (bytes checked on the H200 against the chunk loops, gemm_tree_slot_tma.json). A local
           sm_90 compile shows why it pays: the pointer slots keep a 128x128 tensor of 64-bit slot addresses and two
           layout conversions live across the loops, and the kernel spills (paired: 226 spill stores at 8 chunks,
-          0 at 2); through the descriptor, 150 at 4 stages (58 at 3 stages, which run slower). Measured (H200, one run): 1.53x / 1.33x cuBLAS on
-          o_proj / ffn_down at 37,853 rows, the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x
-          over three runs); at 12,369 rows 1.72x / 1.43x (paired 1.77x / 1.44x). The ceiling at this tile, one plain
-          K loop with no tree, is 1.31-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but cannot hold a
+          0 at 2); through the descriptor, 150 at 4 stages (58 at 3 stages, which run slower). Measured (H200,
+          interleaved in one run per pair of row counts): 1.53x / 1.33x cuBLAS on o_proj / ffn_down at 37,853 rows,
+          the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x over three runs); 1.72x / 1.43x
+          at 12,369 (paired 1.77x / 1.44x); 1.40x / 1.39x at 7,272 (1.47x / 1.42x); 1.97x / 1.54x at 2,066
+          (2.04x / 1.60x; gemm_tree_slot_tma_small.json). The ceiling at this tile, one plain K loop with no tree,
+          is 1.05-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but cannot hold a
           finished subtree beside its accumulator: a one-accumulator schedule parking every partial in scratch
           (130-148 TFLOP/s) and one K loop over all chunks with the adds at chunk ends (103-134 TFLOP/s) were
           byte-equal and far slower (gemm_tree_schedules_session9.json, gemm_tree_flat_held3.json), so were not kept.
