@@ -33,8 +33,8 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           descriptor over the scratch (`_desc_stash`: a bulk store, then `cp.async.bulk.wait_group 0` so its writes
           are complete before the barrier and the slot's TMA load) instead of a pointer store: float32 in, float32
           out, the same adds (bytes checked on the H200 against the chunk loops, gemm_tree_slot_tma.json). A local
-          sm_90 compile shows why it pays: the pointer slots keep a 128x128 tensor of 64-bit slot addresses and two
-          layout conversions live across the loops, and the kernel spills (paired: 226 spill stores at 8 chunks,
+          sm_90 compile (scripts/kernel_resources.py, no GPU needed) shows why it pays: the pointer slots keep a
+          128x128 tensor of 64-bit slot addresses and two layout conversions live across the loops, and the kernel spills (paired: 226 spill stores at 8 chunks,
           0 at 2); through the descriptor, 150 at 4 stages (58 at 3 stages, which run slower). Measured (H200,
           interleaved in one run per pair of row counts): 1.53x / 1.33x cuBLAS on o_proj / ffn_down at 37,853 rows,
           the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x over three runs); 1.72x / 1.43x
