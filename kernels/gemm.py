@@ -34,8 +34,9 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           are complete before the barrier and the slot's TMA load) instead of a pointer store: float32 in, float32
           out, the same adds (bytes checked on the H200 against the chunk loops, gemm_tree_slot_tma.json). A local
           sm_90 compile (scripts/kernel_resources.py, no GPU needed) shows why it pays: the pointer slots keep a
-          128x128 tensor of 64-bit slot addresses and two layout conversions live across the loops, and the kernel spills (paired: 226 spill stores at 8 chunks,
-          0 at 2); through the descriptor, 150 at 4 stages (58 at 3 stages, which run slower). Measured (H200,
+          128x128 tensor of 64-bit slot addresses and two layout conversions live across the loops, and the kernel
+          spills (paired: 226 spill stores at 8 chunks, 0 at 2); through the descriptor, 150 at 4 stages (58 at
+          3 stages, which run slower). Measured (H200,
           interleaved in one run per pair of row counts): 1.53x / 1.33x cuBLAS on o_proj / ffn_down at 37,853 rows,
           the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x over three runs); 1.72x / 1.43x
           at 12,369 (paired 1.77x / 1.44x); 1.40x / 1.39x at 7,272 (1.47x / 1.42x); 1.97x / 1.54x at 2,066
@@ -296,6 +297,25 @@ def _desc_stash(desc, row0, tile):
 
 
 @triton.jit
+def _park(slot_ptr, desc, row0, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_TMA: tl.constexpr):
+    """Park a finished float32 subtree in this program's slot: through the scratch's TMA descriptor (its rows
+    row0 .. row0 + BLOCK_M) or through pointers (`_stash`). The same float32 values either way."""
+    if SLOT_TMA:
+        _desc_stash(desc, row0, tile)
+    else:
+        _stash(slot_ptr, tile, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _fetch(slot_ptr, desc, row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_TMA: tl.constexpr):
+    """The subtree `_park` left in the slot."""
+    if SLOT_TMA:
+        return desc.load([row0, 0])
+    else:
+        return _unstash(slot_ptr, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(off_m, off_n) of output tile number `tile` in the grouped order (GROUP_M row tiles share a column sweep,
     for L2 reuse). The order only schedules: which program computes a tile, and when, never changes its values."""
@@ -360,41 +380,22 @@ def _gemm_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
         else:
             tl.static_assert(N_CHUNKS == 4 or N_CHUNKS == 8, "N_CHUNKS must be 1, 2, 4 or 8")
-            if SLOT_TMA:  # the slots through a TMA descriptor: no per-element slot addresses in registers
-                row0 = tl.program_id(0) * (2 * BLOCK_M)
-                s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
-                _desc_stash(scratch_desc, row0, s)
-                s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)
-                acc = scratch_desc.load([row0, 0]) + s  # (p0 + p1) + (p2 + p3)
-                if N_CHUNKS == 8:
-                    _desc_stash(scratch_desc, row0, acc)
-                    s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED,
-                              PAIRED)
-                    _desc_stash(scratch_desc, row0 + BLOCK_M, s)
-                    s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED,
-                              PAIRED)
-                    s = scratch_desc.load([row0 + BLOCK_M, 0]) + s  # (p4 + p5) + (p6 + p7)
-                    acc = scratch_desc.load([row0, 0]) + s
-            else:
-                s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
-                _stash(slot0, s, BLOCK_M, BLOCK_N)
-                s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
-                acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s  # (p0 + p1) + (p2 + p3)
-                if N_CHUNKS == 8:
-                    _stash(slot0, acc, BLOCK_M, BLOCK_N)
-                    s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
-                    _stash(slot1, s, BLOCK_M, BLOCK_N)
-                    s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
-                    s = _unstash(slot1, BLOCK_M, BLOCK_N) + s  # (p4 + p5) + (p6 + p7)
-                    acc = _unstash(slot0, BLOCK_M, BLOCK_N) + s
+            row0 = tl.program_id(0) * (2 * BLOCK_M)  # SLOT_TMA: this program's two slots in the descriptor's rows
+            s = _pair(x_src, w_src, off_m, off_n, 0, CHUNK_K, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p0 + p1
+            _park(slot0, scratch_desc, row0, s, BLOCK_M, BLOCK_N, SLOT_TMA)
+            s = _pair(x_src, w_src, off_m, off_n, 2, CHUNK_K, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p2 + p3
+            acc = _fetch(slot0, scratch_desc, row0, BLOCK_M, BLOCK_N, SLOT_TMA) + s  # (p0 + p1) + (p2 + p3)
+            if N_CHUNKS == 8:
+                _park(slot0, scratch_desc, row0, acc, BLOCK_M, BLOCK_N, SLOT_TMA)
+                s = _pair(x_src, w_src, off_m, off_n, 4, CHUNK_K, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p4 + p5
+                _park(slot1, scratch_desc, row0 + BLOCK_M, s, BLOCK_M, BLOCK_N, SLOT_TMA)
+                s = _pair(x_src, w_src, off_m, off_n, 6, CHUNK_K, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K, USE_TMA, X_TRANS, W_TRANS, PRECISION, INTERPRETED, PAIRED)  # p6 + p7
+                s = _fetch(slot1, scratch_desc, row0 + BLOCK_M, BLOCK_M, BLOCK_N, SLOT_TMA) + s  # (p4+p5) + (p6+p7)
+                acc = _fetch(slot0, scratch_desc, row0, BLOCK_M, BLOCK_N, SLOT_TMA) + s
 
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]  # bias (BLOCK_N,) in float32, once
