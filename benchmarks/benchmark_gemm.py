@@ -14,9 +14,9 @@ rows give the same bytes as in the full batch), `repeat_equal`, `tp_equal` (tree
 give the TP1 bytes), `bwd_repeat_equal` (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike.
 `--sweep` times other tile configs through the same kernel (exploration only; the contract's tiles are constants).
 `--schedules` times the `linear_tree` schedules that keep the bytes (chunk-by-chunk loops with pointer slots, the
-contract's TMA slots, the paired chunks) against cuBLAS, interleaved per shape, each output compared byte for byte with the
-chunk-by-chunk loops' (`equal_chunkloops`); two diagnostic rows (`tree: false`, other bytes) time one plain K loop at
-the tree's tile and at `linear`'s, the ceiling a tree schedule could reach.
+contract's TMA slots, the paired chunks) against cuBLAS, interleaved per shape, each output compared byte for byte
+with the chunk-by-chunk loops' (`equal_chunkloops`); two diagnostic rows (`tree: false`, other bytes) time one plain
+K loop at the tree's tile and at `linear`'s, the ceiling a tree schedule could reach.
 """
 
 from __future__ import annotations
@@ -195,8 +195,9 @@ def schedules(device: str, rows_list, shapes) -> list[dict]:
                 ts = measure(lambda tile=tile: gemm._gemm(x, w, b, 1, tile, x.dtype), device)["median_s"]
                 out.append({"rows": M, "proj": name, "what": label, "tile": tile.describe(), "median_s": ts,
                             "tflops": flops / ts / 1e12, "ratio_vs_cublas": ts / t, "tree": False})
-            print(table(out[-len(variants) - len(diagnostics) - 1:], ["proj", "rows", "what", "median_s", "tflops", "ratio_vs_cublas",
-                                                    "equal_chunkloops"]), flush=True)
+            print(table(out[-len(variants) - len(diagnostics) - 1:],
+                        ["proj", "rows", "what", "median_s", "tflops", "ratio_vs_cublas", "equal_chunkloops"]),
+                  flush=True)
     return out
 
 

@@ -36,22 +36,22 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           sm_90 compile (scripts/kernel_resources.py, no GPU needed) shows why it pays: the pointer slots keep a
           128x128 tensor of 64-bit slot addresses and two layout conversions live across the loops, and the kernel
           spills (paired: 226 spill stores at 8 chunks, 0 at 2); through the descriptor, 150 at 4 stages (58 at
-          3 stages, which run slower). Measured (H200,
-          interleaved in one run per pair of row counts): 1.53x / 1.33x cuBLAS on o_proj / ffn_down at 37,853 rows,
-          the paired schedule before it 1.73x / 1.55x (1.42-1.73x and 1.44-1.55x over three runs); 1.72x / 1.43x
-          at 12,369 (paired 1.77x / 1.44x); 1.40x / 1.39x at 7,272 (1.47x / 1.42x); 1.97x / 1.54x at 2,066
-          (2.04x / 1.60x; gemm_tree_slot_tma_small.json). The ceiling at this tile, one plain K loop with no tree,
-          is 1.05-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but cannot hold a
-          finished subtree beside its accumulator: a one-accumulator schedule parking every partial in scratch
-          (130-148 TFLOP/s) and one K loop over all chunks with the adds at chunk ends (103-134 TFLOP/s) were
-          byte-equal and far slower (gemm_tree_schedules_session9.json, gemm_tree_flat_held3.json), so were not kept.
-          Paired chunks (`Tile.paired`, the bf16 tree tile before): chunks 2j and 2j+1 accumulate in ONE loop over their
-          BLOCK_K tiles, iteration k adding chunk 2j's tile k into p_2j and chunk 2j+1's tile k into p_(2j+1). Each
-          partial sees exactly the dots it sees chunk by chunk (same tiles, same ascending order, from zero), so
-          the bytes are the chunk-by-chunk loops' (CPU: tests/kernels/test_gemm.py; H200: benchmark_gemm.py
-          --schedules and the 512x512x22f forward hash); a tile has 4 loops instead of 8 (half the pipeline
-          drains) and two independent MMA chains in flight. Twice the operand bytes per stage: 3 stages fit the
-          shared memory where 4 chunk-by-chunk stages did. Measured (gemm_tree_schedules.json, H200): 2-7% over
+          3 stages, which run slower). Measured (H200, interleaved in one run per pair of row counts): 1.53x /
+          1.33x cuBLAS on o_proj / ffn_down at 37,853 rows, the paired schedule before it 1.73x / 1.55x (1.42-1.73x
+          and 1.44-1.55x over three runs); 1.72x / 1.43x at 12,369 (paired 1.77x / 1.44x); 1.40x / 1.39x at 7,272
+          (1.47x / 1.42x); 1.97x / 1.54x at 2,066 (2.04x / 1.60x; gemm_tree_slot_tma_small.json). The ceiling at
+          this tile, one plain K loop with no tree, is 1.05-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but
+          cannot hold a finished subtree beside its accumulator: a one-accumulator schedule parking every partial
+          in scratch (130-148 TFLOP/s) and one K loop over all chunks with the adds at chunk ends (103-134 TFLOP/s)
+          were byte-equal and far slower (gemm_tree_schedules_session9.json, gemm_tree_flat_held3.json), so were
+          not kept.
+          Paired chunks (`Tile.paired`, the bf16 tree tile before): chunks 2j and 2j+1 accumulate in ONE loop over
+          their BLOCK_K tiles, iteration k adding chunk 2j's tile k into p_2j and chunk 2j+1's tile k into
+          p_(2j+1). Each partial sees exactly the dots it sees chunk by chunk (same tiles, same ascending order,
+          from zero), so the bytes are the chunk-by-chunk loops' (CPU: tests/kernels/test_gemm.py; H200:
+          benchmark_gemm.py --schedules and the 512x512x22f forward hash); a tile has 4 loops instead of 8 (half
+          the pipeline drains) and two independent MMA chains in flight. Twice the operand bytes per stage:
+          3 stages fit the shared memory where 4 chunk-by-chunk stages did. Measured (gemm_tree_schedules.json, H200): 2-7% over
           the chunk-by-chunk loops at 2,066 rows, 0-2% at 12,369; still 1.4-2.1x cuBLAS, whose tiles are wider
           than the two live 128x128 float32 accumulators of the tree allow in registers.
 Narrow    a float32 product whose weight has N <= SPLIT_MAX_N outputs over K >= SPLIT_MIN_K (K a multiple of
@@ -522,17 +522,17 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ou
     tma = x_desc is not None
     n_programs = _n_programs(x, triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), tile)
     scratch = out  # unused unless the tree has 4 or 8 chunks
-    scratch_desc = None
     if n_chunks >= 4:
         scratch = torch.empty((n_programs, 2, tile.block_m, tile.block_n), dtype=torch.float32, device=x.device)
     slot_tma = tile.slot_tma and tma and n_chunks >= 4 and x.device.type == "cuda"
+    scratch_desc = scratch  # the kernel reads it only under SLOT_TMA
     if slot_tma:
         scratch_desc = TensorDescriptor.from_tensor(scratch.view(-1, tile.block_n), [tile.block_m, tile.block_n])
     _gemm_kernel[(n_programs,)](
         x, w, x_desc[0] if tma else x, w_desc[0] if tma else w, bias if bias is not None else out, out, scratch,
         M, N, chunk_k, n_programs,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        scratch_desc if slot_tma else scratch,
+        scratch_desc,
         HAS_BIAS=bias is not None, N_CHUNKS=n_chunks,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=even_k, USE_TMA=tma, X_TRANS=tma and x_desc[1], W_TRANS=tma and w_desc[1],

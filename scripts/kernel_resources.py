@@ -46,10 +46,12 @@ def _compile(n_chunks: int, tile):
              "x_desc": bf16_desc.format(tile.block_m, tile.block_k),
              "w_desc": bf16_desc.format(tile.block_n, tile.block_k),
              "scratch_desc": (f"tensordesc<fp32[{tile.block_m}, {tile.block_n}]>" if consts["SLOT_TMA"] else "*fp32")}
-    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
-    unknown = sorted(set(fn.arg_names) - set(signature))
-    if unknown:
+    ints = {"M", "N", "CHUNK_K", "n_programs"}  # and every stride_*
+    unknown = [n for n in fn.arg_names if n not in consts and n not in types and n not in ints
+               and not n.startswith("stride_")]
+    if unknown:  # a kernel argument this script does not know (a new constexpr, pointer or descriptor)
         raise RuntimeError(f"kernel_resources: no type for kernel arguments {unknown}")
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
     source = ASTSource(fn, signature, constexprs=consts)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tile.num_warps, "num_stages": tile.num_stages,
@@ -65,15 +67,24 @@ def _cuobjdump() -> str:
     return path
 
 
-def resources(op: str, tile=None) -> dict:
-    """The resource row of one op's contract kernel (module docstring); `tile` replaces the contract's tile."""
+def _contract_tile(op: str):
+    """The bf16 contract tile of `op` ("linear" or "linear_tree")."""
     import torch
 
     from h3kernels import gemm
 
     if op not in ("linear", "linear_tree"):
         raise ValueError(f"kernel_resources: op {op!r} is not 'linear' or 'linear_tree'")
-    tile = tile or (gemm.LINEAR_TILES if op == "linear" else gemm.TREE_TILES)[torch.bfloat16]
+    return (gemm.LINEAR_TILES if op == "linear" else gemm.TREE_TILES)[torch.bfloat16]
+
+
+def resources(op: str, tile=None) -> dict:
+    """The resource row of one op's contract kernel (module docstring); `tile` replaces the contract's tile."""
+    import triton
+
+    from h3kernels import gemm
+
+    tile = tile or _contract_tile(op)
     kernel = _compile(1 if op == "linear" else gemm.TREE_CHUNKS, tile)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
@@ -85,7 +96,7 @@ def resources(op: str, tile=None) -> dict:
     shared = int(kernel.metadata.shared)
     return {"op": op, "tile": tile.describe(), "registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "shared_bytes": shared,
-            "fits_h200": shared <= H200_SHARED_BYTES, "target": "sm_90", "triton": __import__("triton").__version__}
+            "fits_h200": shared <= H200_SHARED_BYTES, "target": "sm_90", "triton": triton.__version__}
 
 
 def _override(op: str, pairs: list[str], parser):
@@ -94,12 +105,8 @@ def _override(op: str, pairs: list[str], parser):
         return None
     import dataclasses
 
-    import torch
-
-    from h3kernels import gemm
-
-    tile = (gemm.LINEAR_TILES if op == "linear" else gemm.TREE_TILES)[torch.bfloat16]
-    fields = {f.name: f.type for f in dataclasses.fields(tile)}
+    tile = _contract_tile(op)
+    fields = {f.name for f in dataclasses.fields(tile)}
     changes = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
