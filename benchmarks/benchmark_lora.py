@@ -24,6 +24,14 @@ it reports the SHA-256 of the LoRA gradients of each (before and lean must be eq
 lean launch verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile`
 each one's launches, syncs and GPU busy/idle time.
 
+`--step-graph` (issue 24 item 3) times, interleaved in one process on the same weights, the strict step with its
+micro-batch eager ("h3lab-strict-eager": `step_graph.use_graphs(False)`, every kernel launched from Python), the
+strict step as shipped ("h3lab-strict": the micro-batch replayed from a CUDA graph, `h3lab.training.step_graph`) and
+torch ("h3lab-off"). Before timing it checks the bytes: the LoRA gradients' SHA-256 of `--check-steps` steps
+(gradient, then a StrictAdamW update) taken eagerly and again, from the same factors restored in place, through the
+graph (warm-up, capture, replays), step by step; and how each graph step ran. With `--runtime-profile`, each one's
+launches, runtime calls, GPU busy and idle time.
+
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
 `fp32_variant`: "contract" as shipped, "wave2" the FMA 64x64x32 tiles before the narrow rule); the first listed is
 reported as `ratio_strict_over_off`.
@@ -208,6 +216,111 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
     return out
 
 
+STEP_IMPLS = (("h3lab-strict-eager", "strict", False), ("h3lab-strict", "strict", True), ("h3lab-off", "off", True))
+
+
+def first_host_sync(model, request, objective, params, device: str) -> str | None:
+    """Where an eager strict micro-batch first synchronises with the host (what breaks a capture): the traceback's
+    tail under `torch.cuda.set_sync_debug_mode("error")`, after a warm-up on the same device tensors (so the index
+    caches are built, as before a capture); None if it never does."""
+    import traceback
+
+    from h3lab.training.step import _TrainContext, _micro_batch
+
+    sample = request.sample(objective).to(device).canonical()
+    with _TrainContext(model, "strict", True):
+        _micro_batch(model, sample, objective, params, sample.model_kwargs(), None)
+        sync(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _micro_batch(model, sample, objective, params, sample.model_kwargs(), None)
+        except RuntimeError:
+            return traceback.format_exc()[-4000:]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return None
+
+
+def step_graph_compare(gradients, params, device: str, args, shape_name: str, rows: int, doc: dict,
+                       model=None, request=None, objective=None) -> dict:
+    """`--step-graph`: strict eager / strict through the step graph / off, interleaved, after the byte check over
+    `--check-steps` optimiser steps (module docstring). A failed capture records where the eager micro-batch first
+    synchronises (`first_host_sync`)."""
+    from h3lab.hashing import tensor_digest
+    from h3lab.training import StrictAdamW, step_graph
+
+    def run_steps(graphs: bool) -> tuple[list[str], list[dict]]:
+        optimizer = StrictAdamW(params, lr=1e-3, weight_decay=0.0)  # large enough to move bf16-visible factors
+        shas, paths = [], []
+        with step_graph.use_graphs(graphs):
+            for _ in range(args.check_steps):
+                result = gradients("strict")
+                shas.append(tensor_digest(result.gradient, "sha256"))
+                paths.append(step_graph.last_path())
+                optimizer.step(result.gradient)
+        return shas, paths
+
+    start = [p.detach().clone() for _, p in params]
+
+    def restore() -> None:  # in place: the graph reads the factors by address
+        with torch.no_grad():
+            for (_, p), s in zip(params, start):
+                p.copy_(s)
+
+    eager_shas, _ = run_steps(False)
+    restore()
+    graph_shas, graph_paths = run_steps(True)
+    restore()
+    out: dict = {
+        "check_steps": args.check_steps, "grad_sha256_eager_steps": eager_shas, "grad_sha256_graph_steps": graph_shas,
+        "graph_paths": graph_paths, "grad_bytes_equal_graph_vs_eager": eager_shas == graph_shas,
+        "steps_differ": len(set(eager_shas)) == len(eager_shas),  # the updates moved the factors
+    }
+    print(f"step graph: gradients equal eager at every step: {out['grad_bytes_equal_graph_vs_eager']}; paths "
+          f"{graph_paths}", flush=True)
+    if device == "cuda" and any(p.get("reason", "").startswith("capture failed") for p in graph_paths):
+        out["first_host_sync"] = first_host_sync(model, request, objective, params, device)
+        print(f"first host sync of the eager micro-batch: {out['first_host_sync']}", flush=True)
+        doc.update(out)
+        write(args.out, doc)
+    optimizers = {impl: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for impl, _, _ in STEP_IMPLS}
+    last = {}
+
+    def step(impl: str, mode: str, graphs: bool):
+        def run():
+            with step_graph.use_graphs(graphs):
+                optimizers[impl].step(gradients(mode).gradient)
+                last[impl] = step_graph.last_path()
+        return run
+
+    fns = {impl: step(impl, mode, graphs) for impl, mode, graphs in STEP_IMPLS}
+    timings = timed_interleaved(fns, args.runs, device)
+    results = []
+    for impl, mode, graphs in STEP_IMPLS:
+        times, peak = timings[impl]
+        results.append({"shape": shape_name, "rows": rows, "impl": impl, "mode": mode, "step_graph": graphs,
+                        "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                        "peak_mem_gib": round(peak, 3) if peak == peak else None, "last_path": last.get(impl)})
+    median = {r["impl"]: r["median_s"] for r in results}
+    off = median["h3lab-off"]
+    out.update({"results": results, "ratio_strict_over_off": median["h3lab-strict"] / off,
+                "ratio_strict_eager_over_off": median["h3lab-strict-eager"] / off,
+                "speedup_graph_over_eager": median["h3lab-strict-eager"] / median["h3lab-strict"]})
+    doc.update(out)
+    write(args.out, doc)
+    if args.runtime_profile and device == "cuda":
+        for entry, (impl, _, _) in zip(results, STEP_IMPLS):
+            rp = entry["runtime_profile"] = runtime_profile(fns[impl], no_grad=False)
+            print(f"{impl} runtime: GPU busy {rp['gpu_busy_ms']:.0f} ms, idle {rp['gpu_idle_ms']:.0f} ms, "
+                  f"{rp['kernels']} kernels; " + ", ".join(
+                      f"{c['name']} x{c['calls']} {c['cpu_ms']:.0f} ms" for c in rp["runtime_calls"][:6]), flush=True)
+    print(table(results, ["impl", "shape", "rows", "median_s", "peak_mem_gib"]))
+    print(f"strict / off = {out['ratio_strict_over_off']:.3f} (eager micro-batch: "
+          f"{out['ratio_strict_eager_over_off']:.3f}; target <= 1.3); graph vs eager gradients equal at every step: "
+          f"{out['grad_bytes_equal_graph_vs_eager']}", flush=True)
+    return out
+
+
 def clip_request(config, shape, seed: int):
     from h3lab.layout import build_layout
     from h3lab.training import ClipRequest
@@ -247,6 +360,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--lean-compare", action="store_true",
                         help="time strict with the lean launch path off (before) and on, and off, interleaved; "
                              "gradient hashes, a verified step, launcher statistics (module docstring)")
+    parser.add_argument("--step-graph", action="store_true",
+                        help="time strict with its micro-batch eager and through the step graph, and off, "
+                             "interleaved, after a step-by-step gradient byte check (module docstring)")
+    parser.add_argument("--check-steps", type=int, default=4,
+                        help="optimiser steps of the --step-graph byte check (default 4)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
@@ -283,6 +401,13 @@ def main(argv=None) -> dict:
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
+    if args.check_steps < 3:
+        parser.error(f"--check-steps {args.check_steps}: must be >= 3 (warm-up, capture and at least one replay)")
+    if args.step_graph:
+        doc.update(step_graph_compare(gradients, params, device, args, shape_name, layout.sequence_length, doc,
+                                      model, request, objective))
+        write(args.out, doc)
+        return doc
     if args.lean_compare:
         doc.update(lean_compare(gradients, params, device, args, shape_name, layout.sequence_length, doc))
         write(args.out, doc)

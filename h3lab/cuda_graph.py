@@ -237,6 +237,13 @@ def _ineligible(policy: Policy, model, args, backend, device_ok) -> str:
         return "inputs not on a CUDA device"
     if torch.is_grad_enabled():
         return "grad mode is on"
+    return shared_refusal(model, backend)
+
+
+def shared_refusal(model, backend) -> str:
+    """"" or why no graph of `model` may be captured now, whatever is captured (a forward here, a training
+    micro-batch in `h3lab.training.step_graph`): inference mode, an h3lab hook, an op override, a placement, a
+    capture already running, a global torch forward hook (a module's own: `module_tree.walk`)."""
     if torch.is_inference_mode_enabled():
         return ("inference mode (its tensors carry no version, so the index caches a graph is built on cannot hold "
                 "them; use torch.no_grad())")

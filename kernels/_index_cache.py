@@ -11,18 +11,23 @@ again. Inference-mode tensors track no version and are never cached.
 raises `IndexCacheMiss` at once, before any host sync could break the capture -- and every entry a lookup returns
 (and its `lazy` metadata) is appended to the list the context yields, so the graph can keep alive the device tensors
 it reads by address after the cache itself has dropped them. `lazy` refuses to compute inside it too.
+`frozen()` is a context variable, so it covers the thread that entered it: a capture whose kernels also run on
+another thread (autograd's device thread runs a captured backward) pins what is live in every cache at its end as
+well (`live_entries()`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 
 _FROZEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("h3kernels_index_cache_frozen", default=None)
+_CACHES: "weakref.WeakSet[IndexCache]" = weakref.WeakSet()  # every cache, for live_entries()
 
 
 class IndexCacheMiss(RuntimeError):
@@ -54,6 +59,7 @@ class IndexCache:
     def __init__(self, max_entries: int = 64) -> None:
         self._entries: dict[tuple, tuple] = {}
         self._max = max_entries
+        _CACHES.add(self)
 
     def get(self, tensors: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], dict]) -> dict:
         """The cached entry for (tensors, extra), or `build()` (which validates and may raise) stored as one."""
@@ -81,6 +87,11 @@ class IndexCache:
             refs = tuple(weakref.ref(t, lambda _r, k=key: self._entries.pop(k, None)) for t in tensors)
             self._entries[key] = (refs, versions, value)
         return value
+
+
+def live_entries() -> list[dict]:
+    """Every entry (its metadata dict) held now by any cache: what a graph captured on several threads pins."""
+    return list(itertools.chain.from_iterable([e[2] for e in c._entries.values()] for c in list(_CACHES)))
 
 
 def lazy(entry: dict, name: str, make: Callable[[], Any]) -> Any:

@@ -20,7 +20,10 @@ Contract:
   block with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` while grad is enabled, as Diffusers does.
   The replay in backward does not append to the runtime trace (the forward's records are the trace); it re-enters
   the forward's op table and hook registry, since backward runs outside the forward's context (and, on CUDA, on
-  autograd's own thread).
+  autograd's own thread). The checkpoint saves and restores the RNG state around the replay (torch's default), except
+  inside `checkpoint_rng_state(False)`: the training step's CUDA graph (`h3lab.training.step_graph`) captures the
+  step there, since reading the CUDA RNG state is refused during a capture; the model draws no random numbers, so
+  the bytes are the same either way.
 - Hooks (`hooks.py`): `hook_points()`, `add_hook(fn, names=None)` -> handle with `.remove()`, `recomputing`.
   `model.hook_context` is a plain dict owned by the caller (the denoise loop sets e.g. `{"step": 3}` before a
   forward) for hooks that hold the model to read; the model never reads or mutates it. During a checkpoint replay in
@@ -35,6 +38,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextvars
 from typing import Iterable
 
 import torch
@@ -47,6 +51,16 @@ from .hooks import HookFn, HookPoint, HookRegistry, HookSite, hook_points, use_h
 from .inputs import ModelInputError, check_inputs, check_key_order
 from .layers import AdaLNOut, Linear, RotaryTable, TimestepMLP, TokenRefiner, TransformerBlock
 from .precision import check_policy, policy_dtype
+
+_PRESERVE_RNG: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_checkpoint_preserve_rng", default=True)
+
+
+def checkpoint_rng_state(preserve: bool):
+    """Whether the enclosed forwards' gradient checkpoints save and restore the RNG state (default True; see the
+    module contract)."""
+    from ..fast import switch
+
+    return switch(_PRESERVE_RNG, preserve, "checkpoint_rng_state")
 
 
 class H3Transformer(nn.Module):
@@ -267,4 +281,5 @@ class H3Transformer(nn.Module):
             finally:
                 (ops.record, self.hook_context), self.recomputing = saved, False
 
-        return torch.utils.checkpoint.checkpoint(replayable, *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(replayable, *args, use_reentrant=False,
+                                                 preserve_rng_state=_PRESERVE_RNG.get())

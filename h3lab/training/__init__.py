@@ -6,6 +6,8 @@ verifiable training runs.
                       `TrainingSample`, `flow_matching_loss`
 - `combine.py`        the fixed binary tree per-request gradients combine in (`tree_sum`, `TreeAccumulator`, nodes)
 - `step.py`           `compute_gradients`, `train_step`, `request_gradient`, `trainable_parameters`
+- `step_graph.py`     CUDA graphs of the strict micro-batch (forward, loss, backward, flat gradient): `use_graphs`,
+                      `last_path`; `request_gradient` goes through it where eligible (same bytes, no host launches)
 - `optim.py`          `StrictAdamW`
 - `data_parallel.py`  `data_parallel_gradients` over a torch.distributed group (gather + the same tree)
 - `run.py`            `TrainConfig`, `train`, `TrainingRun.seal`, `load`, `verify`

@@ -42,6 +42,7 @@ from torch import nn
 from .. import runtime
 from ..hashing import tensor_digest
 from ..trajectory import TraceSummary
+from . import step_graph
 from .combine import TreeAccumulator
 from .objective import Objective, TrainingError, TrainingSample, flow_matching_loss
 from .optim import StrictAdamW
@@ -106,22 +107,40 @@ def request_gradient(
 ) -> RequestGradient:
     """Forward + backward of one request in the current runtime mode (module docstring); the model's `.grad`s are
     left cleared. `trace` receives the forward's provenance trace. `loss_fn(v_video, v_audio, sample)` (default: the
-    flow-matching loss) gives the 0-d loss differentiated, on the canonical sample (the GRPO surrogate, `grpo_step`)."""
+    flow-matching loss) gives the 0-d loss differentiated, on the canonical sample (the GRPO surrogate, `grpo_step`).
+    A strict micro-batch on CUDA with the default loss and no input gradients runs through a CUDA graph of itself
+    where eligible (`step_graph`: the same kernels, the same bytes, without the host's launches)."""
     params = trainable_parameters(model) if params is None else list(params)
     if not params and not input_grads:
         raise TrainingError("no trainable parameters (requires_grad) and no input gradients asked for: nothing to do")
     sample = sample.canonical()
-    kwargs = sample.model_kwargs()
-    leaves = input_leaves(kwargs) if input_grads else {}
+    before = runtime.last_trace()
+    if input_grads or loss_fn is not None:
+        kwargs = sample.model_kwargs()
+        leaves = input_leaves(kwargs) if input_grads else {}
+        loss, gradient, v_video, v_audio = _micro_batch(model, sample, objective, params, kwargs, loss_fn)
+        step_graph.set_eager("input gradients asked for" if input_grads else "a custom loss (loss_fn)")
+        inputs = {k: x.grad for k, x in leaves.items()} if input_grads else None
+    else:
+        def body(s: TrainingSample) -> tuple:
+            return _micro_batch(model, s, objective, params, s.model_kwargs(), None)
+
+        loss, gradient, v_video, v_audio = step_graph.run(model, sample, objective, params, body)
+        inputs = None
+    if trace is not None:
+        now = runtime.last_trace()
+        trace.add(now if now is not before else None)
+    return RequestGradient(loss.detach(), gradient, (v_video.detach(), v_audio.detach()), inputs)
+
+
+def _micro_batch(model, sample, objective, params, kwargs, loss_fn) -> tuple:
+    """(loss, flat gradient, v_video, v_audio) of one canonical sample: forward of `kwargs`, the loss, its backward;
+    every `.grad` cleared before and after. No host read: `step_graph` captures it."""
     for _, p in params:
         p.grad = None
     try:
         with torch.enable_grad():
-            before = runtime.last_trace()
             v_video, v_audio = model(**kwargs)
-            if trace is not None:
-                now = runtime.last_trace()
-                trace.add(now if now is not before else None)
             if loss_fn is None:
                 loss = flow_matching_loss(objective, v_video, v_audio, sample)
             else:
@@ -131,8 +150,7 @@ def request_gradient(
     finally:
         for _, p in params:
             p.grad = None
-    inputs = {k: x.grad for k, x in leaves.items()} if input_grads else None
-    return RequestGradient(loss.detach(), gradient, (v_video.detach(), v_audio.detach()), inputs)
+    return loss.detach(), gradient, v_video.detach(), v_audio.detach()
 
 
 @dataclass
