@@ -17,8 +17,8 @@ as it comes). The ratio strict / off is measured in the same run.
 the model is built, so a collection no longer walks the model's objects); every row reports the collector's seconds
 per step (`gc.callbacks`) and its collections per generation.
 
-`--lean-compare` (issue 24 item 3) times, interleaved in one process on the same weights, the strict step with the
-lean launch path off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op
+`--lean-compare` (issue 24 item 3) times, interleaved in one process on the same weights, with the step graph off
+(`step_graph.use_graphs(False)`: the launch path is what it measures), the strict step with the lean launch path off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op
 validated twice, as before `kernels/_launch.py`), the strict step as shipped ("h3lab-strict") and torch ("h3lab-off");
 it reports the SHA-256 of the LoRA gradients of each (before and lean must be equal), one strict step run with every
 lean launch verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile`
@@ -147,8 +147,10 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
     from h3lab.hashing import tensor_digest
     from h3lab.training import StrictAdamW
 
+    from h3lab.training import step_graph
+
     def grad_sha(lean: bool, mode: str) -> str:
-        with _launch.enabled(lean):
+        with _launch.enabled(lean), step_graph.use_graphs(False):
             return tensor_digest(gradients(mode).gradient, "sha256")
 
     out: dict = {"lean_error": None, "verify_error": None}
@@ -165,19 +167,19 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
     verified = None
     if device == "cuda" and out["lean_error"] is None:
         try:
-            with _launch.verified():
+            with _launch.verified(), step_graph.use_graphs(False):
                 verified = tensor_digest(gradients("strict").gradient, "sha256")
         except Exception as exc:  # noqa: BLE001 - LeanLaunchError (a stale launcher) or another Triton interface
             out["verify_error"] = f"{type(exc).__name__}: {exc}"
     stats0 = dict(_launch.STATS)
-    with _launch.enabled(True):
+    with _launch.enabled(True), step_graph.use_graphs(False):
         gradients("strict")
     per_step = {k: _launch.STATS[k] - stats0[k] for k in stats0}
     optimizers = {impl: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for impl, _, _ in impls}
 
     def step(impl: str, mode: str, lean: bool):
         def run():
-            with _launch.enabled(lean):
+            with _launch.enabled(lean), step_graph.use_graphs(False):
                 optimizers[impl].step(gradients(mode).gradient)
         return run
 
@@ -342,6 +344,8 @@ def main(argv=None) -> dict:
                         "interpreter)")
     parser.add_argument("--runs", type=int, default=3, help="timed steps per mode after one warm-up (default 3)")
     parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--shape", default="512x512x22f",
+                        help="the t2va clip of the step, a benchmark_forward shape (default 512x512x22f, 2,066 rows)")
     parser.add_argument("--factor-dtypes", default="float32",
                         help="comma list of the LoRA factors' dtype to time in turn (float32 = h3lab's adapters; "
                              "bfloat16 = an experiment: the same factors cast to the base dtype, float32 masters in "
@@ -375,7 +379,9 @@ def main(argv=None) -> dict:
 
     # the smoke: the tiny config cut to one block and one refiner block (the interpreter runs every program in Python)
     config = dataclasses.replace(H3Config.tiny(), num_layers=1, num_refiner_layers=1) if args.tiny else H3Config.full()
-    shape_name, shape = TINY_SHAPE if args.tiny else ("512x512x22f", SHAPES["512x512x22f"])
+    if args.shape not in SHAPES or args.shape.startswith("tiny"):
+        parser.error(f"--shape {args.shape!r}: must be one of {', '.join(s for s in SHAPES if not s.startswith('tiny'))}")
+    shape_name, shape = TINY_SHAPE if args.tiny else (args.shape, SHAPES[args.shape])
     model = build(config, device, args.rank, seed=0)
     params = trainable_parameters(model)
     layout, request = clip_request(config, shape, seed=5)
