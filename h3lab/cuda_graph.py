@@ -13,7 +13,9 @@ tuple of tensors. A `Policy` names the mode it serves, its on/off switch and wha
   buffers laid out as the caller's), and the policy's own rule (`policy.refuse()`: fast's CPU emulation, strict's
   inference mode). Every other call is `body(*args)` itself: the eager forward, with the reason in `last_path()`.
 - Signature: the model (a weak reference, so a new model never meets an old graph) and the identity of each of its
-  modules (a replaced or wrapped module is a new signature), the model's fingerprint, the runtime mode, the policy's
+  modules (a replaced or wrapped module is a new signature), every adapter layer's Python state (peft's adapter
+  switch, active and merged adapters, scalings: `module_tree.adapter_state`; GRPO's adapter-off reference forward is
+  another signature than the policy's), the model's fingerprint, the runtime mode, the policy's
   switches (`policy.key()`), every parameter and buffer (id, data pointer, dtype, `_version`: a weight updated in
   place, replaced, cast or added is a new signature; the walk of the module tree is cached per model and re-checked
   in one cheap pass a call, `h3lab.module_tree`), each argument's shape, dtype, strides and device, and the
@@ -271,9 +273,9 @@ def _host_bytes(t: torch.Tensor) -> bytes:
 def signature(model: torch.nn.Module, args: tuple, policy: Policy, tree: module_tree.Tree | None = None) -> tuple:
     """The cache key of one call (see the module contract); `tree` is `module_tree.walk(model)` when the caller has
     it. The tensors' fields are read in one C-level pass each (~0.1 ms at 50 blocks, the walk itself is cached)."""
-    module_ids, tensors, tensor_ids, _ = tree if tree is not None else module_tree.walk(model)
+    module_ids, tensors, tensor_ids, _, state = tree if tree is not None else module_tree.walk(model)
     parts: list = [id(model), getattr(model, "fingerprint", ""), runtime.current_mode(), policy.mode, policy.key(),
-                   module_ids]
+                   module_ids, state]
     for a in args:
         if a is None:
             parts.append(None)

@@ -2,10 +2,17 @@
 
 Contract
 --------
-`walk(model) -> Tree(module_ids, tensors, hooked)`: `module_ids` the id of every module in pre-order (the root
-first, children in registration order), `tensors` every parameter and buffer (not None) in that order, live objects
-of this call, `hooked` whether any module has a forward or forward-pre hook. The result is always what a fresh walk
-of the tree would give now; what is cached is only the work of walking it.
+`walk(model) -> Tree(module_ids, tensors, tensor_ids, hooked, state)`: `module_ids` the id of every module in
+pre-order (the root first, children in registration order), `tensors` every parameter and buffer (not None) in that
+order, live objects of this call, `hooked` whether any module has a forward or forward-pre hook, and `state` the
+forward-changing Python state of every adapter layer (`adapter_state`: peft's adapter on/off switch, active and
+merged adapters, scalings), read anew on every call. The result is always what a fresh walk of the tree would give
+now; what is cached is only the work of walking it.
+
+Why `state`: a CUDA graph bakes in the Python branches its forward took. peft's `enable_adapters(False)` (GRPO's
+reference policy, `training.lora.adapter_disabled`) changes no module, tensor or version, only a flag the LoRA
+layer's forward reads; without it in the signature, a graph captured with the adapter on would be replayed for the
+adapter-off reference (or the other way round).
 
 Why: a fresh walk visits every module (1,001 at 50 blocks) in Python (~0.9 ms on the CPU host); the check below
 touches the same state through C-level `map`s (~0.2 ms) and re-walks only when it fails.
@@ -42,13 +49,27 @@ class Tree(NamedTuple):
     tensors: list  # every parameter and buffer, the live objects
     tensor_ids: tuple  # their ids
     hooked: bool  # any module has a forward or forward-pre hook
+    state: tuple = ()  # adapter_state of every adapter layer, pre-order
+
+
+def is_adapter_layer(module: torch.nn.Module) -> bool:
+    """A peft tuner layer (LoRA and the rest): its forward branches on Python state (`adapter_state`)."""
+    return hasattr(module, "_disable_adapters") and hasattr(module, "merged_adapters")
+
+
+def adapter_state(module: torch.nn.Module) -> tuple:
+    """(adapters off, active adapters, merged adapters, scalings) of one adapter layer."""
+    active = module.active_adapter
+    scaling = getattr(module, "scaling", None)
+    return (bool(module._disable_adapters), (active,) if isinstance(active, str) else tuple(active),
+            tuple(module.merged_adapters), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else None)
 
 
 class _Cached:
     """One model's walk: the container dicts read, their lengths, and the non-empty ones' member ids."""
 
     __slots__ = ("module_ids", "dicts", "lengths", "tensor_dicts", "module_dicts", "slot_ids", "child_ids",
-                 "tensor_ids", "nones", "refs", "stale", "__weakref__")
+                 "tensor_ids", "nones", "refs", "stale", "adapters", "__weakref__")
 
     def __init__(self, module_ids: tuple, modules: list):
         self.module_ids, self.stale = module_ids, False
@@ -63,6 +84,7 @@ class _Cached:
         self.tensor_ids = tuple(id(t) for t in slots if t is not None)
         me = weakref.ref(self)
         self.refs = [weakref.ref(o, lambda _r: _mark_stale(me)) for o in slots + children if o is not None]
+        self.adapters = [weakref.ref(m) for m in modules if is_adapter_layer(m)]  # alive while the walk holds
 
     def tensors(self) -> list | None:
         """The live tensors if the walk still holds, else None."""
@@ -91,13 +113,15 @@ def walk(model: torch.nn.Module) -> Tree:
     cached = _TREES.get(model)
     tensors = cached.tensors() if cached is not None else None
     if tensors is not None:
-        return Tree(cached.module_ids, tensors, cached.tensor_ids, False)
+        return Tree(cached.module_ids, tensors, cached.tensor_ids, False,
+                    tuple(adapter_state(ref()) for ref in cached.adapters))
     module_ids, tensors, hooked, modules = _fresh(model)
     if hooked:
         _TREES.pop(model, None)
     else:
         _TREES[model] = _Cached(module_ids, modules)
-    return Tree(module_ids, tensors, tuple(map(id, tensors)), hooked)
+    return Tree(module_ids, tensors, tuple(map(id, tensors)), hooked,
+                tuple(adapter_state(m) for m in modules if is_adapter_layer(m)))
 
 
 def _fresh(model: torch.nn.Module) -> tuple[tuple, list, bool, list]:

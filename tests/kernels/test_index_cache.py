@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3kernels._index_cache import IndexCache, IndexCacheMiss, frozen, lazy
+from h3kernels._index_cache import IndexCache, IndexCacheMiss, frozen, lazy, live_entries
 
 
 def test_an_entry_lives_while_its_tensors_are_unchanged():
@@ -43,3 +43,14 @@ def test_frozen_collects_hits_and_refuses_to_build():
             lazy(entry, "other", lambda: pytest.fail("computed"))
     assert pins == [entry]
     assert cache.get((index.clone(),), ("t",), lambda: {"n": 2}) == {"n": 2}  # outside: builds again
+
+
+def test_live_entries_lists_every_cache_and_forgets_dropped_entries():
+    a, b = IndexCache(), IndexCache()
+    i, j = torch.randint(0, 7, (5,)), torch.randint(0, 7, (6,))
+    ea = a.get((i,), ("a",), lambda: {"cache": "a"})
+    eb = b.get((j,), ("b",), lambda: {"cache": "b"})
+    live = live_entries()
+    assert any(e is ea for e in live) and any(e is eb for e in live)
+    del j  # the key tensor freed: its entry leaves the cache, and the list
+    assert not any(e is eb for e in live_entries()) and any(e is ea for e in live_entries())

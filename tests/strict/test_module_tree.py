@@ -129,3 +129,27 @@ def test_a_hooked_tree_is_never_cached():
     finally:
         handle.remove()
     assert not module_tree.walk(model).hooked and model in module_tree._TREES
+
+
+def test_adapter_switch_and_scaling_are_part_of_the_walk_and_the_signature():
+    """peft's adapter off switch (GRPO's reference policy) changes no module or tensor, only what the LoRA forward
+    branches on: the walk reads it on every call, so a graph of the adapter-on forward never serves the adapter-off
+    one (and the other way round)."""
+    from h3lab.training import add_lora
+    from h3lab.training.lora import adapter_disabled, lora_layers
+
+    model = _model()
+    add_lora(model, 2, 4.0, seed=1)
+    layers = [m for _, m in lora_layers(model)]
+    on = _same_as_fresh(model)
+    assert len(on.state) == len(layers) > 0 and all(s[0] is False for s in on.state)
+    args = (torch.zeros(1), torch.ones(2, dtype=torch.int64))
+    key_on = cuda_graph.signature(model, args, strict_graph.POLICY)
+    with adapter_disabled(model):
+        off = module_tree.walk(model)
+        assert off.module_ids is on.module_ids  # the cached walk, its state read anew
+        assert all(s[0] is True for s in off.state)
+        assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
+    assert module_tree.walk(model).state == on.state and cuda_graph.signature(model, args, strict_graph.POLICY) == key_on
+    layers[0].scaling["default"] = 0.5  # a scale change is another forward too
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
