@@ -571,6 +571,14 @@ def frozen_index_caches():
     return _index_cache.frozen()
 
 
+def live_index_entries() -> list:
+    """Every index-cache entry held now (strict kernels' and `derived`): what a graph whose capture also ran on
+    another thread (autograd's, for a captured backward) pins, since `frozen_index_caches()` covers one thread."""
+    from h3kernels import _index_cache
+
+    return _index_cache.live_entries()
+
+
 def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:
     """(op name -> strict kernel entry, the refusal exception). An entry's `.check(*args)` returns the provenance dict
     or raises `StrictUnsupported`; `.run(*args)` computes the op."""

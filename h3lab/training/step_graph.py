@@ -142,9 +142,7 @@ class StepGraphs:
                     entry.failed = f"capture failed: {type(exc).__name__}: {first}"
                     entry.static = None
                     return _eager(body, sample, entry.failed)
-                from h3kernels import _index_cache
-
-                entry.pins = pins + _index_cache.live_entries()
+                entry.pins = pins + runtime.live_index_entries()
                 entry.trace = runtime.last_trace()
                 state = "captured"
                 self._evict()
