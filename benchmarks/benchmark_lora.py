@@ -29,7 +29,8 @@ micro-batch eager ("h3lab-strict-eager": `step_graph.use_graphs(False)`, every k
 strict step as shipped ("h3lab-strict": the micro-batch replayed from a CUDA graph, `h3lab.training.step_graph`) and
 torch ("h3lab-off"). Before timing it checks the bytes: the LoRA gradients' SHA-256 of `--check-steps` steps
 (gradient, then a StrictAdamW update) taken eagerly and again, from the same factors restored in place, through the
-graph (warm-up, capture, replays), step by step; and how each graph step ran. With `--runtime-profile`, each one's
+graph (warm-up, capture, replays), step by step; how each graph step ran and the wall seconds of each checked step
+(the capture's cost). With `--runtime-profile`, each one's
 launches, runtime calls, GPU busy and idle time.
 
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
@@ -243,6 +244,34 @@ def first_host_sync(model, request, objective, params, device: str) -> str | Non
     return None
 
 
+def adapter_switch_check(model, request, objective, device: str) -> dict:
+    """GRPO's reference policy through strict forward graphs: no-grad strict forwards of one sample with the adapter
+    on (warm-up, capture, replay), then with it off (`adapter_disabled`), against the eager forwards. The adapter-off
+    forward must be another graph signature (peft's switch changes no tensor) and give the eager adapter-off bytes."""
+    from h3lab import runtime, strict_graph
+    from h3lab.training.lora import adapter_disabled
+
+    sample = request.sample(objective).to(device).canonical()
+    kwargs = sample.model_kwargs()
+    paths = {}
+    with torch.no_grad(), runtime.use_mode("strict"):
+        model.eval()
+        for _ in range(3):
+            on = model(**kwargs)
+        paths["on"] = strict_graph.last_path()
+        with adapter_disabled(model):
+            off = model(**kwargs)
+            paths["off"] = strict_graph.last_path()
+            with strict_graph.use_graphs(False):
+                off_eager = model(**kwargs)
+        with strict_graph.use_graphs(False):
+            on_eager = model(**kwargs)
+    sync(device)
+    same = lambda a, b: all(bool(torch.equal(x, y)) for x, y in zip(a, b))  # noqa: E731
+    return {"paths": paths, "on_graph_equals_eager": same(on, on_eager), "off_equals_eager_off": same(off, off_eager),
+            "off_differs_from_on": not same(off, on)}
+
+
 def step_graph_compare(gradients, params, device: str, args, shape_name: str, rows: int, doc: dict,
                        model=None, request=None, objective=None) -> dict:
     """`--step-graph`: strict eager / strict through the step graph / off, interleaved, after the byte check over
@@ -251,16 +280,20 @@ def step_graph_compare(gradients, params, device: str, args, shape_name: str, ro
     from h3lab.hashing import tensor_digest
     from h3lab.training import StrictAdamW, step_graph
 
-    def run_steps(graphs: bool) -> tuple[list[str], list[dict]]:
+    def run_steps(graphs: bool) -> tuple[list[str], list[dict], list[float]]:
         optimizer = StrictAdamW(params, lr=1e-3, weight_decay=0.0)  # large enough to move bf16-visible factors
-        shas, paths = [], []
+        shas, paths, seconds = [], [], []
         with step_graph.use_graphs(graphs):
             for _ in range(args.check_steps):
+                sync(device)
+                start = time.perf_counter()
                 result = gradients("strict")
+                optimizer.step(result.gradient)
+                sync(device)
+                seconds.append(round(time.perf_counter() - start, 4))
                 shas.append(tensor_digest(result.gradient, "sha256"))
                 paths.append(step_graph.last_path())
-                optimizer.step(result.gradient)
-        return shas, paths
+        return shas, paths, seconds
 
     start = [p.detach().clone() for _, p in params]
 
@@ -269,13 +302,15 @@ def step_graph_compare(gradients, params, device: str, args, shape_name: str, ro
             for (_, p), s in zip(params, start):
                 p.copy_(s)
 
-    eager_shas, _ = run_steps(False)
+    eager_shas, _, eager_seconds = run_steps(False)
     restore()
-    graph_shas, graph_paths = run_steps(True)
+    graph_shas, graph_paths, graph_seconds = run_steps(True)
     restore()
     out: dict = {
         "check_steps": args.check_steps, "grad_sha256_eager_steps": eager_shas, "grad_sha256_graph_steps": graph_shas,
         "graph_paths": graph_paths, "grad_bytes_equal_graph_vs_eager": eager_shas == graph_shas,
+        "check_step_seconds_eager": eager_seconds,  # wall seconds of each checked step (the graph's first two are
+        "check_step_seconds_graph": graph_seconds,  # its warm-up and its capture, compile included at the start)
         "steps_differ": len(set(eager_shas)) == len(eager_shas),  # the updates moved the factors
     }
     print(f"step graph: gradients equal eager at every step: {out['grad_bytes_equal_graph_vs_eager']}; paths "
@@ -285,6 +320,8 @@ def step_graph_compare(gradients, params, device: str, args, shape_name: str, ro
         print(f"first host sync of the eager micro-batch: {out['first_host_sync']}", flush=True)
         doc.update(out)
         write(args.out, doc)
+    out["adapter_switch"] = adapter_switch_check(model, request, objective, device)
+    print(f"adapter switch through strict forward graphs: {out['adapter_switch']}", flush=True)
     optimizers = {impl: StrictAdamW(params, lr=1e-5, weight_decay=0.0) for impl, _, _ in STEP_IMPLS}
     last = {}
 

@@ -40,8 +40,10 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
   step, over optimiser updates). The trace of a replay is the captured forward's, with
   `graph = {"cuda_graph": "replay", "replays": n, "scope": "training micro-batch"}`.
 - Memory: a captured graph keeps its pool (the micro-batch's activations and gradients) and its static buffers;
-  at most `max_graphs` graphs are held (least recently used dropped), at most 2 * `max_graphs` signatures wait for a
-  second call; `clear()` drops them all. One call at a time (a lock around copy, replay and clone).
+  at most `max_graphs` graphs are held; past it the least recently used one is dropped and its signature runs eager
+  from then on (more layouts cycle through the steps than graphs are held: capturing again every cycle would cost
+  more than it saves), said in `last_path()`. At most 2 * `max_graphs` signatures wait for a second call and as many
+  eager ones are remembered (the oldest forgotten); `clear()` drops them all. One call at a time (a lock around copy, replay and clone).
 `backend` is the capture seam (`cuda_graph.CudaBackend` on the GPU; the CPU tests replay by re-running the body,
 and pass `device_ok` to stand in for the CUDA rule).
 """
@@ -191,7 +193,11 @@ class StepGraphs:
     def _evict(self) -> None:
         captured = [k for k, e in self._entries.items() if e.graph is not None]
         for key in captured[: max(0, len(captured) - self.max_graphs)]:
-            del self._entries[key]
+            # Its graph and buffers go; the signature stays, eager from now on: more layouts cycle through the
+            # steps than graphs are held, and capturing again each cycle would cost more than it saves.
+            self._entries[key] = _Entry(model=self._entries[key].model, failed=(
+                f"its graph was dropped for another signature's (more layouts cycle than step_graph max_graphs = "
+                f"{self.max_graphs}; eager from then on)"))
         waiting = [k for k, e in self._entries.items() if e.graph is None and not e.failed]
         for key in waiting[: max(0, len(waiting) - 2 * self.max_graphs)]:
             del self._entries[key]

@@ -40,3 +40,6 @@ def test_benchmark_lora_step_graph_smoke(tmp_path, monkeypatch):
     assert doc["graph_paths"][0] == {"cuda_graph": "eager", "reason": "inputs not on a CUDA device",
                                      "scope": "training micro-batch"}
     assert doc["ratio_strict_over_off"] > 0 and doc["speedup_graph_over_eager"] > 0
+    switch = doc["adapter_switch"]
+    assert switch["off_equals_eager_off"] and switch["off_differs_from_on"] and switch["on_graph_equals_eager"]
+    assert len(doc["check_step_seconds_graph"]) == 3

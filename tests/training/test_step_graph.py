@@ -196,3 +196,23 @@ def runtime_mode(mode: str):
 
     with runtime.use_mode(mode):
         yield
+
+
+def test_layouts_cycling_past_max_graphs_leave_the_dropped_one_eager(monkeypatch, case):
+    _, request = case
+    cache = step_graph.StepGraphs(ReplayBackend(guard=guarded()), max_graphs=1, device_ok=lambda: True)
+    monkeypatch.setattr(step_graph, "GRAPHS", cache)
+    other = make_clip(SMALL, make_layout("ref2va"), seed=101, draw_seed=9)
+    model = lora_model()
+    paths = []
+    with step_graph.use_graphs(True):
+        for req in (request, other, request, other, request, other):
+            want = None
+            got = compute_gradients(model, [req], OBJECTIVE, gradient_checkpointing=True)
+            paths.append(step_graph.last_path())
+            with step_graph.use_graphs(False):
+                want = compute_gradients(model, [req], OBJECTIVE, gradient_checkpointing=True)
+            assert torch.equal(got.gradient, want.gradient)
+    assert [p["cuda_graph"] for p in paths] == ["eager", "eager", "captured", "captured", "eager", "replay"]
+    assert "dropped for another signature" in paths[4]["reason"] and "max_graphs = 1" in paths[4]["reason"]
+    assert cache.backend.captures == 2 and len(cache) == 1
