@@ -18,11 +18,12 @@ the model is built, so a collection no longer walks the model's objects); every 
 per step (`gc.callbacks`) and its collections per generation.
 
 `--lean-compare` (issue 24 item 3) times, interleaved in one process on the same weights, with the step graph off
-(`step_graph.use_graphs(False)`: the launch path is what it measures), the strict step with the lean launch path off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op
-validated twice, as before `kernels/_launch.py`), the strict step as shipped ("h3lab-strict") and torch ("h3lab-off");
-it reports the SHA-256 of the LoRA gradients of each (before and lean must be equal), one strict step run with every
-lean launch verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile`
-each one's launches, syncs and GPU busy/idle time.
+(`step_graph.use_graphs(False)`: the launch path is what it measures), the strict step with the lean launch path
+off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op validated twice, as
+before `kernels/_launch.py`), the strict step with it ("h3lab-strict") and torch ("h3lab-off"); it reports the
+SHA-256 of the LoRA gradients of each (before and lean must be equal), one strict step run with every lean launch
+verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile` each one's
+launches, syncs and GPU busy/idle time.
 
 `--step-graph` (issue 24 item 3) times, interleaved in one process on the same weights, the strict step with its
 micro-batch eager ("h3lab-strict-eager": `step_graph.use_graphs(False)`, every kernel launched from Python), the
@@ -409,6 +410,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
     args = parser.parse_args(argv)
+    if args.check_steps < 3:
+        parser.error(f"--check-steps {args.check_steps}: must be >= 3 (warm-up, capture and at least one replay)")
+    if args.shape not in SHAPES or args.shape.startswith("tiny"):
+        served = ", ".join(name for name in SHAPES if not name.startswith("tiny"))
+        parser.error(f"--shape {args.shape!r}: must be one of {served}")
     device = prepare(parser, cpu=args.tiny, flag="--tiny")
 
     from h3lab.config import H3Config
@@ -416,8 +422,6 @@ def main(argv=None) -> dict:
 
     # the smoke: the tiny config cut to one block and one refiner block (the interpreter runs every program in Python)
     config = dataclasses.replace(H3Config.tiny(), num_layers=1, num_refiner_layers=1) if args.tiny else H3Config.full()
-    if args.shape not in SHAPES or args.shape.startswith("tiny"):
-        parser.error(f"--shape {args.shape!r}: must be one of {', '.join(s for s in SHAPES if not s.startswith('tiny'))}")
     shape_name, shape = TINY_SHAPE if args.tiny else (args.shape, SHAPES[args.shape])
     model = build(config, device, args.rank, seed=0)
     params = trainable_parameters(model)
@@ -444,8 +448,6 @@ def main(argv=None) -> dict:
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
-    if args.check_steps < 3:
-        parser.error(f"--check-steps {args.check_steps}: must be >= 3 (warm-up, capture and at least one replay)")
     if args.step_graph:
         doc.update(step_graph_compare(gradients, params, device, args, shape_name, layout.sequence_length, doc,
                                       model, request, objective))

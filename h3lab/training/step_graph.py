@@ -43,7 +43,8 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
   at most `max_graphs` graphs are held; past it the least recently used one is dropped and its signature runs eager
   from then on (more layouts cycle through the steps than graphs are held: capturing again every cycle would cost
   more than it saves), said in `last_path()`. At most 2 * `max_graphs` signatures wait for a second call and as many
-  eager ones are remembered (the oldest forgotten); `clear()` drops them all. One call at a time (a lock around copy, replay and clone).
+  eager ones are remembered (the oldest forgotten); `clear()` drops them all. One call at a time (a lock around
+  copy, replay and clone).
 `backend` is the capture seam (`cuda_graph.CudaBackend` on the GPU; the CPU tests replay by re-running the body,
 and pass `device_ok` to stand in for the CUDA rule).
 """

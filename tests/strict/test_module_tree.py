@@ -150,6 +150,7 @@ def test_adapter_switch_and_scaling_are_part_of_the_walk_and_the_signature():
         assert off.module_ids is on.module_ids  # the cached walk, its state read anew
         assert all(s[0] is True for s in off.state)
         assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
-    assert module_tree.walk(model).state == on.state and cuda_graph.signature(model, args, strict_graph.POLICY) == key_on
+    assert module_tree.walk(model).state == on.state
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key_on
     layers[0].scaling["default"] = 0.5  # a scale change is another forward too
     assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
