@@ -213,7 +213,8 @@ def job_from_args(args: argparse.Namespace):
 
 
 class Progress:
-    """One redrawn line per step on a terminal (`train [####....] 3/10 loss 0.1234 1.20 s/step`), nothing else."""
+    """One redrawn line per step on a terminal (`train [####....] 3/10 loss 0.1234 1.20 s/step`, then `graph` when
+    the step's micro-batches replayed from a CUDA graph, `h3lab.training.step_graph`), nothing else."""
 
     def __init__(self, stream: TextIO | None = None, width: int = 30):
         self.stream = stream or sys.stderr
@@ -222,7 +223,10 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def __call__(self, step: int, total: int, record: dict) -> None:
-        self.draw("train", step, total, f"loss {record['loss']:.4g} {self.rate(step):.2f} s/step")
+        from .training import step_graph
+
+        graph = " graph" if step_graph.last_path().get("cuda_graph") in ("captured", "replay") else ""
+        self.draw("train", step, total, f"loss {record['loss']:.4g} {self.rate(step):.2f} s/step{graph}")
 
     def rate(self, done: int) -> float:
         """Seconds per item so far."""

@@ -216,3 +216,23 @@ def test_layouts_cycling_past_max_graphs_leave_the_dropped_one_eager(monkeypatch
     assert [p["cuda_graph"] for p in paths] == ["eager", "eager", "captured", "captured", "eager", "replay"]
     assert "dropped for another signature" in paths[4]["reason"] and "max_graphs = 1" in paths[4]["reason"]
     assert cache.backend.captures == 2 and len(cache) == 1
+
+
+def test_train_progress_line_says_graph_when_the_step_replayed(monkeypatch):
+    import io
+
+    from h3lab.train import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = Progress(tty, width=4)
+    step_graph.set_eager("inputs not on a CUDA device")
+    bar(1, 2, {"loss": 0.5})
+    monkeypatch.setattr(step_graph, "last_path", lambda: {"cuda_graph": "replay", "replays": 3})
+    bar(2, 2, {"loss": 0.25})
+    first, second = tty.getvalue().split("\r")[1:]
+    assert first.startswith("train [##..] 1/2 loss 0.5 ") and first.rstrip().endswith("s/step")
+    assert second.startswith("train [####] 2/2 loss 0.25 ") and second.rstrip().endswith("s/step graph")
