@@ -22,8 +22,16 @@ Order     flash-style online softmax with float32 (m, l, acc) per query row. Key
           cannot take read them through pointers, the same values. Finally o = div_rn(acc, l) (IEEE division),
           one round-to-nearest-even cast to the input dtype; lse2 = m + log2(l) (float32, base 2) is saved.
 Cast pts  p (and dS in the backward) are cast to the input dtype right before each tensor-core dot (float32 stays
-          float32); o, dq, dk, dv are cast once at the end. Compiled with enable_fp_fusion=False (no mul+add
-          contraction outside dot).
+          float32); o, dq, dk, dv are cast once at the end.
+FMA       The bf16 forward is compiled with enable_fp_fusion=True (`FORWARD`): the compiler contracts its
+          multiply-adds -- s2 - m' with s2 = dot * qk_scale, l * alpha + rowsum(p) -- into fused multiply-adds,
+          one rounding each instead of two (IEEE fusedMultiplyAdd; no reassociation, no approximation). It is
+          deterministic and the same instruction stream for every row, so every invariance below holds; it does
+          tie the GPU bytes to the compiler's contraction choices as well as to its dot and exp code (a Triton
+          upgrade may change them; the interpreter has no contraction). Adopted in the tenth session for the
+          longest clips: 4.2 % faster at 109,205 rows, where it equals torch's SDPA
+          (`benchmarks/results/attention_fp_fusion_109k.json`), 0.6 % at 37,853. The backward and the float32
+          forward keep enable_fp_fusion=False (no mul+add contraction outside dot).
 Tiles     fixed per dtype (`TILES`), never from S, B or the device:
             bf16  forward 128 queries x BLOCK_N 128 keys (8 warps, 3 stages); backward dK/dV 128 keys x 32-query
                   steps, dQ 128 queries x 32-key steps (8 warps, 3 stages)
@@ -32,8 +40,8 @@ Tiles     fixed per dtype (`TILES`), never from S, B or the device:
           sizes only group independent rows. Tiles chosen on the H200 by `benchmark_attention.py --sweep-tiles`;
           the forward's loop (`FORWARD`: split tail, unmasked D, TMA) by `--sweep`, which times byte-keeping and
           byte-changing variants against cuDNN (`benchmarks/results/attention_sweep.json`: at 37,853 rows TMA
-          takes the forward from 91.3 to 72.6 ms, byte-equal; fused multiply-add, a pre-scaled q, a reciprocal
-          or BLOCK_N 64 change bytes and gain at most 4% more, so none is adopted).
+          takes the forward from 91.3 to 72.6 ms, byte-equal; a pre-scaled q, a reciprocal or BLOCK_N 64 change
+          bytes and gain little or lose, so none is adopted; fused multiply-add is, see FMA).
 Backward  deterministic flash backward, no atomics: delta[i] = rowsum(fp32(o[i]) * fp32(do[i]));
           dK/dV: one program per (key block, b, h) loops over all query rows in `key_order` order in fixed tiles:
           p^T = exp2(s2^T - lse2), dv += dot(p^T, do), ds^T = p^T * (dot(v, do^T) - delta), dk += dot(ds^T, q);
@@ -112,8 +120,9 @@ class ForwardVariant:
     Byte-keeping knobs (the per-row order over keys and every rounding unchanged): `split_tail` (full BLOCK_N tiles
     unmasked, then one masked tail tile), `even_d` (no D mask when D == BLOCK_D), `tma` (K/V tiles through
     device-side TMA descriptors; CUDA, packed order, last-dim stride 1 only), `loop_stages` / `warp_specialize`
-    (`tl.range` pipelining of the full-tile loop). Byte-changing knobs, exploration only: `exp` "triton"/"ftz",
-    `prescale_q`, `reciprocal`, `fp_fusion`."""
+    (`tl.range` pipelining of the full-tile loop). Byte-changing knobs: `fp_fusion` (FMA contraction: in the bf16
+    contract since the tenth session, see the module's FMA paragraph); exploration only: `exp` "triton"/"ftz",
+    `prescale_q`, `reciprocal`."""
 
     split_tail: bool = False
     even_d: bool = False
@@ -136,7 +145,8 @@ class ForwardVariant:
         return "+".join(parts) or "baseline"
 
 
-FORWARD = {torch.bfloat16: ForwardVariant(split_tail=True, even_d=True, tma=True), torch.float32: ForwardVariant()}
+FORWARD = {torch.bfloat16: ForwardVariant(split_tail=True, even_d=True, tma=True, fp_fusion=True),
+           torch.float32: ForwardVariant()}
 PREPROCESS_BLOCK_M = 64
 
 
@@ -586,6 +596,7 @@ def check(q, k, v, key_order=None) -> dict:
     return {
         "kernel_id": f"h3kernels.attention.flash_fixed_kv.{str(q.dtype).replace('torch.', '')}.keys_{order}",
         "tile": TILES[q.dtype].describe(),
+        "forward": FORWARD[q.dtype].describe(),  # the loop and, on CUDA, the FMA contraction (module docstring)
         "acc_dtype": "float32",
     }
 

@@ -279,6 +279,7 @@ def test_strict_runtime_dispatches_to_the_kernel():
     assert info == {
         "kernel_id": "h3kernels.attention.flash_fixed_kv.bfloat16.keys_packed",
         "tile": attn.TILES[torch.bfloat16].describe(),
+        "forward": "split_tail+even_d+tma+fp_fusion",
         "acc_dtype": "float32",
     }
     order = torch.randperm(20)
