@@ -14,7 +14,7 @@ model's matmul FLOPs. Checks, each a failure of the graph row when false (the sc
 - the graph's output bytes equal the eager strict forward's on the same inputs (`bytes_equal_strict_eager`), and on
   fresh inputs of the same layout (another seed: the float inputs are copied into the graph's buffers):
   `bytes_equal_strict_eager_fresh_inputs`;
-- at 512x512x22f (seed 7) the eager strict bytes equal the committed hash of forward_fp32_tf32x3.json
+- at 512x512x22f (seed 7) the eager strict bytes equal the committed hash (`benchmark_every_length.COMMITTED`)
   (`equal_committed`).
 `--tiny` runs it all on H3Config.tiny() on the CPU (strict through Triton's interpreter) as a smoke test of the script:
 there the graph impl is eager ("inputs not on a CUDA device"), which the dry run records and does not fail on.
