@@ -130,12 +130,20 @@ def fp32_variant(variant: str):
             tiles[torch.float32] = gemm.Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="ieee")
     if flag == "nosplit" or base == "wave2":
         gemm.SPLIT_MAX_N = 0
+    from h3lab import strict_graph
+    from h3lab.training import step_graph
+
+    # graphs replay the kernels they captured, whatever the tile tables say now: none may outlive a variant
+    step_graph.GRAPHS.clear()
+    strict_graph.GRAPHS.clear()
     try:
         yield
     finally:
         gemm.LINEAR_TILES.update(saved[0])
         gemm.TREE_TILES.update(saved[1])
         gemm.SPLIT_MAX_N = saved[2]
+        step_graph.GRAPHS.clear()
+        strict_graph.GRAPHS.clear()
 
 
 LEAN_IMPLS = (("h3lab-strict-before", "strict", False), ("h3lab-strict", "strict", True), ("h3lab-off", "off", True))
