@@ -15,7 +15,8 @@ tuple of tensors. A `Policy` names the mode it serves, its on/off switch and wha
 - Signature: the model (a weak reference, so a new model never meets an old graph) and the identity of each of its
   modules (a replaced or wrapped module is a new signature), every adapter layer's Python state (peft's adapter
   switch, active and merged adapters, scalings: `module_tree.adapter_state`; GRPO's adapter-off reference forward is
-  another signature than the policy's), the model's fingerprint, the runtime mode, the policy's
+  another signature than the policy's), the strict kernels' tile tables (`runtime.kernel_settings()`: a graph replays
+  the kernels it captured), the model's fingerprint, the runtime mode, the policy's
   switches (`policy.key()`), every parameter and buffer (id, data pointer, dtype, `_version`: a weight updated in
   place, replaced, cast or added is a new signature; the walk of the module tree is cached per model and re-checked
   in one cheap pass a call, `h3lab.module_tree`), each argument's shape, dtype, strides and device, and the
@@ -275,7 +276,7 @@ def signature(model: torch.nn.Module, args: tuple, policy: Policy, tree: module_
     it. The tensors' fields are read in one C-level pass each (~0.1 ms at 50 blocks, the walk itself is cached)."""
     module_ids, tensors, tensor_ids, _, state = tree if tree is not None else module_tree.walk(model)
     parts: list = [id(model), getattr(model, "fingerprint", ""), runtime.current_mode(), policy.mode, policy.key(),
-                   module_ids, state]
+                   runtime.kernel_settings(), module_ids, state]
     for a in args:
         if a is None:
             parts.append(None)

@@ -571,6 +571,17 @@ def frozen_index_caches():
     return _index_cache.frozen()
 
 
+def kernel_settings() -> tuple:
+    """The strict kernels' module-level launch settings a captured graph bakes in: the GEMM tile tables and narrow
+    rule, attention's tiles and forward variants (frozen values, compared by value). A CUDA graph replays the kernels
+    it captured whatever these say later, so graph signatures hold them (`h3lab.cuda_graph`,
+    `h3lab.training.step_graph`): swapping a tile table (the benchmarks' variants do) is a new signature."""
+    from h3kernels import attention, gemm
+
+    return (tuple(gemm.LINEAR_TILES.items()), tuple(gemm.TREE_TILES.items()), gemm.SPLIT_MAX_N, gemm.SPLIT_MIN_K,
+            tuple(attention.TILES.items()), tuple(attention.FORWARD.items()))
+
+
 def live_index_entries() -> list:
     """Every index-cache entry held now (strict kernels' and `derived`): what a graph whose capture also ran on
     another thread (autograd's, for a captured backward) pins, since `frozen_index_caches()` covers one thread."""

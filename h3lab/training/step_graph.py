@@ -17,7 +17,8 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
   needs (`cuda_graph.shared_refusal`: no hook, op override, placement, nested capture or inference mode; no torch
   forward hook on any module). Every other call is `body(sample)` itself with the reason in `last_path()`.
 - Signature: the model (weakly held) and its modules' identities, every adapter layer's Python state
-  (`module_tree.adapter_state`), fingerprint, train mode and checkpointing flag;
+  (`module_tree.adapter_state`), the strict kernels' tile tables (`runtime.kernel_settings`), fingerprint, train
+  mode and checkpointing flag;
   the runtime mode; the trainable parameters' names, identities, data pointers, dtypes and shapes -- not their
   `_version`: the optimiser updates them in place between steps, and the graph reads them by address, which is the
   point; every other parameter and buffer's identity, data pointer, dtype and `_version` (a frozen weight written in
@@ -238,7 +239,7 @@ def signature(model: torch.nn.Module, sample, objective, params: Sequence[tuple[
     sample_tensors = sample.tensors()
     return (
         id(model), getattr(model, "fingerprint", ""), model.training, getattr(model, "gradient_checkpointing", None),
-        runtime.current_mode(), module_ids, state,
+        runtime.current_mode(), runtime.kernel_settings(), module_ids, state,
         tuple((n, id(p), p.data_ptr(), p.dtype, tuple(p.shape)) for n, p in params),
         tensor_ids, tuple(t.data_ptr() for t in tensors), tuple(t.dtype for t in tensors),
         tuple(None if id(t) in trainable else t._version for t in tensors),

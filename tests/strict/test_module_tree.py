@@ -154,3 +154,22 @@ def test_adapter_switch_and_scaling_are_part_of_the_walk_and_the_signature():
     assert cuda_graph.signature(model, args, strict_graph.POLICY) == key_on
     layers[0].scaling["default"] = 0.5  # a scale change is another forward too
     assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
+
+
+def test_a_swapped_tile_table_is_another_signature(monkeypatch):
+    """A graph replays the kernels it captured: a tile table swapped after a capture (the benchmarks' variants) must
+    not meet the old graph."""
+    from h3kernels import attention, gemm
+
+    model = _model()
+    args = (torch.zeros(1), torch.ones(2, dtype=torch.int64))
+    key = cuda_graph.signature(model, args, strict_graph.POLICY)
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key
+    monkeypatch.setitem(gemm.TREE_TILES, torch.float32,
+                        dataclasses.replace(gemm.TREE_TILES[torch.float32], precision="ieee"))
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key
+    monkeypatch.undo()
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key
+    monkeypatch.setitem(attention.FORWARD, torch.bfloat16,
+                        dataclasses.replace(attention.FORWARD[torch.bfloat16], fp_fusion=False))
+    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key
