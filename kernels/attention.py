@@ -135,6 +135,11 @@ class ForwardVariant:
     reciprocal: bool = False
     fp_fusion: bool = False
 
+    def __post_init__(self) -> None:
+        if self.lookahead and not self.split_tail:
+            raise ValueError("ForwardVariant(lookahead=True) needs split_tail=True: the lookahead loop runs over the "
+                             "full tiles before the masked tail (without it the kernel would run the plain loop)")
+
     def describe(self) -> str:
         parts = [name for name in ("split_tail", "even_d", "tma", "warp_specialize", "lookahead", "prescale_q",
                                    "reciprocal", "fp_fusion") if getattr(self, name)]
@@ -480,7 +485,7 @@ def _forward(q, k, v, order, variant: ForwardVariant | None = None, tiles: Atten
         HAS_ORDER=order is not None, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=block_d,
         INTERPRETED=interpreted, EVEN_D=variant.even_d and D == block_d, SPLIT_TAIL=variant.split_tail,
         TMA=tma, LOOP_STAGES=variant.loop_stages, WARP_SPECIALIZE=variant.warp_specialize, EXP=variant.exp,
-        PRESCALE_Q=variant.prescale_q, RECIPROCAL=variant.reciprocal, LOOKAHEAD=variant.lookahead and variant.split_tail,
+        PRESCALE_Q=variant.prescale_q, RECIPROCAL=variant.reciprocal, LOOKAHEAD=variant.lookahead,
         num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, enable_fp_fusion=variant.fp_fusion,
     )
     return o, lse

@@ -132,6 +132,14 @@ def test_byte_keeping_forward_variants_keep_the_bytes(S):
             assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse), (variant.describe(), key_order is None)
 
 
+def test_lookahead_without_split_tail_is_refused():
+    """The lookahead loop runs over the full tiles before the tail: asked for without split_tail it would silently
+    be the plain loop while describe() said lookahead, so the variant refuses it."""
+    with pytest.raises(ValueError, match="lookahead=True\\) needs split_tail=True"):
+        attn.ForwardVariant(lookahead=True)
+    assert attn.ForwardVariant(split_tail=True, lookahead=True).describe() == "split_tail+lookahead"
+
+
 def test_tma_is_taken_only_for_aligned_rows():
     """K/V go through TMA descriptors only where the (S, D) slab of every (b, h) is 16-byte aligned with stride-1
     rows; other views fall back to pointers (the same values)."""
