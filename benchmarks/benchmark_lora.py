@@ -31,8 +31,7 @@ strict step as shipped ("h3lab-strict": the micro-batch replayed from a CUDA gra
 torch ("h3lab-off"). Before timing it checks the bytes: the LoRA gradients' SHA-256 of `--check-steps` steps
 (gradient, then a StrictAdamW update) taken eagerly and again, from the same factors restored in place, through the
 graph (warm-up, capture, replays), step by step; how each graph step ran and the wall seconds of each checked step
-(the capture's cost). With `--runtime-profile`, each one's
-launches, runtime calls, GPU busy and idle time.
+(the capture's cost). With `--runtime-profile`, each one's launches, runtime calls, GPU busy and idle time.
 
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
 `fp32_variant`: "contract" as shipped, "wave2" the FMA 64x64x32 tiles before the narrow rule); the first listed is
@@ -146,6 +145,20 @@ def fp32_variant(variant: str):
         strict_graph.GRAPHS.clear()
 
 
+def interleaved_rows(fns: dict, impls, flag: str, args, device: str, shape_name: str, rows: int,
+                     extra=lambda impl: {}) -> list[dict]:
+    """`fns` timed interleaved (`--runs` after one warm-up each); one result row per (impl, mode, on) of `impls`,
+    `flag` naming the switch `on` is, then `extra(impl)`'s fields (read after the timing)."""
+    timings = timed_interleaved(fns, args.runs, device)
+    results = []
+    for impl, mode, on in impls:
+        times, peak = timings[impl]
+        results.append({"shape": shape_name, "rows": rows, "impl": impl, "mode": mode, flag: on,
+                        "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                        "peak_mem_gib": round(peak, 3) if peak == peak else None, **extra(impl)})
+    return results
+
+
 LEAN_IMPLS = (("h3lab-strict-before", "strict", False), ("h3lab-strict", "strict", True), ("h3lab-off", "off", True))
 
 
@@ -155,9 +168,7 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
     written after the timings and again after the profiles."""
     from h3kernels import _launch
     from h3lab.hashing import tensor_digest
-    from h3lab.training import StrictAdamW
-
-    from h3lab.training import step_graph
+    from h3lab.training import StrictAdamW, step_graph
 
     def grad_sha(lean: bool, mode: str) -> str:
         with _launch.enabled(lean), step_graph.use_graphs(False):
@@ -194,14 +205,8 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
         return run
 
     fns = {impl: step(impl, mode, lean) for impl, mode, lean in impls}
-    timings = timed_interleaved(fns, args.runs, device)
-    results = []
-    for impl, mode, lean in impls:
-        times, peak = timings[impl]
-        results.append({"shape": shape_name, "rows": rows, "impl": impl, "mode": mode, "lean_launch": lean,
-                        "median_s": statistics.median(times), "runs": len(times), "times_s": times,
-                        "peak_mem_gib": round(peak, 3) if peak == peak else None,
-                        "grad_sha256": digests[impl][0], "grad_repeat_equal": len(set(digests[impl])) == 1})
+    results = interleaved_rows(fns, impls, "lean_launch", args, device, shape_name, rows, lambda impl: {
+        "grad_sha256": digests[impl][0], "grad_repeat_equal": len(set(digests[impl])) == 1})
     median = {r["impl"]: r["median_s"] for r in results}
     off, before, lean = median["h3lab-off"], median["h3lab-strict-before"], median.get("h3lab-strict")
     out.update({
@@ -282,7 +287,7 @@ def adapter_switch_check(model, request, objective, device: str) -> dict:
 
 
 def step_graph_compare(gradients, params, device: str, args, shape_name: str, rows: int, doc: dict,
-                       model=None, request=None, objective=None) -> dict:
+                       model, request, objective) -> dict:
     """`--step-graph`: strict eager / strict through the step graph / off, interleaved, after the byte check over
     `--check-steps` optimiser steps (module docstring). A failed capture records where the eager micro-batch first
     synchronises (`first_host_sync`)."""
@@ -342,13 +347,8 @@ def step_graph_compare(gradients, params, device: str, args, shape_name: str, ro
         return run
 
     fns = {impl: step(impl, mode, graphs) for impl, mode, graphs in STEP_IMPLS}
-    timings = timed_interleaved(fns, args.runs, device)
-    results = []
-    for impl, mode, graphs in STEP_IMPLS:
-        times, peak = timings[impl]
-        results.append({"shape": shape_name, "rows": rows, "impl": impl, "mode": mode, "step_graph": graphs,
-                        "median_s": statistics.median(times), "runs": len(times), "times_s": times,
-                        "peak_mem_gib": round(peak, 3) if peak == peak else None, "last_path": last.get(impl)})
+    results = interleaved_rows(fns, STEP_IMPLS, "step_graph", args, device, shape_name, rows,
+                               lambda impl: {"last_path": last.get(impl)})
     median = {r["impl"]: r["median_s"] for r in results}
     off = median["h3lab-off"]
     out.update({"results": results, "ratio_strict_over_off": median["h3lab-strict"] / off,

@@ -71,7 +71,7 @@ class _Cached:
     __slots__ = ("module_ids", "dicts", "lengths", "tensor_dicts", "module_dicts", "slot_ids", "child_ids",
                  "tensor_ids", "nones", "refs", "stale", "adapters", "__weakref__")
 
-    def __init__(self, module_ids: tuple, modules: list):
+    def __init__(self, module_ids: tuple, modules: list, adapters: list):
         self.module_ids, self.stale = module_ids, False
         self.dicts = [getattr(m, name) for m in modules for name in _CONTAINERS]
         self.lengths = list(map(len, self.dicts))
@@ -84,7 +84,7 @@ class _Cached:
         self.tensor_ids = tuple(id(t) for t in slots if t is not None)
         me = weakref.ref(self)
         self.refs = [weakref.ref(o, lambda _r: _mark_stale(me)) for o in slots + children if o is not None]
-        self.adapters = [weakref.ref(m) for m in modules if is_adapter_layer(m)]  # alive while the walk holds
+        self.adapters = [weakref.ref(m) for m in adapters]  # alive while the walk holds
 
     def tensors(self) -> list | None:
         """The live tensors if the walk still holds, else None."""
@@ -116,12 +116,12 @@ def walk(model: torch.nn.Module) -> Tree:
         return Tree(cached.module_ids, tensors, cached.tensor_ids, False,
                     tuple(adapter_state(ref()) for ref in cached.adapters))
     module_ids, tensors, hooked, modules = _fresh(model)
+    adapters = [m for m in modules if is_adapter_layer(m)]
     if hooked:
         _TREES.pop(model, None)
     else:
-        _TREES[model] = _Cached(module_ids, modules)
-    return Tree(module_ids, tensors, tuple(map(id, tensors)), hooked,
-                tuple(adapter_state(m) for m in modules if is_adapter_layer(m)))
+        _TREES[model] = _Cached(module_ids, modules, adapters)
+    return Tree(module_ids, tensors, tuple(map(id, tensors)), hooked, tuple(map(adapter_state, adapters)))
 
 
 def _fresh(model: torch.nn.Module) -> tuple[tuple, list, bool, list]:

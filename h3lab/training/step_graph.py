@@ -200,12 +200,10 @@ class StepGraphs:
             self._entries[key] = _Entry(model=self._entries[key].model, failed=(
                 f"its graph was dropped for another signature's (more layouts cycle than step_graph max_graphs = "
                 f"{self.max_graphs}; eager from then on)"))
-        waiting = [k for k, e in self._entries.items() if e.graph is None and not e.failed]
-        for key in waiting[: max(0, len(waiting) - 2 * self.max_graphs)]:
-            del self._entries[key]
-        failed = [k for k, e in self._entries.items() if e.failed]
-        for key in failed[: max(0, len(failed) - 2 * self.max_graphs)]:
-            del self._entries[key]
+        for remembered in (lambda e: e.graph is None and not e.failed, lambda e: bool(e.failed)):  # waiting, eager
+            keys = [k for k, e in self._entries.items() if remembered(e)]
+            for key in keys[: max(0, len(keys) - 2 * self.max_graphs)]:
+                del self._entries[key]
 
 
 def _eager(body, sample, reason: str) -> tuple:

@@ -8,43 +8,15 @@ captures, every host read a CUDA stream capture would refuse (`.item()`, `.tolis
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from graph_fakes import ReplayBackend
+from graph_fakes import ReplayBackend, no_host_reads
 from strict_cases import CONFIGS, build_model, forward_kwargs, make_layout, make_request
 
 from h3lab import cuda_graph, fast_graph, runtime, strict_graph
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")
-
-
-class HostSync(AssertionError):
-    pass
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Every tensor -> host read raises `HostSync` inside (what a stream capture refuses)."""
-    def refuse(name):
-        def fn(*a, **k):
-            raise HostSync(f"{name} during capture")
-        return fn
-
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-    saved_equal = torch.equal
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, refuse(f"Tensor.{n}"))
-        torch.equal = refuse("torch.equal")
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(torch.Tensor, n, fn)
-        torch.equal = saved_equal
 
 
 @pytest.fixture(scope="module")

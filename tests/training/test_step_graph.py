@@ -28,8 +28,7 @@ from h3lab.training import Objective, StrictAdamW, compute_gradients, step_graph
 from h3lab.training.step import request_gradient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strict"))
-from graph_fakes import ReplayBackend  # noqa: E402
-from test_strict_graph import no_host_reads  # noqa: E402
+from graph_fakes import ReplayBackend, no_host_reads  # noqa: E402
 
 OBJECTIVE = Objective(video_weight=1.0, audio_weight=0.5)
 
@@ -207,7 +206,6 @@ def test_layouts_cycling_past_max_graphs_leave_the_dropped_one_eager(monkeypatch
     paths = []
     with step_graph.use_graphs(True):
         for req in (request, other, request, other, request, other):
-            want = None
             got = compute_gradients(model, [req], OBJECTIVE, gradient_checkpointing=True)
             paths.append(step_graph.last_path())
             with step_graph.use_graphs(False):
