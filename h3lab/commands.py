@@ -740,8 +740,9 @@ def generation_lines(result, profile: bool = False) -> list[str]:
     s = result.settings
     lines = list(s.notices) + preset_lines(getattr(getattr(result, "arm", None), "preset", None))
     cached = [k for k, v in result.cached.items() if v]
+    declared = "".join(f" {part}" for part in s.declared_parts())  # a non-Euler stepper, its level, ...
     lines.append(
-        f"{s.task} {s.width}x{s.height} {s.num_frames}f {s.steps} steps seed {result.seed} mode {s.mode}: "
+        f"{s.task} {s.width}x{s.height} {s.num_frames}f {s.steps} steps seed {result.seed} mode {s.mode}{declared}: "
         f"{result.total_seconds:.2f} s" + (f" (cached: {', '.join(cached)})" if cached else "")
     )
     lines.append(what_ran(result))

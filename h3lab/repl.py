@@ -279,6 +279,11 @@ class Repl:
             cmd = commands.parse(line)
             if cmd.name == "noop":
                 return
+            if cmd.name == "generate" and cmd.args[0].strip().lower() in BARE_COMMANDS:
+                # A command word typed without its '!' is what the user meant, not a one-word prompt.
+                word = cmd.args[0].strip().lower()
+                self.echo(f"(commands start with '!': ran !{word}; to generate the prompt {word!r}, say more words)")
+                cmd = commands.parse(f"!{word}")
             if cmd.name == "generate":
                 self.submit(cmd.args[0])
                 return
@@ -322,6 +327,9 @@ class Repl:
         if self.lost is not None:
             raise self.lost
         return 0
+
+
+BARE_COMMANDS = frozenset({"help", "quit", "exit"})  # one-word lines taken as the command, not as a prompt
 
 
 def _debug() -> bool:
@@ -372,4 +380,8 @@ def run_repl(
         f"outputs and history in {session_dir}",
         "type a prompt to generate, !help for commands, Ctrl-C cancels a generation, Ctrl-D quits",
     ]
+    native = getattr(loaded, "native", None)
+    if native is not None:
+        banner.append(f"{loaded.model_name} was trained at {native.width}x{native.height}, {native.frames} frames, on "
+                      f"prompts like \"{native.example}\" ({native.prompt_form})")
     return repl.run(banner)

@@ -19,8 +19,11 @@ Contract
   AVX-512+AMX machine), but the interpreter's numpy loops, the noise (torch's vectorised normal sampler) and the
   text encoder take ISA-specific paths (AVX2 and `ATEN_CPU_CAPABILITY=default` give other digests). No CPU digest
   is machine-free, so the shipped replays carry lines for several classes (README, "Replays"). A generation without
-  a line for this class is reported as unchecked; the CLI exits 1 when a replay checked nothing unless
-  `--allow-unchecked`.
+  a line for this class is reported as unchecked and run a second time, from empty conditioning caches with the
+  same settings, before the next line runs (`repeat=True`, the default): its digest must repeat, else the replay
+  fails (`unrepeated`). So a replay on a class it holds no lines for still checks something -- that every result
+  is reproducible here -- and passes when every digest repeats. `repeat=False` (the CLI's `--allow-unchecked`)
+  skips the second runs.
 - `update=True` rewrites this class's expect lines (or inserts them under their generation line; strict generations
   get the `strict_class` tag) and replaces the file atomically; lines of other classes are kept.
 - A replay starts from an empty conditioning cache and runs with one torch thread on the CPU, deterministic
@@ -31,14 +34,14 @@ The grammar itself (`parse`, `execute`, the command registry) is `h3lab.commands
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
+from .arithmetic import arithmetic_class, cpu_class, strict_class  # noqa: F401 - the replay tags
 from .commands import SessionState, execute, parse
 from .errors import H3Error
 from .io_utils import atomic_write_text
@@ -60,46 +63,6 @@ SETTING_COMMANDS = frozenset({  # run on a scratch state by `validate_replay`: t
 })
 
 
-def arithmetic_class(device: str) -> str:
-    """The replay tag of this machine for `device` ("cpu" | "cuda"): "cuda", or on a CPU
-    "cpu_<torch's CPU capability>[_amx]" ("cpu_avx2", "cpu_avx512", "cpu_avx512_amx", ...).
-
-    torch's capability (`ATEN_CPU_CAPABILITY` can lower it) picks ATen's vectorised kernels; `_amx` says that oneDNN,
-    which runs torch's bf16 matmuls, has AMX (`amx_bf16` in /proc/cpuinfo) and may use it (`ONEDNN_MAX_CPU_ISA`,
-    when set, must name AMX for the suffix to stay). Measured on an AMD EPYC with AVX-512 BF16: oneDNN capped at
-    `AVX512_CORE` gave every shipped digest byte for byte (so AVX-512 BF16 is not a class of its own);
-    `ATEN_CPU_CAPABILITY=avx2` alone still differed from an AVX2 machine's `off` and strict digests, with
-    `ONEDNN_MAX_CPU_ISA=AVX2` as well it gave the `off` ones, and with numpy's AVX-512 loops off too
-    (`NPY_DISABLE_CPU_FEATURES`) the strict one: `ATEN_CPU_CAPABILITY` set without the other two is a class of its
-    own (`_mixed`)."""
-    if device != "cpu":
-        return device
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        flags = ""
-    return cpu_class(torch.backends.cpu.get_cpu_capability(), flags, os.environ)
-
-
-def cpu_class(capability: str, cpuinfo: str, env: Mapping[str, str]) -> str:
-    """`arithmetic_class` of a CPU from torch's capability name, the text of /proc/cpuinfo and the environment."""
-    tag = f"cpu_{capability.lower()}"
-    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "ALL")).upper()  # oneDNN's cap
-    if env.get("ATEN_CPU_CAPABILITY") and (onednn == "ALL" or not env.get("NPY_DISABLE_CPU_FEATURES")):
-        # ATen lowered by hand while oneDNN or numpy (whose SIMD loops run the strict kernels in Triton's
-        # interpreter) keep the hardware's ISA: a mixture no shipped line was recorded on (measured: its off and
-        # strict digests matched neither class), so it gets a class of its own.
-        return tag + "_mixed"
-    if re.search(r"\bamx_bf16\b", cpuinfo) and (onednn == "ALL" or "AMX" in onednn):
-        tag += "_amx"
-    return tag
-
-
-def strict_class(tag: str) -> str:
-    """The class a strict generation's digest is bound to: `tag` without `_amx` (module docstring)."""
-    return tag[: -len("_amx")] if tag.endswith("_amx") else tag
-
-
 def _tag_matches(line_tag: str | None, tag: str, strict: bool) -> bool:
     return line_tag is None or line_tag == tag or (strict and line_tag == strict_class(tag))
 
@@ -115,12 +78,14 @@ class ReplayReport:
     tag: str = ""  # this machine's arithmetic class (`arithmetic_class`)
     mismatches: list[str] = field(default_factory=list)
     unchecked: list[int] = field(default_factory=list)  # line numbers of generations without an expect line
+    repeated: list[int] = field(default_factory=list)  # unchecked generations whose second run gave the same digest
+    unrepeated: list[str] = field(default_factory=list)  # file:line messages of those whose second run differed
     hashes: list[str] = field(default_factory=list)  # trajectory digest of every generation, in order
     updated: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not self.mismatches and not self.unrepeated
 
 
 @dataclass
@@ -157,12 +122,14 @@ def run_replay(
     path: str | Path,
     update: bool = False,
     echo: Callable[[str], None] = print,
+    repeat: bool = True,
 ) -> ReplayReport:
     """Run a `.h3` replay: every line through `parse`/`execute`. `# expect` lines after a generation line check its
     trajectory digest (see `EXPECT_RE` for arithmetic-class tags); a generation without one is reported as unchecked.
     Any command error stops the replay (`ReplayError` naming file:line). With `update`, this class's expect lines are
-    rewritten (or inserted under their generation line) and the file is replaced atomically. On the CPU the replay
-    runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
+    rewritten (or inserted under their generation line) and the file is replaced atomically. With `repeat` (and not
+    `update`), every unchecked generation runs a second time and must give the same digest. On
+    the CPU the replay runs with one torch thread, on CUDA with deterministic cuDNN (see below)."""
     path = Path(path)
     text = read_replay(path)
     lines = text.splitlines()
@@ -182,7 +149,7 @@ def run_replay(
     else:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        return _run_replay(state, path, text, lines, update, echo, tag)
+        return _run_replay(state, path, text, lines, update, echo, tag, repeat)
     finally:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
@@ -228,7 +195,7 @@ def validate_replay(state: SessionState, path: Path, lines: list[str]) -> None:
         raise ReplayError(f"{path}: no generation line: a replay checks the digests of its generations")
 
 
-def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
+def _run_replay(state, path, text, lines, update, echo, tag, repeat) -> ReplayReport:
     """`run_replay`'s loop; `tag` is the machine's arithmetic class, the tag its expect lines carry."""
     report = ReplayReport(tag=tag)
     out: list[str] = []
@@ -243,6 +210,8 @@ def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
             report.unchecked.append(pending.number)
             if update:
                 out.insert(pending.last_index + 1, line_for(pending))
+            elif repeat:
+                _repeat(state, path, report, pending, echo)
         pending = None
 
     consumed = 0
@@ -296,3 +265,20 @@ def _run_replay(state, path, text, lines, update, echo, tag) -> ReplayReport:
             atomic_write_text(path, new_text)
             report.updated = True
     return report
+
+
+
+def _repeat(state, path: Path, report: ReplayReport, pending: _Pending, echo: Callable[[str], None]) -> None:
+    """Run the unchecked generation `pending` (the front end's last result) a second time, from empty conditioning
+    caches, with its settings, before the next line changes anything; record in `report` whether its digest
+    repeated. The front end's results, counters and the session's caches are as they were."""
+    session = state.get_session()
+    with session.fresh_cache():
+        digest = session.generate(state.last.settings).trajectory_hash
+    if digest == pending.digest:
+        report.repeated.append(pending.number)
+        echo(f"repeated {path}:{pending.number}: {digest} (no expect line for {report.tag}; a second run gave it "
+             "again)")
+    else:
+        report.unrepeated.append(f"{path}:{pending.number}: a second run gave {digest}, the first {pending.digest}")
+        echo(f"NOT REPEATED {path}:{pending.number}: first {pending.digest}, second {digest}")

@@ -71,6 +71,8 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 from pathlib import Path
@@ -81,6 +83,7 @@ import torch
 
 from . import pipeline, reruns
 from .caches import LRU, entries
+from .checkpoint.native import native_form
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .devices import default_device, resolve_device  # noqa: F401 - re-exported: the session's device check
 from .errors import ValidationError
@@ -116,6 +119,7 @@ class Session:
         self._prompt_bound = None  # components.text_encoder.PromptBound, loaded on the first prompt check
         self.video_shift, self.audio_shift = self.store.read_shifts()
         self.pipeline_config = self.store.read_pipeline_config(pipeline_config or {})
+        self.native = native_form(self.path)  # the canvas and prompt form the snapshot was trained on, or None
 
     # -------------------------------------------------------------------------------------- components (the store)
     @property
@@ -204,14 +208,37 @@ class Session:
         self._cond_cache.clear()
         return n
 
+    @contextlib.contextmanager
+    def fresh_cache(self):
+        """Run the block from empty conditioning caches and put the session's caches back afterwards (a replay's
+        second run of a generation recomputes everything without changing what later lines find cached)."""
+        kept = self._text_cache, self._cond_cache
+        self._text_cache, self._cond_cache = LRU(self.CACHE_LIMIT), LRU(4 * self.CACHE_LIMIT)
+        try:
+            yield
+        finally:
+            self._text_cache, self._cond_cache = kept
+
     # -------------------------------------------------------------------------------------- validation
     def settings(self, request: str | GenerationSettings | None = None, **overrides: Any) -> GenerationSettings:
-        """Validated settings from a prompt or a settings object plus overrides (no file is read)."""
+        """Validated settings from a prompt or a settings object plus overrides (no file is read). From a prompt, the
+        snapshot's native canvas and length (`native`) are the defaults the overrides change."""
         if isinstance(request, GenerationSettings):
             return request.replace(**overrides) if overrides else request
         if request is not None:
             overrides["prompt"] = request
-        return GenerationSettings().replace(**overrides)  # replace: schema-declared settings (extras) too
+        return self.default_settings().replace(**overrides)  # replace: schema-declared settings (extras) too
+
+    def default_settings(self) -> GenerationSettings:
+        """The settings a request starts from: the schema's defaults on the snapshot's native canvas and length."""
+        return GenerationSettings(**self.native.defaults()) if self.native else GenerationSettings()
+
+    def canvas_notice(self, settings: GenerationSettings) -> str:
+        """One line when `settings` run the DiT off the snapshot's native canvas, else ""."""
+        if self.native is None:
+            return ""
+        return self.native.off_canvas(settings.render_width or settings.width,
+                                      settings.render_height or settings.height)
 
     def check_request(self, settings: GenerationSettings) -> GenerationSettings:
         """Check every input file of a request by decoding and normalising it (kinds, truncation, streams, reference
@@ -260,6 +287,7 @@ class Session:
         check_prompt(s.prompt)
         check_strict_runs(s.mode, self.device)
         outputs = check_outputs(output, wav, frames_dir)
+        s = s.with_notices(self.canvas_notice(s))
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
         check_ablations(s.ablations)  # fail before any work

@@ -413,6 +413,15 @@ class GenerationSettings:
         return dict(self.extras).get(name, declared.default)
 
     # ------------------------------------------------------------------------------------------ changes
+    def with_notices(self, *lines: str) -> "GenerationSettings":
+        """The same settings carrying `lines` (empty ones dropped) after their own notices."""
+        lines = tuple(line for line in lines if line)
+        if not lines:
+            return self
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "notices", out.notices + lines)
+        return out
+
     def replace(self, **changes: Any) -> "GenerationSettings":
         """A validated copy with `changes`; setting frames clears seconds and vice versa. A setting declared only in
         the schema is one of the changes too (it goes into `extras`)."""
@@ -496,13 +505,18 @@ class GenerationSettings:
         size = f"{self.width}x{self.height}"
         if self.render_width is not None:
             size += f" (render {self.render_width}x{self.render_height})"
+        return (
+            f"{self.task} seed {self.seed}, {size}, {self.num_frames} frames ({self.duration:.3f} s), "
+            f"{self.steps} steps, mode {self.mode}" + "".join(f", {part}" for part in self.declared_parts())
+        )
+
+    def declared_parts(self) -> list[str]:
+        """The summary parts of the schema-declared settings that differ from their defaults ("stepper cps",
+        "level 0.5", ...), in declaration order."""
         from .schema import SETTINGS
 
         parts = [s.summary(getattr(self, s.name)) for s in SETTINGS.of("generation") if s.summary is not None]
-        return (
-            f"{self.task} seed {self.seed}, {size}, {self.num_frames} frames ({self.duration:.3f} s), "
-            f"{self.steps} steps, mode {self.mode}" + "".join(f", {part}" for part in parts if part)
-        )
+        return [part for part in parts if part]
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("notices", "extras")}

@@ -27,6 +27,7 @@ job folder keeps only what rank 0 wrote atomically before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -46,33 +47,51 @@ class _Parser(argparse.ArgumentParser):
         raise TrainArgError(message)
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (unless it says it already, or the flag is a switch or required);
+    the description keeps its lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("(default" in text or action.required or action.default is None or action.default is False
+                or action.default == [] or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .training.lora import PROJECTIONS
 
-    p = _Parser(prog="h3lab train", description="LoRA fine-tune or reward-weighted update of the MiniMax-H3 DiT "
-                "(strict, sealed, resumable).")
+    p = _Parser(prog="h3lab train", formatter_class=_Help,
+                description="LoRA fine-tune or reward-weighted update of the MiniMax-H3 DiT (strict, sealed, "
+                "resumable).\nRL on rollouts of the current policy: h3lab train grpo --help.\nA finished job "
+                "verifies with h3lab verify OUT.")
     p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoints, final adapter, sealed run")
-    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH", help="snapshot (default: embedded tiny)")
+    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
+                   help="snapshot (default: the embedded h3-shapes snapshot)")
     p.add_argument("--variant", default="transformer", help="transformer (t2va/fl2va) or transformer_ref (ref2va)")
-    p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--clips", metavar="DATASET", help="sealed clip dataset (h3lab.training.save_dataset)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--clips", metavar="DATASET", help="sealed clip dataset (h3lab encode, training.save_dataset)")
     p.add_argument("--rollout", nargs=2, action="append", default=[], metavar=("TRAJECTORY", "REWARD"),
                    help="sealed rollout (latents kept) and its reward; repeat for several")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default = rank: scaling 1)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: = rank, a scaling of 1)")
     p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
     p.add_argument("--lora-seed", type=int, default=0, help="seed of the adapter's initial A factors")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=100, help="optimiser steps")
+    p.add_argument("--batch-size", type=int, default=1, help="requests per step (their gradients combined in a "
+                   "fixed tree)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="run seed (per-step clip sigma/noise draws)")
-    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of the step (default strict)")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--video-weight", type=float, default=1.0)
-    p.add_argument("--audio-weight", type=float, default=1.0)
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
-    p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
+    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of the step")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each block in the backward (byte-neutral; less memory)")
+    p.add_argument("--video-weight", type=float, default=1.0, help="weight of the video rows' loss")
+    p.add_argument("--audio-weight", type=float, default=1.0, help="weight of the audio rows' loss")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K", help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the job in --out from its newest checkpoint (from step 0 when it has none)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree, under torchrun")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, under torchrun")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the (tp, cp) mesh, under torchrun")
@@ -83,56 +102,81 @@ def build_grpo_parser() -> argparse.ArgumentParser:
     from .stochastic import SDE_KINDS
     from .training.lora import PROJECTIONS
 
-    p = _Parser(prog="h3lab train grpo", description="GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA "
-                "policy on a prompt file, a reward per request, the clipped GRPO step (strict, sealed, resumable).")
+    p = _Parser(prog="h3lab train grpo", formatter_class=_Help,
+                description="GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA policy on a prompt file, a "
+                "reward per request, the clipped GRPO step (strict, sealed, resumable).\nA finished job verifies "
+                "with h3lab verify OUT.")
     p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt a line ('#' lines are comments)")
-    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt (default 4)")
+    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt")
     p.add_argument("--reward", required=True, metavar="NAME|module:function",
                    help="brightness, redness, colour, pitch, anchor_match, latent_mean, or package.module:function")
     p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoint, final adapter, sealed run")
-    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations (default 1)")
-    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH", help="snapshot (default: embedded tiny)")
-    p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout (default 4)")
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--frames", type=int, default=None)
-    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition (default flow_sde)")
-    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a, dance_sde eta (0.7)")
-    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range (default 1e-4)")
-    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip (default 5)")
-    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference (default 0)")
+    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations")
+    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
+                   help="snapshot (default: the embedded h3-shapes snapshot)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout")
+    p.add_argument("--width", type=int, default=None, help="rollout canvas width (default: the snapshot's native)")
+    p.add_argument("--height", type=int, default=None, help="rollout canvas height (default: the snapshot's native)")
+    p.add_argument("--frames", type=int, default=None, help="rollout frames (default: the snapshot's native)")
+    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition of the rollout")
+    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a (cps: <= 1), dance_sde eta")
+    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range")
+    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip")
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference")
     p.add_argument("--importance-cap", type=float, default=None, metavar="C",
-                   help="truncated importance weights min(ratio, C) (default off)")
-    p.add_argument("--inner-epochs", type=int, default=1)
+                   help="truncated importance weights min(ratio, C) (None: off)")
+    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser passes over each iteration's rollouts")
     p.add_argument("--passes", default="all", metavar="all|fraction:F|window:S,W",
-                   help="which SDE passes train (default all; DanceGRPO fraction:0.6; MixGRPO window:0,4)")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default = rank)")
+                   help="which SDE passes train (DanceGRPO fraction:0.6; MixGRPO window:0,4)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: = rank)")
     p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
-    p.add_argument("--lora-seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lora-seed", type=int, default=0, help="seed of the adapter's initial A factors")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="run seed (rollout noise, pass selection)")
-    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step (default strict)")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each block in the backward (byte-neutral; less memory)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the job in --out from its checkpoint (from iteration 0 when it has none)")
     return p
 
 
 def _selection(text: str):
     from .training.grpo import PassSelection
+    from .training.objective import TrainingError
 
     kind, _, arg = text.partition(":")
-    if kind == "all" and not arg:
-        return PassSelection("all")
-    if kind == "fraction" and arg:
-        return PassSelection("fraction", fraction=_float(arg, "--passes fraction"))
-    if kind == "window" and arg.count(",") == 1:
-        start, size = arg.split(",")
-        if start.isdigit() and size.isdigit():
-            return PassSelection("window", start=int(start), size=int(size))
+    try:
+        if kind == "all" and not arg:
+            return PassSelection("all")
+        if kind == "fraction" and arg:
+            return PassSelection("fraction", fraction=_float(arg, "--passes fraction"))
+        if kind == "window" and arg.count(",") == 1:
+            start, size = arg.split(",")
+            if start.isdigit() and size.isdigit():
+                return PassSelection("window", start=int(start), size=int(size))
+    except TrainingError as err:
+        raise TrainArgError(f"--passes {text!r}: {err}") from None
     raise TrainArgError(f"--passes {text!r}: must be all, fraction:F (0 < F <= 1) or window:START,SIZE")
+
+
+@contextlib.contextmanager
+def flags_named(parser: argparse.ArgumentParser):
+    """Inside: a `SettingError` of a setting that has a flag in `parser` becomes a `TrainArgError` naming the flag
+    (`--group 1: must be an integer >= 2`), not the config class that checked it."""
+    from .training.objective import SettingError
+
+    flags = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    try:
+        yield
+    except SettingError as err:
+        flag = flags.get(err.name) or (err.name if err.name.startswith("-") else None)
+        if flag is None:
+            raise
+        raise TrainArgError(err.as_flag(flag)) from None
 
 
 def grpo_job_from_args(args: argparse.Namespace):
@@ -140,16 +184,17 @@ def grpo_job_from_args(args: argparse.Namespace):
     from .training.grpo_job import GrpoJob
     from .training.grpo_step import GrpoConfig
 
-    config = GrpoConfig(kind=args.stepper, level=args.level, group=args.group, clip_range=args.clip_range,
-                        adv_clip=args.adv_clip, beta=args.beta, importance_cap=args.importance_cap,
-                        inner_epochs=args.inner_epochs, selection=_selection(args.passes), seed=args.seed,
-                        mode=args.mode, gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
-                        weight_decay=args.weight_decay)
-    job = GrpoJob(out=args.out, prompts=args.prompts, reward=args.reward, config=config, iterations=args.iterations,
-                  steps=args.steps, width=args.width, height=args.height, frames=args.frames,
-                  snapshot=args.snapshot, device=args.device, rank=args.rank, alpha=args.alpha,
-                  targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
-    return job.check(resume=args.resume)
+    with flags_named(build_grpo_parser()):
+        config = GrpoConfig(kind=args.stepper, level=args.level, group=args.group, clip_range=args.clip_range,
+                            adv_clip=args.adv_clip, beta=args.beta, importance_cap=args.importance_cap,
+                            inner_epochs=args.inner_epochs, selection=_selection(args.passes), seed=args.seed,
+                            mode=args.mode, gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
+                            weight_decay=args.weight_decay)
+        job = GrpoJob(out=args.out, prompts=args.prompts, reward=args.reward, config=config,
+                      iterations=args.iterations, steps=args.steps, width=args.width, height=args.height,
+                      frames=args.frames, snapshot=args.snapshot, device=args.device, rank=args.rank,
+                      alpha=args.alpha, targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
+        return job.check(resume=args.resume)
 
 
 def grpo_main(argv: Sequence[str]) -> int:
@@ -176,15 +221,25 @@ def grpo_main(argv: Sequence[str]) -> int:
 
 
 class GrpoProgress:
-    """One line per iteration on stderr: mean reward and the first epoch's ratio statistics."""
+    """One line per iteration on stderr: mean reward and the first epoch's ratio statistics; on a terminal also the
+    phase the running iteration is in (rollout, reward, training step) and its seconds so far, redrawn."""
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
+        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def phase(self, k: int, total: int, text: str) -> None:
+        if self.live:
+            self.stream.write(f"\rgrpo {k + 1}/{total}: {text} ({time.perf_counter() - self.t0:.0f} s)\033[K")
+            self.stream.flush()
 
     def __call__(self, k: int, total: int, record: dict) -> None:
         rewards, ratio = record["rewards"], record["epochs"][0]["ratio"]
-        self.stream.write(f"grpo {k}/{total}: mean reward {sum(rewards) / len(rewards):.6g}, ratio - 1 "
-                          f"[{ratio['min']:.3g}, {ratio['max']:.3g}], clipped {record['epochs'][-1]['clipped']}\n")
+        self.stream.write(("\r\033[K" if self.live else "") +
+                          f"grpo {k}/{total}: mean reward {sum(rewards) / len(rewards):.6g}, ratio - 1 "
+                          f"[{ratio['min']:.3g}, {ratio['max']:.3g}], clipped {record['epochs'][-1]['clipped']}, "
+                          f"{time.perf_counter() - self.t0:.1f} s\n")
         self.stream.flush()
 
 
@@ -200,16 +255,17 @@ def job_from_args(args: argparse.Namespace):
     from .training import Objective, TrainConfig
     from .training.job import TrainJob
 
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, mode=args.mode,
-                         gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
-                         weight_decay=args.weight_decay,
-                         objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
-    rollouts = tuple((path, _float(reward, f"--rollout {path} reward")) for path, reward in args.rollout)
-    job = TrainJob(out=args.out, config=config, clips=args.clips, rollouts=rollouts, snapshot=args.snapshot,
-                   variant=args.variant, device=args.device, rank=args.rank, alpha=args.alpha,
-                   targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed,
-                   checkpoint_every=args.checkpoint_every)
-    return job.check(resume=args.resume)
+    with flags_named(build_parser()):
+        config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, mode=args.mode,
+                             gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
+                             weight_decay=args.weight_decay,
+                             objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
+        rollouts = tuple((path, _float(reward, f"--rollout {path} reward")) for path, reward in args.rollout)
+        job = TrainJob(out=args.out, config=config, clips=args.clips, rollouts=rollouts, snapshot=args.snapshot,
+                       variant=args.variant, device=args.device, rank=args.rank, alpha=args.alpha,
+                       targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed,
+                       checkpoint_every=args.checkpoint_every)
+        return job.check(resume=args.resume)
 
 
 class Progress:

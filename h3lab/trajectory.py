@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from . import runtime
+from .arithmetic import arithmetic_class
 from .artifact import MANIFEST, SealedArtifact, code_provenance
 from .errors import H3Error
 from .hashing import json_sha256, model_fingerprint, tensor_digest
@@ -330,9 +331,11 @@ class TrajectoryRecorder:
 
 
 def machine_record(device: torch.device | str) -> dict[str, Any]:
-    """Where a run ran, for its run record: the device, torch's CPU capability, and the GPU's name on CUDA."""
+    """Where a run ran, for its run record: the device, torch's CPU capability, the arithmetic class
+    (`h3lab.arithmetic`: which machines give the same non-strict bytes), and the GPU's name on CUDA."""
     device = torch.device(device)
-    out: dict[str, Any] = {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    out: dict[str, Any] = {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "arithmetic_class": arithmetic_class(device.type)}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     return out
@@ -545,9 +548,22 @@ class VerifyReport:
                     f"{self.record_note()}")
         note = "" if self.fingerprint_match else " (checkpoint fingerprint differs from the recorded one)"
         note += f" ({self.note})" if self.note else ""
-        note += self.record_note()
+        note += self.record_note() + self.class_note()
         return (f"DRIFT at pass {self.first_step}: {self.field} hash {str(self.got)[:16]} != recorded "
                 f"{str(self.expected)[:16]}{note}")
+
+    def class_note(self) -> str:
+        """Why a drift of a non-strict run may be the machine's, not the run's: off/auto bytes hold within one
+        arithmetic class (`h3lab.arithmetic`); "" for strict, or when both records name the same class."""
+        if self.mode == "strict":
+            return ""
+        sealed = _lookup(self.run_record, "machine.arithmetic_class")
+        here = _lookup(self.replay_record, "machine.arithmetic_class")
+        if sealed == here:
+            return ""
+        where = f"sealed on arithmetic class {sealed}" if sealed else "sealed without naming its arithmetic class"
+        return (f"; mode {self.mode} bytes hold only within one arithmetic class and this run was {where}, replayed "
+                f"on {here} -- replay it on a machine of its class, or seal runs in strict to compare anywhere")
 
 
 def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
@@ -566,10 +582,12 @@ def _short(key: str, value: Any) -> str:
 
 
 def record_differences(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
-    """The run-record fields two records disagree on (the spec's fields, then the machine's device)."""
+    """The run-record fields two records disagree on (the spec's fields, then the machine's device and arithmetic
+    class; a record that does not name one differs in nothing there)."""
     out = [k for k in ("placement", "residency", "adapters") if recorded.get(k) != replayed.get(k)]
-    if _lookup(recorded, "machine.device") not in (None, _lookup(replayed, "machine.device")):
-        out.append("machine.device")
+    for key in ("machine.device", "machine.arithmetic_class"):
+        if _lookup(recorded, key) not in (None, _lookup(replayed, key)):
+            out.append(key)
     return out
 
 

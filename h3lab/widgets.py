@@ -101,15 +101,18 @@ class Workbench:
         if "latents" not in session.keep:
             session.keep = tuple(session.keep) + ("latents",)
         out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="h3lab-workbench-"))
+        start = session.default_settings() if hasattr(session, "default_settings") else GenerationSettings()
         self.state = commands.SessionState(
-            session=session, settings=GenerationSettings(**settings), out_dir=out, base_dir=Path.cwd()
+            session=session, settings=start.replace(**settings), out_dir=out, base_dir=Path.cwd()
         )
         self.upload_dir = Path(upload_dir) if upload_dir is not None else out / "uploads"
         self.strip_rows = strip_rows
         self._syncing = False  # controls being set from the settings: no unit conversion, no re-validation
         factors, why_none = _factors()
+        native = getattr(session, "native", None)
+        hint = f"e.g. {native.example} ({native.prompt_form})" if native is not None else "Describe the clip"
         self.view = PanelLayout(self.state.settings, str(getattr(session, "model_name", "")), factors, why_none,
-                                preview=preview, drift=drift)
+                                preview=preview, drift=drift, prompt_hint=hint)
         self.media = MediaView(self.view, session, strip_rows)
         self.runner = RunWorker(self.view, self.state, self.media, on_done=self._refresh_strict)
         self.controls = self.view.controls

@@ -75,10 +75,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from h3lab.checkpoint.native import NATIVE  # noqa: E402
 from h3lab.checkpoint.tiny import AUDIO_VAE_CONFIG, VAE_CONFIG  # noqa: E402
 from h3lab.config import H3Config  # noqa: E402
 from h3lab.shapes import ATTRIBUTES, ClipSpec, partial_prompt, prompt, render_clip, training_combos  # noqa: E402
-from h3lab.shapes.clips import BACKGROUND  # noqa: E402
+from h3lab.shapes.clips import BACKGROUND, PROMPT_EXAMPLE, PROMPT_FORM  # noqa: E402
 
 SNAPSHOT_NAME = "h3-shapes"
 TRAINED_VERSION = "shapes-v1"
@@ -544,6 +545,9 @@ def assemble(out: Path, base: Path, vae, avae, dit, dit_ref, seal: dict) -> Path
             (snap / sub / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     seal["weights"] = {k: v for k, v in file_hashes(snap).items() if k.endswith(".safetensors")}
     (snap / SEAL).write_text(json.dumps(seal, indent=2, sort_keys=True) + "\n")
+    native = {"width": GEOMETRY["width"], "height": GEOMETRY["height"], "frames": GEOMETRY["frames"],
+              "prompt_form": PROMPT_FORM, "example": PROMPT_EXAMPLE}  # what the front ends start from
+    (snap / NATIVE).write_text(json.dumps(native, indent=2, sort_keys=True) + "\n")
     manifest = {"version": TRAINED_VERSION, "files": file_hashes(snap)}
     (snap / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     with tarfile.open(out / f"{SNAPSHOT_NAME}.tar", "w") as tar:

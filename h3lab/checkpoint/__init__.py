@@ -8,10 +8,12 @@
 - `tiny.py`       `make_tiny_snapshot(root, seed)`, `random_snapshot()` (the cached random seed-0 build) and
                   `default_snapshot()` (imports diffusers/transformers lazily)
 - `shipped.py`    `shapes_snapshot()`: the embedded default, the trained "h3-shapes" snapshot shipped as package data
+- `native.py`     `native_form(root)`: the canvas, length and prompt form a snapshot declares it was trained on
 - `processor.py`  the Qwen3-VL processor without torchvision (`load_processor`)
 
 Importing this package pulls in torch and safetensors, never diffusers or transformers. No import cycle: each
-module imports only modules left of it in: discovery, keymap, fingerprint, loader, processor, shipped, tiny, info.
+module imports only modules left of it in: native, discovery, keymap, fingerprint, loader, processor, shipped, tiny,
+info.
 """
 
 from __future__ import annotations

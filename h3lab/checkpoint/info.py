@@ -27,6 +27,7 @@ from ..config import FP32_MODULES, ConfigError, H3Config
 from ..errors import CheckpointError
 from . import discovery
 from .fingerprint import HASH_SCHEME, SAMPLE_BYTES, component_files, component_hash
+from .native import native_form
 
 __all__ = ["snapshot_info", "format_info", "component_hash", "HASH_SCHEME", "SAMPLE_BYTES"]
 
@@ -103,6 +104,9 @@ def snapshot_info(path: str | os.PathLike | None = None, device: str | None = No
         if manifest.is_file():
             m = discovery.read_json(manifest)
             info["tiny"] = {"version": m.get("version"), "seed": m.get("seed")}
+        native = native_form(path)
+        if native is not None:
+            info["native"] = native.to_dict()
     elif path.suffix == ".safetensors" or (path.is_dir() and any(path.glob("*.json"))):
         info["kind"] = "component" if path.is_dir() else "file"
         entries = {path.stem if path.is_file() else path.name: (path, "", "")}
@@ -220,7 +224,9 @@ def format_info(info: dict[str, Any]) -> str:
     """Human-readable `--info` text (the `--json` form is `json.dumps(info)`)."""
     lines = [f"snapshot     {info['path']}  ({info['kind']})"]
     if info.get("tiny"):
-        lines[0] += f"  [h3lab tiny snapshot {info['tiny']['version']}, seed {info['tiny']['seed']}]"
+        seed = info["tiny"]["seed"]
+        lines[0] += (f"  [h3lab tiny snapshot {info['tiny']['version']}, seed {seed}]" if seed is not None
+                     else f"  [h3lab trained snapshot {info['tiny']['version']}]")
     shown: list[dict] = []
     for name, rep in ((k, v) for k, v in info.get("config", {}).items() if isinstance(v, dict)):
         fp = rep["fingerprint"]
@@ -245,6 +251,10 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append("variants     " + "   ".join(parts))
         if sum(isinstance(v, dict) for v in info.get("config", {}).values()) > 1:
             lines[-1] += f"   same config: {'yes' if info['config']['variants_share_config'] else 'NO'}"
+    if info.get("native"):
+        n = info["native"]
+        lines.append(f"native       {n['width']}x{n['height']}, {n['frames']} frames (the CLI, REPL and panel start "
+                     f"there); prompts like \"{n['example']}\" ({n['prompt_form']})")
     if info.get("missing_components"):
         lines.append("missing      " + ", ".join(info["missing_components"]))
     dev = info["device"]

@@ -34,8 +34,8 @@ class PanelLayout:
     """The panel's widgets (see the module docstring)."""
 
     def __init__(self, s: GenerationSettings, model_name: str, factors: dict[str, str], why_none: str,
-                 preview: bool = False, drift: bool = True):
-        self.prompt = W.Textarea(value=s.prompt, description="prompt", placeholder="Describe the clip",
+                 preview: bool = False, drift: bool = True, prompt_hint: str = "Describe the clip"):
+        self.prompt = W.Textarea(value=s.prompt, description="prompt", placeholder=prompt_hint,
                                  layout=W.Layout(width="98%", height="60px"), style=STYLE)
         self._settings_widgets(s)
         self._ablation_widgets(s, factors, why_none)

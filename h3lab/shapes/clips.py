@@ -110,6 +110,10 @@ class ClipSpec:
 ATTRIBUTES = ("colour", "shape", "direction")
 
 
+PROMPT_FORM = "a <colour> <shape> moves <direction>, a <tone> tone"  # the training template, in words
+PROMPT_EXAMPLE = "a blue square moves right, a middle tone"
+
+
 def prompt(spec: ClipSpec) -> str:
     return f"a {spec.colour} {spec.shape} moves {spec.direction}, a {spec.tone} tone"
 

@@ -102,7 +102,9 @@ def _tensors(path: Path, data: bytes) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, {str(k): str(v) for k, v in meta.items()}
 
 
-def _config(path: Path, data: dict, where: str) -> Any:
+def config_from_json(path: Path, data: dict, where: str) -> Any:
+    """The plain-LoRA peft `LoraConfig` of `data` (an `adapter_config.json` object read from `path`); a one-line
+    `AdapterError` naming `path` and `where` otherwise."""
     from peft import LoraConfig
 
     if not isinstance(data, dict):
@@ -173,14 +175,14 @@ def _diffusers_config(path: Path, tensors: dict[str, torch.Tensor], meta: dict[s
             data = json.loads(meta[METADATA_KEY])
         except ValueError:
             raise AdapterError(f"adapter {str(path)!r}: metadata {METADATA_KEY} is not JSON") from None
-        return _config(path, data, f"metadata {METADATA_KEY}")
+        return config_from_json(path, data, f"metadata {METADATA_KEY}")
     ranks = {t.shape[0] for k, t in tensors.items() if _module_key(k).endswith(".lora_A.weight")}
     if len(ranks) != 1:
         raise AdapterError(f"adapter {str(path)!r}: mixed ranks {sorted(ranks)} and no {METADATA_KEY} metadata: "
                            "cannot tell the LoRA config")
     modules = sorted({_module_key(k).rsplit(".lora_", 1)[0] for k in tensors})
     r = ranks.pop()
-    return _config(path, {"r": r, "lora_alpha": r, "target_modules": modules}, "derived config")
+    return config_from_json(path, {"r": r, "lora_alpha": r, "target_modules": modules}, "derived config")
 
 
 def read_adapter(path: str | os.PathLike, expect_sha256: str | None = None) -> AdapterFile:
@@ -219,7 +221,7 @@ def read_adapter(path: str | os.PathLike, expect_sha256: str | None = None) -> A
             data = json.loads(files[CONFIG_NAME].decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise AdapterError(f"adapter {str(path)!r}: {CONFIG_NAME} is not JSON ({exc})") from None
-        config = _config(p, data, CONFIG_NAME)
+        config = config_from_json(p, data, CONFIG_NAME)
     else:
         tensors, meta = _tensors(p, files[p.name])
         config = _diffusers_config(p, tensors, meta)

@@ -135,20 +135,26 @@ class PassSelection:
         object.__setattr__(self, "start", _int("window start", self.start, 0))
         object.__setattr__(self, "size", _int("window size", self.size, 1))
 
-    def select(self, sde: Sequence[bool], seed: int = 0, iteration: int = 0, request: int = 0) -> tuple[int, ...]:
-        """Sorted pass indices that train, given per pass whether it is an SDE pass."""
+    def check_passes(self, sde: Sequence[bool]) -> list[int]:
+        """The SDE passes of a rollout whose passes are SDE or not as `sde` says; a one-line `TrainingError` when
+        there is none or the window reaches outside them (a job checks this before its first rollout)."""
         sde_passes = [i for i, s in enumerate(sde) if s]
         if not sde_passes:
             raise TrainingError("the rollout has no SDE pass: an ODE pass has no log-density to train on")
-        if self.kind == "all":
-            return tuple(sde_passes)
         if self.kind == "window":
-            window = list(range(self.start, self.start + self.size))
-            outside = [i for i in window if i >= len(sde) or not sde[i]]
+            outside = [i for i in range(self.start, self.start + self.size) if i >= len(sde) or not sde[i]]
             if outside:
                 raise TrainingError(f"window passes {outside}: not SDE passes of this rollout ({len(sde)} passes, "
                                     f"SDE at {sde_passes})")
-            return tuple(window)
+        return sde_passes
+
+    def select(self, sde: Sequence[bool], seed: int = 0, iteration: int = 0, request: int = 0) -> tuple[int, ...]:
+        """Sorted pass indices that train, given per pass whether it is an SDE pass."""
+        sde_passes = self.check_passes(sde)
+        if self.kind == "all":
+            return tuple(sde_passes)
+        if self.kind == "window":
+            return tuple(range(self.start, self.start + self.size))
         g = torch.Generator(device="cpu").manual_seed(selection_seed(seed, iteration, request))
         perm = torch.randperm(len(sde_passes), generator=g).tolist()
         take = max(1, math.floor(self.fraction * len(sde_passes)))

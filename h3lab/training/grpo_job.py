@@ -23,8 +23,12 @@ trains one iteration. The output folder `out`:
     adapter/              the final adapter (PEFT format)
     run/                  the sealed GRPO run (`h3lab.training.grpo_run.load` / `verify`)
 `--resume` puts the checkpoint's weights and optimiser state back and continues; the rollouts after it are drawn
-from the same seeds, so the finished run's records equal an uninterrupted run's. `--resume` on a finished job
-(`run/` sealed and `adapter/` written) is refused, saying it is finished (as `h3lab train`'s jobs).
+from the same seeds, so the finished run's records equal an uninterrupted run's. A job stopped before its first
+checkpoint (interrupted, a failing reward, a full disk: only `job.json` and perhaps `initial/` on disk) is restarted
+by `--resume` from iteration 0 (the LoRA init is seeded: the same initial adapter) -- the rule of every job folder
+(`h3lab.training.job`). `--resume` on a finished job (`run/` sealed and `adapter/` written) is refused, saying it is
+finished. Every argument is checked by `check()` before anything is written: the stepper's level rule, the pass
+selection against the rollout's passes, the reward's signature.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ from .grpo_report import reward_samples
 from .grpo_run import GrpoRun, grpo_train
 from .grpo_run import load as load_run
 from .grpo_step import GrpoConfig, batch_from_rollout
+from .job_folder import JOB, check_job_folder
 from .lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
 from .objective import TrainingError
 from .rewards import resolve_reward, score
 
-JOB = "job.json"
 CHECKPOINT = "checkpoint"
 
 
@@ -110,7 +114,6 @@ class GrpoJob:
 
     def check(self, resume: bool = False) -> "GrpoJob":
         """Every value, path and the prompts, before any model loads (module docstring)."""
-        from ..io_utils import check_output_dir
         from ..devices import resolve_device
         from ..settings import GenerationSettings
         from .job import _check_targets, _snapshot_config, check_alpha
@@ -118,6 +121,7 @@ class GrpoJob:
 
         iterations = checked_int("--iterations", self.iterations, 1)
         steps = checked_int("--steps", self.steps, 1)
+        self.config.selection.check_passes([True] * steps)  # every rollout pass is an SDE pass (no window)
         rank = checked_int("--rank", self.rank, 1)
         lora_seed = checked_int("--lora-seed", self.lora_seed, 0)
         check_alpha(self.alpha)
@@ -129,17 +133,8 @@ class GrpoJob:
             raise TrainingError("--mode strict on the cpu: strict kernels run there only under TRITON_INTERPRET=1 "
                                 "(export it before starting), or use --mode off")
         targets = parse_targets(self.targets)
-        out = Path(self.out).expanduser()
-        check_output_dir(out, "--out")
-        has_job = (out / JOB).is_file()
-        if resume and not has_job:
-            raise TrainingError(f"--resume: {str(out)!r} holds no GRPO job ({JOB}); start it without --resume")
-        if resume and (out / "run" / "manifest.json").is_file() and (out / "adapter").is_dir():
-            raise TrainingError(f"--resume: the GRPO job in {str(out)!r} is finished (run/ sealed, adapter/ "
-                                "written): verify it, or train again in a new folder")
-        if not resume and out.exists() and any(out.iterdir()):
-            why = "holds a job: add --resume to continue it" if has_job else "is a folder of other files"
-            raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
+        out = check_job_folder(Path(self.out).expanduser(), resume, "GRPO",
+                               lambda folder: (folder / CHECKPOINT).is_dir())
         snapshot = self._snapshot()
         _check_targets(targets, _snapshot_config(snapshot, "transformer"))
         return dataclasses.replace(self, out=str(out.resolve()), prompts=str(Path(self.prompts).resolve()),
@@ -163,7 +158,8 @@ class GrpoJob:
 def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
                  progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
     """Train `job` (checked) with `session` (its snapshot, on its device) and write its folder (module docstring);
-    returns a summary {iterations, reward_mean, ratio, adapter, adapter_sha256, run, digest}."""
+    returns a summary {iterations, reward_mean, ratio, adapter, adapter_sha256, run, digest}. `progress(k, total,
+    record)` after each iteration; its optional `phase(k, total, text)` as each phase of iteration k starts."""
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     if resume:
@@ -181,18 +177,23 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
     handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
     try:
         previous = None
-        if resume:
-            if not (out / CHECKPOINT).is_dir():
-                raise TrainingError(f"--resume: {str(out)!r} has no checkpoint yet; start again in a new folder")
+        if resume and (out / CHECKPOINT).is_dir():
             previous = load_run(out / CHECKPOINT)
-        else:
+        else:  # a new job, or one stopped before its first checkpoint: (re)start from iteration 0
             save_adapter(model, out / "initial")
 
+        phase = getattr(progress, "phase", None) or (lambda k, total, text: None)
+        requests = len(job.prompt_list) * job.config.group
+
         def rollout(k: int, _model: Any):
+            phase(k, job.iterations, f"rollout of {requests} requests x {job.steps} passes")
             ro = session.rollout(list(job.prompt_list), group=job.config.group, stepper=job.config.kind,
                                  level=job.config.level, seed=rollout_seed(job.config.seed, k), decode=decoded,
                                  **job.generation())
-            return batch_from_rollout(ro, score(reward, reward_samples(ro, decoded)))
+            phase(k, job.iterations, f"reward {job.reward}")
+            batch = batch_from_rollout(ro, score(reward, reward_samples(ro, decoded)))
+            phase(k, job.iterations, "training step")
+            return batch
 
         def on_iteration(k: int, record: dict, run: GrpoRun) -> None:
             if k + 1 < job.iterations:

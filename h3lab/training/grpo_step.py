@@ -50,6 +50,7 @@ from torch import nn
 from .. import runtime
 from ..hashing import tensor_digest
 from ..stochastic import SDE_KINDS, transition_logprob, transition_mean_std
+from ..stochastic.transitions import TransitionError, check_level
 from ..trajectory import TraceSummary
 from .combine import TreeAccumulator
 from .grpo import (
@@ -62,7 +63,7 @@ from .grpo import (
     truncated_weight,
 )
 from .lora import adapter_disabled, has_lora
-from .objective import MODALITIES, Objective, TrainingError, TrainingSample, checked_int
+from .objective import MODALITIES, Objective, SettingError, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
 from .run import _scheme
 from .step import _TrainContext, model_device, request_gradient, split_flat, trainable_parameters
@@ -73,7 +74,7 @@ def _opt_real(name: str, value, positive: bool = True) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
             positive and value <= 0):
-        raise TrainingError(f"GrpoConfig.{name}={value!r}: must be a finite number{' > 0' if positive else ''}")
+        raise SettingError("GrpoConfig", name, value, f"must be a finite number{' > 0' if positive else ''}")
     return float(value)
 
 
@@ -104,15 +105,20 @@ class GrpoConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in SDE_KINDS:
-            raise TrainingError(f"GrpoConfig.kind={self.kind!r}: must be one of {', '.join(SDE_KINDS)}")
+            raise SettingError("GrpoConfig", "kind", self.kind, f"must be one of {', '.join(SDE_KINDS)}")
         object.__setattr__(self, "level", _opt_real("level", self.level))
+        try:  # the stepper's own rule for its level (cps: in [0, 1]), checked here: before any rollout
+            check_level(self.kind, self.level)
+        except TransitionError as err:
+            raise SettingError("GrpoConfig", "level", self.level, f"{str(err).split(': ', 1)[-1]} for stepper "
+                               f"{self.kind}") from None
         object.__setattr__(self, "group", checked_int("GrpoConfig.group", self.group, 2))
         object.__setattr__(self, "clip_range", _opt_real("clip_range", self.clip_range))
         object.__setattr__(self, "adv_eps", _opt_real("adv_eps", self.adv_eps))
         object.__setattr__(self, "adv_clip", _opt_real("adv_clip", self.adv_clip))
         beta = _opt_real("beta", self.beta, positive=False)
         if beta < 0:
-            raise TrainingError(f"GrpoConfig.beta={self.beta!r}: must be >= 0")
+            raise SettingError("GrpoConfig", "beta", self.beta, "must be >= 0")
         object.__setattr__(self, "beta", beta)
         object.__setattr__(self, "importance_cap", _opt_real("importance_cap", self.importance_cap))
         object.__setattr__(self, "inner_epochs", checked_int("GrpoConfig.inner_epochs", self.inner_epochs, 1))

@@ -50,11 +50,11 @@ from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_j
 from .adapter_file import read_adapter
 from .dataset import check_fits, load_dataset, rollout_dataset
 from .lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
+from .job_folder import JOB, check_job_folder
 from .objective import TrainingError, checked_int
 from .run import RunState, TrainConfig, train
 from .step import trainable_parameters
 
-JOB = "job.json"
 CHECKPOINTS = "checkpoints"
 VARIANTS = ("transformer", "transformer_ref")
 
@@ -96,7 +96,6 @@ class TrainJob:
     # ---------------------------------------------------------------------------------------------- checks
     def check(self, resume: bool = False) -> "TrainJob":
         """Every value, path and the data, before any model loads; returns the job with its data and paths filled."""
-        from ..io_utils import check_output_dir
         from ..devices import resolve_device
 
         if self.variant not in VARIANTS:
@@ -114,17 +113,8 @@ class TrainJob:
         if (self.clips is None) == (not self.rollouts):
             raise TrainingError("give the data once: --clips DATASET (fine-tune) or --rollout TRAJECTORY REWARD "
                                 "(reward-weighted update), not both, not neither")
-        out = Path(self.out).expanduser()
-        check_output_dir(out, "--out")
-        has_job = (out / JOB).is_file()
-        if resume and not has_job:
-            raise TrainingError(f"--resume: {str(out)!r} holds no training job ({JOB}); start it without --resume")
-        if resume and (out / "run" / "manifest.json").is_file() and (out / "adapter").is_dir():
-            raise TrainingError(f"--resume: the job in {str(out)!r} is finished (run/ sealed, adapter/ written): "
-                                "verify it, or train again in a new folder")
-        if not resume and out.exists() and any(out.iterdir()):
-            why = "holds a training job: add --resume to continue it" if has_job else "is a folder of other files"
-            raise TrainingError(f"--out {str(out)!r} {why}, or give a new folder")
+        out = check_job_folder(Path(self.out).expanduser(), resume, "training",
+                               lambda folder: latest_checkpoint(folder) is not None)
         if self.clips is not None:
             data, digest = load_dataset(self.clips)
             clips, rollouts = str(Path(self.clips).resolve()), ()

@@ -63,10 +63,26 @@ class TrainingError(H3Error):
     """A training input or setting breaks a rule (request shapes, weights, seeds, trajectories, runs)."""
 
 
+class SettingError(TrainingError):
+    """One training setting breaks its rule. `owner` (the config that holds it, "" for none), `name` (its keyword
+    there), `value` and `rule` are kept: the message is the Python spelling `Owner.name=value: rule`; a front end says
+    the flag the user typed instead (`as_flag`)."""
+
+    def __init__(self, owner: str, name: str, value: Any, rule: str):
+        self.owner, self.name, self.value, self.rule = owner, name, value, rule
+        super().__init__(f"{owner + '.' if owner else ''}{name}={value!r}: {rule}")
+
+    def as_flag(self, flag: str) -> str:
+        """The message naming `flag` (`--group 1: must be an integer >= 2`)."""
+        return f"{flag} {self.value!r}: {self.rule}"
+
+
 def checked_int(name: str, value, minimum: int) -> int:
-    """`value` as an int when it is an integer (not a bool) >= `minimum`, else a one-line TrainingError naming it."""
+    """`value` as an int when it is an integer (not a bool) >= `minimum`, else a one-line `SettingError` naming it
+    (`name` may be "Owner.field")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise TrainingError(f"{name}={value!r}: must be an integer >= {minimum}")
+        owner, _, field_name = name.rpartition(".")
+        raise SettingError(owner, field_name, value, f"must be an integer >= {minimum}")
     return int(value)
 
 

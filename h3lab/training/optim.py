@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..hashing import tensor_digest
-from .objective import TrainingError
+from .objective import SettingError, TrainingError
 
 
 def _is_real(value) -> bool:
@@ -44,7 +44,7 @@ def _is_real(value) -> bool:
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> float:
     if not _is_real(value) or value < 0 or (value == 0 and not allow_zero):
-        raise TrainingError(f"AdamW {name}={value!r}: must be a finite number {'>=' if allow_zero else '>'} 0")
+        raise SettingError("AdamW", name, value, f"must be a finite number {'>=' if allow_zero else '>'} 0")
     return float(value)
 
 

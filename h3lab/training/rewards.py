@@ -30,6 +30,7 @@ Contract
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -221,11 +222,28 @@ REWARDS: dict[str, Reward] = {
 # ============================================================================================ resolution
 def _wrap(name: str, obj: Any) -> Reward:
     if isinstance(obj, Reward):
-        return obj
+        return check_signature(name, obj)
     if not callable(obj):
         raise RewardError(f"reward {name!r} is a {type(obj).__name__}: must be a callable or a Reward")
-    return Reward(getattr(obj, "reward_name", name), obj, getattr(obj, "needs", "decoded"),
-                  bool(getattr(obj, "batched", False)))
+    return check_signature(name, Reward(getattr(obj, "reward_name", name), obj, getattr(obj, "needs", "decoded"),
+                                        bool(getattr(obj, "batched", False))))
+
+
+def check_signature(name: str, reward: Reward) -> Reward:
+    """`reward` when its function can be called with one positional argument (a `RewardSample`, or the list of them
+    when `batched`); else a one-line `RewardError` naming the reward, its signature and the expected one -- checked
+    when the reward is resolved, before any rollout. A callable whose signature Python cannot read is taken as is."""
+    try:
+        signature = inspect.signature(reward.fn)
+    except (TypeError, ValueError):
+        return reward
+    try:
+        signature.bind(None)
+    except TypeError:
+        expected = "fn(samples) -> a float per sample" if reward.batched else "fn(sample) -> float"
+        raise RewardError(f"reward {name!r}: {getattr(reward.fn, '__qualname__', name)}{signature} cannot take one "
+                          f"argument; a reward is {expected}, the sample an h3lab.training.RewardSample") from None
+    return reward
 
 
 def resolve_reward(spec: str | Callable | Reward) -> Reward:

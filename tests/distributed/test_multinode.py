@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 from h3lab.distributed.launch import RankFailed
+from ports import free_port
 
 REPLAY = """\
 !mesh
@@ -27,16 +27,11 @@ a red ball
 """  # a replay holds at least one generation (strict: the mode a mesh runs); unchecked, so --allow-unchecked
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, tiny_snapshot):
     replay = tmp_path / "mesh.h3"
     replay.write_text(REPLAY)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     agents = []
     for node in (0, 1):

@@ -289,7 +289,8 @@ def test_importing_the_session_loads_no_front_end():
 # layer). A module belongs to the room of its longest matching prefix. docs/ARCHITECTURE.md ("Layers") holds the same
 # table; the test reads it back.
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (module prefixes, rooms it may import)
-    "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices"), ()),
+    "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices",
+              "h3lab.arithmetic"), ()),
     "schema": (("h3lab.schema",), ("base",)),
     "runtime": (("h3lab.runtime", "h3lab.fast", "h3lab.cuda_graph", "h3lab.module_tree", "h3lab.fast_graph",
                  "h3lab.strict_graph"), ()),
@@ -316,12 +317,12 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "preview": (("h3lab.preview",), ("base",)),
     "shapes": (("h3lab.shapes",), ("base", "checkpoint")),
     "session": (("h3lab.session", "h3lab.generation", "h3lab.results", "h3lab.request_checks", "h3lab.reruns",
-                 "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran",
+                 "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran", "h3lab.sealed",
                  "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest", "h3lab.keep"),
                 ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
                  "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training")),
     "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.encode",
-                    "h3lab.__main__"),
+                    "h3lab.verify", "h3lab.__main__"),
                    ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
                     "session", "settings", "stochastic", "training")),
 }

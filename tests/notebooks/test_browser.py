@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from nb_helpers import ARTIFACTS, NOTEBOOKS
+from ports import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -51,11 +51,6 @@ def _require_browser() -> str:
     return chromium
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _api(base: str, token: str, path: str, method: str = "GET", timeout: float = 5.0):
     req = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
@@ -72,7 +67,7 @@ class JupyterLab:
     """`jupyter lab` on 127.0.0.1:<free port> serving `root`, started in its own process group."""
 
     def __init__(self, root: Path, log: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.token = secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
         state = root.parent / "jupyter-state"

@@ -174,3 +174,11 @@ def test_tmux_smoke(snapshot, tmp_path):
     info = media.probe(video)
     assert info.frame_count == 22 and info.audio.sample_rate == 32000
     assert "a red fox in snow" in (tmp_path / "sess" / "history").read_text()
+
+
+def test_a_command_word_without_its_bang_runs_the_command(state, tmp_path):
+    """`help` typed without `!` is the help, not a clip of the prompt "help"; the REPL says so."""
+    out = drive(state, "help\nquit\n", tmp_path)
+    assert "(commands start with '!': ran !help; to generate the prompt 'help', say more words)" in out
+    assert any(line.startswith("Type a prompt to generate. Commands:") for line in out)
+    assert not state.results  # nothing was generated

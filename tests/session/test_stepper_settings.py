@@ -92,3 +92,8 @@ def test_a_generation_seals_the_stepper_and_verifies(session):
     assert T.verify(result.trajectory, session.transformer("transformer")).ok
     plain = session.generate("a red ball", seed=4, **SMALL)
     assert plain.trajectory.spec.stepper == "euler" and not plain.trajectory.spec.stepper_params
+    from h3lab.commands import generation_lines
+
+    summary = [line for line in generation_lines(result) if line.startswith("t2va ")]
+    assert summary and " stepper flow_sde window 1,1:" in summary[0], summary  # a non-Euler stepper is named
+    assert "stepper" not in next(line for line in generation_lines(plain) if line.startswith("t2va "))

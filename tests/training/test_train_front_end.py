@@ -5,6 +5,7 @@ reward-weighted update over sealed rollouts through `h3lab train` (the console d
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -72,20 +73,20 @@ def bad_cases(d, snap):
         ("rollout-reward", ["--rollout", str(d / "rollout1"), "good"] + o, "reward 'good': must be a number"),
         ("rollout-reward-inf", ["--rollout", str(d / "rollout1"), "inf"] + o, "must be a finite number"),
         ("rollout-no-latents", ["--rollout", str(d / "nokeep"), "1"] + o, "lacks kept latents"),
-        ("rank", c + o + ["--rank", "0"], "--rank=0: must be an integer >= 1"),
+        ("rank", c + o + ["--rank", "0"], "--rank 0: must be an integer >= 1"),
         ("rank-text", c + o + ["--rank", "two"], "invalid int value: 'two'"),
         ("alpha", c + o + ["--alpha", "-1"], "--alpha -1.0: must be a finite number > 0"),
         ("targets", c + o + ["--targets", "to_q,to_qq"], "LoRA target 'to_qq' matches no module"),
         ("targets-empty", c + o + ["--targets", "to_q,"], "LoRA target ''"),
         ("targets-norm", c + o + ["--targets", "norm1"], "LoRA wraps projections"),
-        ("steps", c + o + ["--steps", "0"], "TrainConfig.steps=0"),
-        ("batch", c + o + ["--batch-size", "0"], "TrainConfig.batch_size=0"),
-        ("lr", c + o + ["--lr", "0"], "AdamW lr=0.0"),
-        ("weight-decay", c + o + ["--weight-decay", "-1"], "AdamW weight_decay=-1.0"),
+        ("steps", c + o + ["--steps", "0"], "--steps 0: must be an integer >= 1"),
+        ("batch", c + o + ["--batch-size", "0"], "--batch-size 0: must be an integer >= 1"),
+        ("lr", c + o + ["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
+        ("weight-decay", c + o + ["--weight-decay", "-1"], "--weight-decay -1.0: must be a finite number >= 0"),
         ("objective", c + o + ["--video-weight", "0", "--audio-weight", "0"], "at least one modality"),
         ("mode", c + o + ["--mode", "fast-ish"], "invalid choice: 'fast-ish'"),
-        ("checkpoint-every", c + o + ["--checkpoint-every", "0"], "--checkpoint-every=0"),
-        ("lora-seed", c + o + ["--lora-seed", "-2"], "--lora-seed=-2"),
+        ("checkpoint-every", c + o + ["--checkpoint-every", "0"], "--checkpoint-every 0: must be an integer >= 1"),
+        ("lora-seed", c + o + ["--lora-seed", "-2"], "--lora-seed -2: must be an integer >= 0"),
         ("variant", c + o + ["--variant", "transformer_x"], "--variant 'transformer_x'"),
         ("device", c + o + ["--device", "cuda"], "cuda"),
         ("snapshot", c + o + ["-d", str(d / "junk")], "not a MiniMax-H3 snapshot folder"),
@@ -164,6 +165,13 @@ def test_resume_is_byte_equal_to_an_uninterrupted_run(data, tmp_path, capsys):
     model = load_model(job)
     add_lora(model, 2, 4.0)
     assert verify(whole / "run", model).ok
+    # ... and from the console, nothing to guess: the job folder names its run, the run its base and adapter
+    assert cli.main(["verify", str(whole)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"training run {whole / 'run'}: rebuilt ") and "LoRA rank 2 on" in out[0], out
+    assert out[1].startswith("OK"), out
+    assert cli.main(["verify", str(whole / "run"), "--steps", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("OK")
 
     # resuming with other arguments is refused, naming what differs
     code, err, _ = run(job_argv(data, tmp_path / "cut", "--resume", "--lr", "2e-2"), capsys)
@@ -297,3 +305,20 @@ def test_a_corrupted_checkpoint_is_refused_naming_it(data, tmp_path, capsys, ref
     code, err, _ = run(job_argv(data, out, "--resume"), capsys)
     assert code == 0, err
     _finished_like(out, reference)
+
+
+@pytest.mark.parametrize("parser", ["train", "grpo", "verify"])
+def test_every_flag_has_help_and_says_its_default(parser):
+    """`h3lab train --help` (and `train grpo`, `verify`): every flag explains itself and shows its default; the
+    training help points at `train grpo` and at `h3lab verify`."""
+    from h3lab import verify as verify_front_end
+
+    p = {"train": train.build_parser, "grpo": train.build_grpo_parser, "verify": verify_front_end.build_parser}[parser]()
+    for action in p._actions:
+        assert action.help, action.dest
+        shown = p._get_formatter()._get_help_string(action)
+        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS) and not action.required:
+            assert "default" in shown, (action.dest, shown)
+    if parser == "train":
+        text = p.format_help()
+        assert "h3lab train grpo --help" in text and "h3lab verify" in text

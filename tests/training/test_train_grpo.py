@@ -8,6 +8,7 @@ import time
 import pytest
 
 from h3lab import train
+from h3lab.training.rewards import latent_mean, reward
 
 LIMIT_S = 5.0
 
@@ -18,6 +19,20 @@ class Tripwire(BaseException):
 
 def bad_reward(sample):  # a module:function reward for the table (never called: resolution only)
     return 0.0
+
+
+def two_argument_reward(sample, other):  # a reward with the wrong signature: refused when resolved
+    return 0.0
+
+
+FLAKY = {"fail": False}
+
+
+@reward(needs="latents")
+def flaky_reward(sample):  # latent_mean, or a failure while FLAKY["fail"] (a reward server that is down)
+    if FLAKY["fail"]:
+        raise RuntimeError("reward server unreachable")
+    return latent_mean(sample)
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +66,28 @@ def cases(d):
         ("reward-unknown", p + ["--reward", "shiny"] + o, "reward 'shiny': not a shipped reward"),
         ("reward-module", p + ["--reward", "no_such_pkg_x:f"] + o, "cannot import module 'no_such_pkg_x'"),
         ("reward-attr", p + ["--reward", f"{__name__}:nope"] + o, "has no attribute 'nope'"),
-        ("group", base + ["--group", "1"], "GrpoConfig.group=1"),
+        ("group", base + ["--group", "1"], "--group 1: must be an integer >= 2"),
         ("group-text", base + ["--group", "four"], "invalid int value: 'four'"),
-        ("iterations", base + ["--iterations", "0"], "--iterations=0"),
-        ("steps", base + ["--steps", "0"], "--steps=0"),
+        ("iterations", base + ["--iterations", "0"], "--iterations 0: must be an integer >= 1"),
+        ("steps", base + ["--steps", "0"], "--steps 0: must be an integer >= 1"),
         ("stepper", base + ["--stepper", "ode"], "invalid choice: 'ode'"),
-        ("level", base + ["--level", "-1"], "GrpoConfig.level=-1.0"),
-        ("clip", base + ["--clip-range", "0"], "GrpoConfig.clip_range=0.0"),
-        ("beta", base + ["--beta", "-0.1"], "GrpoConfig.beta=-0.1"),
-        ("cap", base + ["--importance-cap", "0"], "GrpoConfig.importance_cap=0.0"),
-        ("epochs", base + ["--inner-epochs", "0"], "GrpoConfig.inner_epochs=0"),
+        ("level", base + ["--level", "-1"], "--level -1.0: must be a finite number > 0"),
+        ("clip", base + ["--clip-range", "0"], "--clip-range 0.0: must be a finite number > 0"),
+        ("beta", base + ["--beta", "-0.1"], "--beta -0.1: must be >= 0"),
+        ("cap", base + ["--importance-cap", "0"], "--importance-cap 0.0: must be a finite number > 0"),
+        ("epochs", base + ["--inner-epochs", "0"], "--inner-epochs 0: must be an integer >= 1"),
         ("passes", base + ["--passes", "some"], "--passes 'some': must be all, fraction:F"),
         ("passes-fraction", base + ["--passes", "fraction:2"], "pass fraction=2.0: must be <= 1.0"),
         ("passes-window", base + ["--passes", "window:1"], "--passes 'window:1'"),
-        ("rank", base + ["--rank", "0"], "--rank=0"),
+        ("passes-window-steps", base + ["--passes", "window:2,4", "--steps", "4"],
+         "window passes [4, 5]: not SDE passes of this rollout (4 passes"),
+        ("level-cps", base + ["--stepper", "cps", "--level", "1.5"], "--level 1.5: must be in [0, 1] for stepper cps"),
+        ("reward-signature", p + ["--reward", f"{__name__}:two_argument_reward"] + o,
+         "two_argument_reward(sample, other) cannot take one argument; a reward is fn(sample) -> float"),
+        ("rank", base + ["--rank", "0"], "--rank 0: must be an integer >= 1"),
         ("alpha", base + ["--alpha", "0"], "--alpha 0.0"),
         ("targets", base + ["--targets", "to_qq"], "LoRA target 'to_qq' matches no module"),
-        ("lr", base + ["--lr", "0"], "AdamW lr=0.0"),
+        ("lr", base + ["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
         ("width", base + ["--width", "50"], "50"),
         ("snapshot", base + ["-d", str(d / "junk")], "not a MiniMax-H3 snapshot folder"),
         ("out-not-job", p + r + ["--out", str(d / "junk")], "is a folder of other files"),
@@ -160,3 +180,36 @@ def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
         assert verify(resumed, model).ok
     finally:
         remove_lora(model, handle)
+    from h3lab import cli
+
+    capsys.readouterr()
+    assert cli.main(["verify", str(tmp_path / "cut")]) == 0  # the job folder: its run/, base and adapter rebuilt
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("GRPO run ") and "LoRA rank 2" in out[0] and out[1].startswith("OK"), out
+    assert cli.main(["verify", str(tmp_path / "cut"), "--steps", "1"]) == 2
+    assert "--steps: a GRPO run replays every iteration" in capsys.readouterr().err
+
+
+def test_a_job_stopped_before_its_first_checkpoint_restarts_with_resume(files, tiny_snapshot, tmp_path, capsys):
+    """The rule of every job folder: a job that fails before its first checkpoint (here its reward, at the first
+    rollout) leaves job.json and initial/; a fresh run says to add --resume, and --resume starts it again from
+    iteration 0 -- the run an uninterrupted job makes, verified from the console."""
+    out = tmp_path / "flaky"
+    argv = [*grpo_argv(files, out), "--reward", f"{__name__}:flaky_reward", "-d", str(tiny_snapshot)]
+    FLAKY["fail"] = True
+    try:
+        assert train.main(["grpo", *argv]) == 2
+    finally:
+        FLAKY["fail"] = False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward server unreachable" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["initial", "job.json"]
+    assert train.main(["grpo", *argv]) == 2
+    assert "stopped before its first checkpoint: add --resume to start it again" in capsys.readouterr().err
+    assert train.main(["grpo", *argv, "--resume"]) == 0
+    assert "trained 2 GRPO iterations" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "initial", "job.json", "run"]
+    from h3lab import cli
+
+    assert cli.main(["verify", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("OK")

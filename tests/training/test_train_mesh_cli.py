@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from ports import free_port
 from training_cases import make_clip
 
 from h3lab import H3Config, H3Transformer, train
@@ -59,11 +59,6 @@ def test_bad_mesh_values_exit_2_with_one_line(clips, tmp_path, capsys, extra, sa
     assert code == 2 and len(err) == 1 and said in err[0], err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _manifest(out) -> dict:
     return json.loads((out / "run" / "manifest.json").read_text())
@@ -74,7 +69,7 @@ ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "l
 
 def _torchrun(n: int, *tail: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), *tail]
+            "--master-port", str(free_port()), *tail]
 
 
 @pytest.fixture(scope="module")
