@@ -47,6 +47,43 @@ class _Parser(argparse.ArgumentParser):
         raise TrainArgError(message)
 
 
+GPU_MEMORY_HELP = ("budget for the DiT's frozen weights on the device: the blocks that fit stay resident, the rest "
+                   "stream through slots in the forward and again in the backward (needs --gradient-checkpointing; "
+                   "bytes equal the resident run's; default: all resident)")
+
+
+def check_gpu_memory_flag(args: argparse.Namespace) -> float | None:
+    """--gpu-memory: None, or a number of GiB > 0 with --gradient-checkpointing (a streamed block's backward
+    recomputes it; without checkpointing autograd would keep every block's weights)."""
+    if args.gpu_memory is None:
+        return None
+    from .components.residency import ResidencyError, check_gpu_memory
+
+    try:
+        gib = check_gpu_memory(args.gpu_memory)
+    except ResidencyError:
+        raise TrainArgError(f"--gpu-memory {args.gpu_memory!r}: must be a number of GiB > 0") from None
+    if not args.gradient_checkpointing:
+        raise TrainArgError(f"--gpu-memory {gib:g} streams blocks through the backward: add --gradient-checkpointing "
+                            "(byte-neutral)")
+    return gib
+
+
+def streamed_model(job, gib: float):
+    """The job's base transformer loaded into host memory and streamed onto its device under `gib` GiB
+    (`components.streaming.stream_blocks`); (model, `run_job`'s `place` recording the residency in the run's meta)."""
+    import torch
+
+    from .components.streaming import stream_blocks
+    from .devices import resolve_device
+    from .training.job import load_model
+
+    model = load_model(job, torch.device("cpu"))
+    streamer = stream_blocks(model, resolve_device(job.device), gpu_memory_gib=gib)
+    record = {"policy": "streamed", **streamer.plan.to_dict()}
+    return model, lambda _model: {"residency": record}
+
+
 class _Help(argparse.RawDescriptionHelpFormatter):
     """Every flag's help ends with its default (unless it says it already, or the flag is a switch or required);
     the description keeps its lines."""
@@ -92,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K", help="steps between checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue the job in --out from its newest checkpoint (from step 0 when it has none)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help=GPU_MEMORY_HELP)
     p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree, under torchrun")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, under torchrun")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the (tp, cp) mesh, under torchrun")
@@ -139,6 +177,7 @@ def build_grpo_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each block in the backward (byte-neutral; less memory)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help=GPU_MEMORY_HELP)
     p.add_argument("--resume", action="store_true",
                    help="continue the job in --out from its checkpoint (from iteration 0 when it has none)")
     return p
@@ -202,10 +241,12 @@ def grpo_main(argv: Sequence[str]) -> int:
     def work() -> dict:
         args = build_grpo_parser().parse_args(argv)
         job = grpo_job_from_args(args)
+        gib = check_gpu_memory_flag(args)
         from .session import Session
         from .training.grpo_job import run_grpo_job
 
-        session = Session(job.snapshot, device=job.device)
+        session = Session(job.snapshot, device=job.device, **({} if gib is None else
+                                                              {"residency": "streamed", "gpu_memory": gib}))
         return run_grpo_job(job, session, resume=args.resume, progress=GrpoProgress())
 
     code, summary = _guarded("h3lab train grpo", work)
@@ -350,7 +391,7 @@ def _placer(mesh):
         from .distributed import parallelize
 
         parallelize(model, mesh)
-        return mesh.to_dict()
+        return {"mesh": mesh.to_dict()}
 
     return place
 
@@ -367,8 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         mesh = mesh_for(args, job)
         from .training.job import load_model, run_job
 
+        gib = check_gpu_memory_flag(args)
         if mesh is None:
-            return run_job(job, load_model(job), resume=args.resume, progress=Progress())
+            model, place = streamed_model(job, gib) if gib is not None else (load_model(job), None)
+            return run_job(job, model, resume=args.resume, progress=Progress(), place=place)
+        if gib is not None:
+            raise TrainArgError("--gpu-memory on a mesh: a budget streams one process's blocks; shard them with "
+                                "--tp / --cp instead")
         from .distributed.frontend import close_mesh
         from .distributed.peers import watch
 

@@ -21,8 +21,16 @@ byte-identical to resident in every mode (tests: CPU strict and off; H200: `benc
 Which units stream (`gpu_memory_gib`: a budget for the DiT's tensors on the GPU), the value of the run-spec field and
 the pinned arena layout are planned in `residency.py`; this module moves the bytes.
 
-Streaming is inference only: a unit whose forward would record gradients is refused (autograd would keep the slot
-views the next copy overwrites). Do not move or cast a streamed model (`.to`, `apply_dtype_policy`):
+Training streams too, with gradient checkpointing (`model.gradient_checkpointing`): the checkpointed forward keeps
+no activation of a block (so no slot view outlives the block), and the backward recomputes each block -- its
+pre-hook copies it into a slot again -- right before that block's backward, which uses the recomputation's saved
+views of the slot. Three rules make that safe: (1) while gradients are recorded, a copy into a slot waits for every
+kernel the compute stream has been given so far (a fresh mark, not the slot's last-use mark: the block's backward
+kernels are issued after its recomputation ended); (2) while the model recomputes (`model.recomputing`), the unit
+predicted next is the previous one (the backward walks the blocks in reverse); (3) only frozen tensors stream: the
+trainable ones (a LoRA adapter's factors, created after the units were packed) stay resident beside them, and the
+optimiser's state with them. A forward that records gradients without checkpointing is refused (autograd would keep
+slot views that the next copy overwrites). Do not move or cast a streamed model (`.to`, `apply_dtype_policy`):
 `streamer.remove(restore=True)` makes it an ordinary resident model again (refused on CUDA when the blocks do not fit).
 
 Statistics (`BlockStreamer.begin_run()` / `end_run() -> StreamStats`; the last run's are `last_stats()`): bytes
@@ -241,6 +249,7 @@ class BlockStreamer:
         self._handles: list[Any] = []
         self._by_module: dict[int, _Unit] = {}
         self._next: dict[int, _Unit] = {}  # id(unit) -> the streamed unit predicted after it (cyclic)
+        self._prev: dict[int, _Unit] = {}  # id(unit) -> the one before it: what a backward recomputes next
         self._recording = False
         self._copies: list[Ticket] = []
         self._uses: list[tuple[Ticket, Any]] = []
@@ -269,6 +278,7 @@ class BlockStreamer:
         self.plan = plan
         self.streamed = [u for u in self.units if u.name in names]
         self._next = {id(u): self.streamed[(i + 1) % len(self.streamed)] for i, u in enumerate(self.streamed)}
+        self._prev = {id(u): self.streamed[i - 1] for i, u in enumerate(self.streamed)}
         self._queue.clear()
         self._current = None
         self.slots = [_Slot(i, torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device))
@@ -358,11 +368,11 @@ class BlockStreamer:
     # -------------------------------------------------------------------------------------- the hooks
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         unit = self._by_module[id(module)]
-        if torch.is_grad_enabled() and (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                                        or any(p.requires_grad for p in module.parameters())):
+        if self._recording_grads(module, args) and not getattr(self.model, "gradient_checkpointing", False):
             raise ResidencyError(
-                f"{unit.name}: streamed residency runs inference only (this forward records gradients, which would "
-                "keep weights the next block's copy overwrites); run it resident"
+                f"{unit.name}: a streamed block trains only with gradient checkpointing (this forward records "
+                "gradients, which would keep weights the next block's copy overwrites); turn on gradient "
+                "checkpointing (--gradient-checkpointing) or run it resident"
             )
         if self._current is not None:
             raise ResidencyError(f"{unit.name} started inside {self._current[0].name}: streamed blocks cannot nest")
@@ -401,12 +411,18 @@ class BlockStreamer:
             self._on_demand += self._recording
         return slot
 
+    @staticmethod
+    def _recording_grads(module: nn.Module, args: tuple) -> bool:
+        return torch.is_grad_enabled() and (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                                            or any(p.requires_grad for p in module.parameters()))
+
     def _prefetch(self, current: _Unit) -> None:
-        """Queue the units predicted next (streamed order, cyclic: after the last comes the first) into the other
-        slots, up to `slots - 1` ahead."""
+        """Queue the units predicted next (streamed order, cyclic: after the last comes the first; the reverse order
+        while the model recomputes blocks for a backward) into the other slots, up to `slots - 1` ahead."""
+        order = self._prev if getattr(self.model, "recomputing", False) else self._next
         nxt = self._queue[-1].unit if self._queue else current  # the queue already holds the units up to here
         while len(self._queue) < len(self.slots) - 1:
-            nxt = self._next[id(nxt)]
+            nxt = order[id(nxt)]
             if nxt is current:
                 break  # every streamed unit is queued or running
             slot = next((s for s in self.slots if s.unit is nxt and not s.busy and s not in self._queue), None)
@@ -427,7 +443,10 @@ class BlockStreamer:
         return None
 
     def _fill(self, slot: _Slot, unit: _Unit) -> None:
-        slot.ticket = self.backend.copy(slot.buffer[: unit.nbytes], unit.host, after=slot.free)
+        # While gradients are recorded the slot's last-use mark is not enough: a block's backward kernels run after
+        # its recomputation ended, so the copy waits for everything given to the compute stream so far.
+        after = self.backend.mark() if torch.is_grad_enabled() else slot.free
+        slot.ticket = self.backend.copy(slot.buffer[: unit.nbytes], unit.host, after=after)
         slot.unit = unit
         if self._recording:
             self._copies.append(slot.ticket)

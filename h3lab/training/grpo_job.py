@@ -201,8 +201,11 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
             if progress is not None:
                 progress(k + 1, job.iterations, record)
 
-        run = grpo_train(model, rollout, job.config, job.iterations, reward=job.reward,
-                         meta={"job": job.to_dict()}, on_iteration=on_iteration, resume=previous)
+        meta: dict[str, Any] = {"job": job.to_dict()}
+        if getattr(session, "residency", "resident") != "resident":  # where the weights lived: beside the digest
+            meta["residency"] = {"policy": session.residency, "gpu_memory_gib": session.gpu_memory}
+        run = grpo_train(model, rollout, job.config, job.iterations, reward=job.reward, meta=meta,
+                         on_iteration=on_iteration, resume=previous)
         adapter_path, sha = save_adapter(model, out / "adapter")
         run_path = run.seal(out / "run")
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # superseded by run/ (module docstring)

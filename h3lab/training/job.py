@@ -253,8 +253,8 @@ def run_job(job: TrainJob, model, *, resume: bool = False,
     summary {steps, loss, adapter, adapter_sha256, run, digest}. A write that fails without naming its file (a full
     disk inside an atomic write) is reported naming the job folder.
     On a mesh (`h3lab train --cp C` under torchrun) every rank calls this with the same job: `place(model)` puts the
-    adapted model on the mesh and returns the record the run's manifest keeps under `meta.mesh` (beside the digest,
-    never in it); only the `lead` rank (rank 0) writes the folder and reports progress, the others train alike and
+    adapted model on the mesh and returns the records the run's manifest keeps in its `meta` (`{"mesh": ...}`;
+    `{"residency": ...}` for a model streamed under a GPU-memory budget), beside the digest, never in it; only the `lead` rank (rank 0) writes the folder and reports progress, the others train alike and
     write nothing (they read a checkpoint to resume, which rank 0 replaces only after every rank has started).
     `dp_group`: the mesh's data-parallel group (`--dp`): each step's requests are split over it
     (`data_parallel_gradients`); None: every rank computes the whole batch."""
@@ -288,7 +288,7 @@ def _run_job(job: TrainJob, model, resume: bool, progress, place, lead: bool, dp
     try:
         meta = {"job": job.to_dict()}
         if place is not None:
-            meta["mesh"] = place(model)
+            meta.update(place(model))
         state = None
         last = latest_checkpoint(out) if resume else None
         if last is not None:

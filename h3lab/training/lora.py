@@ -292,12 +292,25 @@ def inject(model: nn.Module, config: Any, seed: int = 0) -> LoraHandle:
         torch.manual_seed(seed)
         inject_adapter_in_model(register_layer(config), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+    _factors_where_the_model_computes(model)
     cls = lora_layer_class()
     odd = [n for n, m in lora_layers(model) if type(m) is not cls]
     if odd:  # peft chose another layer class: its factors would run outside the op table
         remove_lora(model, LoraHandle(config, modules, flags))
         raise AdapterError(f"peft wrapped {odd[0]!r} with a layer that is not h3lab's LoraLinear")
     return LoraHandle(config, modules, flags)
+
+
+def _factors_where_the_model_computes(model: nn.Module) -> None:
+    """peft creates each factor beside its base weight; a streamed block's base weights sit in host memory between
+    its forwards, so its factors would too. Every factor goes to the device of the model's first parameter (its
+    input projection: resident in every residency), keeping its Parameter object (`.data`)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            for name, p in layer.named_parameters():
+                if "lora_" in name and p.device != device:
+                    p.data = p.data.to(device)
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: str | Sequence[str] = PROJECTIONS,
