@@ -53,7 +53,7 @@ import contextvars
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -212,16 +212,19 @@ class _Slot:
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # id(unit) -> views of `buffer`
 
 
-def _host_buffers(sizes: list[int], pinned: bool) -> list[torch.Tensor]:
-    """One uint8 host buffer per size: exact allocations, or slices of pinned arenas (`arena_layout`)."""
+def _host_buffers(sizes: list[int], pinned: bool) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    """A uint8 host buffer per size, one arena at a time: [(index, buffer), ...] of each arena's members, the next
+    arena allocated only when the caller asks for it. Exact allocations, or slices of pinned arenas
+    (`arena_layout`)."""
+    if not sizes:
+        return
     if not pinned:
-        return [torch.empty(n, dtype=torch.uint8) for n in sizes]
-    out: list[torch.Tensor | None] = [None] * len(sizes)
+        for i, n in enumerate(sizes):
+            yield [(i, torch.empty(n, dtype=torch.uint8))]
+        return
     for arena, members in arena_layout(sizes):
         buf = torch.empty(arena, dtype=torch.uint8, pin_memory=True)
-        for i, offset in members:
-            out[i] = buf[offset: offset + sizes[i]]
-    return out  # type: ignore[return-value]
+        yield [(i, buf[offset: offset + sizes[i]]) for i, offset in members]
 
 
 def streamer_of(model: nn.Module) -> "BlockStreamer | None":
@@ -268,13 +271,16 @@ class BlockStreamer:
                 if unit.name not in names:
                     self._make_resident(unit)
             to_host = [u for u in self.units if u.name in names and u.host is None]
-            arenas = _host_buffers([u.nbytes for u in to_host], pinned=self.device.type == "cuda") if to_host else []
-            for unit, host in zip(to_host, arenas):
-                for e in unit.entries:
-                    host[e.offset: e.offset + e.nbytes].copy_(e.get().detach().reshape(-1).view(torch.uint8))
-                unit.host = host
-                unit.host_views = [_view(host, e) for e in unit.entries]
-                self._bind(unit, unit.host_views)
+            # One arena at a time: each unit's old tensors are released as soon as its bytes are packed, so host
+            # memory peaks at the model plus one arena, not at twice the streamed bytes.
+            for members in _host_buffers([u.nbytes for u in to_host], pinned=self.device.type == "cuda"):
+                for i, host in members:
+                    unit = to_host[i]
+                    for e in unit.entries:
+                        host[e.offset: e.offset + e.nbytes].copy_(e.get().detach().reshape(-1).view(torch.uint8))
+                    unit.host = host
+                    unit.host_views = [_view(host, e) for e in unit.entries]
+                    self._bind(unit, unit.host_views)
         self.plan = plan
         self.streamed = [u for u in self.units if u.name in names]
         self._next = {id(u): self.streamed[(i + 1) % len(self.streamed)] for i, u in enumerate(self.streamed)}

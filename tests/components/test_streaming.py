@@ -207,10 +207,12 @@ def test_a_failing_forward_leaves_the_streamer_consistent(spec, resident):
     assert T.record(spec, model).digest == resident.digest  # the mispredicted queue is refilled on demand
 
 
-def test_inference_only(spec):
+def test_gradients_need_checkpointing(spec):
+    """A forward that records gradients through a streamed block is refused unless the model checkpoints its blocks
+    (training under a budget: tests/training/test_streamed_training.py)."""
     model = fresh_model()
     streamed(model)
-    with pytest.raises(S.ResidencyError, match="inference only"):
+    with pytest.raises(S.ResidencyError, match="trains only with gradient checkpointing"):
         with torch.enable_grad():
             video = spec.inputs.video.clone().requires_grad_(True)
             from h3lab.run import model_forward
