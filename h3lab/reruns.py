@@ -71,4 +71,3 @@ def verify(session: Any, path: str | os.PathLike):
         model = session.store.dit(variant, *needed_blocks([traj.spec.preset]))
         return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model),
                         execution={**session.store.plan.spec_fields(), "adapters": list(session.adapters)})
-
