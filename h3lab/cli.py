@@ -3,7 +3,7 @@
     h3lab -p "a red fox walks through snow" -o fox.mp4            # embedded tiny snapshot
     h3lab -d ./MiniMax-H3 -p PROMPT -o out.mp4 --width 512 --height 512 --frames 22 --steps 20
     h3lab -d ./MiniMax-H3                                          # interactive session (REPL)
-    h3lab --replay sessions/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
+    h3lab --replay replays/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
     h3lab --info [-d PATH] [--json]                                # snapshot report, no generation
     torchrun --nproc-per-node 4 -m h3lab --tp 2 --cp 2 -p PROMPT   # strict TP / CP (Ulysses) / SP on 4 ranks
 

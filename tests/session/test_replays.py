@@ -1,4 +1,4 @@
-"""Scripted replays: every shipped `sessions/*.h3` passes its `# expect` lines; mismatches fail the CLI with exit 1;
+"""Scripted replays: every shipped `replays/*.h3` passes its `# expect` lines; mismatches fail the CLI with exit 1;
 `--update` rewrites expect lines atomically; malformed replays stop with file:line."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 from h3lab import cli, commands, replay as replays
 from session_helpers import REPO
 
-SESSIONS = sorted((REPO / "sessions").glob("*.h3"))
+REPLAYS = sorted((REPO / "replays").glob("*.h3"))
 
 
 def replay(state_factory, path, update=False):
@@ -46,7 +46,7 @@ def default_replay_state(default_session):
 
 
 def test_shipped_replays_exist():
-    assert {p.stem for p in SESSIONS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
+    assert {p.stem for p in REPLAYS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
 
 
 TAG = replays.arithmetic_class("cpu")
@@ -56,7 +56,7 @@ def expect_line(digest: str) -> str:
     return f"# expect[{TAG}] {digest}"
 
 
-@pytest.mark.parametrize("path", SESSIONS, ids=[p.stem for p in SESSIONS])
+@pytest.mark.parametrize("path", REPLAYS, ids=[p.stem for p in REPLAYS])
 def test_shipped_replay_passes(path, default_replay_state):
     """Every generation (on the embedded default snapshot, as `h3lab --replay FILE` runs it) is checked where the
     file holds lines for this machine's arithmetic class; on a class it has no lines for, the replay still runs every
@@ -83,7 +83,7 @@ def test_shipped_replay_passes(path, default_replay_state):
 
 def test_cli_replay_mismatch_exits_1_and_update_rewrites(tmp_path, snapshot, replay_state, capsys):
     path = tmp_path / "t2va.h3"
-    bare = [line for line in (REPO / "sessions" / "t2va.h3").read_text().splitlines() if "# expect" not in line]
+    bare = [line for line in (REPO / "replays" / "t2va.h3").read_text().splitlines() if "# expect" not in line]
     path.write_text("\n".join(bare) + "\n")
     replay(replay_state, path, update=True)  # this machine's lines
     original = path.read_text()
