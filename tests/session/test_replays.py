@@ -142,7 +142,7 @@ def test_malformed_replays_stop_with_file_and_line(tmp_path, replay_state):
 
 
 def test_a_replay_that_checked_nothing_exits_1_unless_allowed(tmp_path, snapshot, capsys):
-    """Issue 23, item 2: a verification that cannot fail here is not a pass."""
+    """A verification that cannot fail here is not a pass."""
     path = tmp_path / "other.h3"
     path.write_text("!size 64x64\n!frames 22\n!steps 1\n!mode off\na fox\n# expect[cuda] " + "f" * 64 + "\n")
     assert cli.main(["-d", str(snapshot), "--replay", str(path)]) == 1
@@ -183,7 +183,7 @@ def test_cpu_class_names_aten_and_onednn(capability, flags, env, tag):
 
 
 def test_a_mesh_replay_refuses_a_non_strict_generation_before_any(tmp_path, snapshot):
-    """Issue 23, item 3: on a mesh of several ranks every generation must be strict; the validation names the
+    """On a mesh of several ranks every generation must be strict; the validation names the
     generation line before the first one runs."""
     from types import SimpleNamespace
 

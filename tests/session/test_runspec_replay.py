@@ -1,6 +1,6 @@
 """The session re-runs exactly what ran, from the run's sealed `RunSpec`: `!drift` after `!reuse 3` evaluates the
-passes the generation evaluated (issue 10, bug 2), `verify` replays ablated generations with their factors (bug 3)
-and reused ones as they ran, and a tampered factor list is caught (refused or reported as drift)."""
+passes the generation evaluated, `verify` replays ablated generations with their factors and reused ones as they
+ran, and a tampered factor list is caught (refused or reported as drift)."""
 
 import json
 

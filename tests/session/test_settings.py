@@ -138,7 +138,7 @@ def test_below_released_five_seconds_is_a_notice_not_an_error():
     assert frames == 107 and any("below the released" in n for n in notices)
     frames, notices = resolve_frames(None, 4.9)  # 118 frames -> 124 = 5.167 s: at or above 5 s after snapping
     assert frames == 124 and not any("below the released" in n for n in notices)
-    # issue 23, item 6: the default length (22 frames) is not news on every generation
+    # the default length (22 frames) is not news on every generation
     frames, notices = resolve_frames(None, None)
     assert frames == 22 and notices == [] and settings().notices == ()
 
@@ -249,7 +249,7 @@ def test_settings_are_frozen():
 
 
 def test_readme_preset_table_cli_default_column_is_the_cli_default():
-    """Issue 23, item 6: the README's "CLI default" column says what runs without preset flags."""
+    """The README's "CLI default" column says what runs without preset flags."""
     from session_helpers import REPO
 
     rows = {}
