@@ -249,11 +249,11 @@ def test_settings_are_frozen():
 
 
 def test_readme_preset_table_cli_default_column_is_the_cli_default():
-    """The README's "CLI default" column says what runs without preset flags."""
+    """docs/presets.md's "CLI default" column says what runs without preset flags."""
     from session_helpers import REPO
 
     rows = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "presets.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[0] in ("Denoising passes", "Whole denoiser reuse", "Active DiT blocks",
                                             "Core residual reuse", "Token reduction", "Internal canvas"):
