@@ -72,7 +72,8 @@ def grpo() -> list[tuple[str, str, str, str]]:
     what = (f"GRPO on-policy ratio, {doc['config']['layers']} blocks: (request, pass, modality) items whose "
             "ratio is exactly 1")
     ours = f"strict **{strict['ratio']['exactly_one']} of {strict['ratio']['count']}**"
-    base = f"off {off['ratio']['exactly_one']} of {off['ratio']['count']} (max \\|ratio − 1\\| {off['ratio']['max_abs']:.1e})"
+    spread = off["ratio"]["max_abs"]
+    base = f"off {off['ratio']['exactly_one']} of {off['ratio']['count']} (max \\|ratio − 1\\| {spread:.1e})"
     return [(what, ours, base, source(name, doc))]
 
 
