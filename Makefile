@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/h3lab --profile --width 64 --height 64 -p "a blue square moves right, a middle tone" -o outputs/demo.mp4
 
 # Strict on the CPU: every transformer op through a Triton kernel in Triton's interpreter (exact, slow), on a small
-# canvas with few passes so it ends within a minute (measured: README, "Strict on a CPU").
+# canvas with few passes so it ends within a minute (measured: docs/strict-and-drift.md, "Strict on a CPU").
 demo-strict: $(STAMP)
 	mkdir -p outputs
 	TRITON_INTERPRET=1 $(BIN)/h3lab --profile --mode strict --width 64 --height 64 --frames 22 --steps 3 \

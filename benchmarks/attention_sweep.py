@@ -40,7 +40,7 @@ def variants(only=None):
     unmasked = V(split_tail=True, even_d=True)
     tma = V(split_tail=True, even_d=True, tma=True)
     # 4 stages (288 KB) and BLOCK_N 256 at 2 stages (288 KB) exceed the 227 KB of shared memory: not swept.
-    # "contract" is the wave-2 loop (every tile masked): with FMA contraction its masked tiles cannot contract the
+    # "contract" is the loop with every tile masked: with FMA contraction its masked tiles cannot contract the
     # logit subtraction, so on the GPU its bytes may differ from the unmasked loops' (`bytes_equal` says).
     keep = [
         ("contract", V(), base),

@@ -1,5 +1,5 @@
 """One full-size H3 block, forward + backward: strict against torch (`off`, the Diffusers arithmetic), at the two
-benchmark row counts (issue #3 target: strict backward deterministic and at most 1.5x torch's).
+benchmark row counts (target: strict backward deterministic and at most 1.5x torch's).
 
 One `TransformerBlock` of the released width (hidden 5376, 56x128 heads, ffn 14336, AdaLN 2688 -> 96768) with seeded
 random bf16 weights is run through the model's own block code (`h3lab/model/layers.py`) under each mode: forward

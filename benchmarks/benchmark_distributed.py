@@ -431,9 +431,9 @@ def _shared_doc(args, argv, device, config, world, results, rank) -> dict:
 
 def release_replicas(model, rank: int, dev) -> None:
     """Drop a topology's weights on every rank (whatever still holds the model object), the ranks mapping a CP owner's
-    weights first, so that the owner's exported blocks are returned before the next topology is built. (On the H200
-    a CP4 owner's 62 GiB stayed held into the next topology, out of memory: one CUDA IPC handle per tensor had been
-    opened by three ranks, and IPC releases one reference per opening; `mailbox.export` now sends one per rank.)"""
+    weights first, so that the owner's exported blocks are returned before the next topology is built (else a CP4
+    owner's 62 GiB stays held into the next topology, out of memory on the H200). CUDA IPC releases one reference per
+    opening, so `mailbox.export` sends one handle per mapping rank."""
     import torch.distributed as dist
 
     def drop() -> None:

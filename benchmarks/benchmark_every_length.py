@@ -42,9 +42,9 @@ import torch
 from _common import header, kernel_profile, peak_mem_gib, prepare, rel_l2, sync, write
 from benchmark_forward import SHAPES, build_diffusers, build_h3lab_shared, make_inputs, output_sha256, t2va_spec
 
-# 512x512x22f, 50 blocks, batch 1, make_inputs seed 7. Strict: forward_every_length_session10_short.json (and _long,
-# the same bytes in another process), since the tenth session's FMA contraction in the attention forward; the hash
-# before it, 5656264074a0..., is forward_fp32_tf32x3.json's. Off (= Diffusers): forward_fp32_tf32x3.json.
+# 512x512x22f, 50 blocks, batch 1, make_inputs seed 7. Strict: forward_every_length_short.json (and _long, the same
+# bytes in another process), with the attention forward's FMA contraction; the strict hash without the contraction,
+# 5656264074a0..., is forward_fp32_tf32x3.json's. Off (= Diffusers): forward_fp32_tf32x3.json.
 COMMITTED = {"h3lab-strict": "efbe4d6881f22c8daf51e0d0244ba4df8b2795e11db2c918355b7dce15ed2e11",
              "h3lab-off": "5d170f025541bf2237466ee7d5b79ebbca339be94eee343dde149bb7b96aac55"}
 ALL_SHAPES = "512x512x22f,864x480x56f,1344x768x39f,1344x768x124f,1344x768x362f"
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
                       flush=True)
             del outs, fns, small, d_model, h_model
             v = a = ve = ae = vs = as_ = ref = None  # noqa: F841 - a graph's outputs keep its private pool alive
-            fast_graph.GRAPHS.clear()  # a shape's graph pools are not reused by the next (109,205 rows ran out of
-            strict_graph.GRAPHS.clear()  # memory beside them in session 5)
+            fast_graph.GRAPHS.clear()  # a shape's graph pools are not reused by the next (109,205 rows run out of
+            strict_graph.GRAPHS.clear()  # memory beside them)
             if device == "cuda":
                 torch.cuda.empty_cache()
             doc.setdefault("partial_table", []).extend(results[-len(impls):])

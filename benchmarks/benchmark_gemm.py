@@ -154,7 +154,7 @@ def sweep(device: str, rows_list, shapes) -> list[dict]:
 def schedules(device: str, rows_list, shapes) -> list[dict]:
     """`linear_tree` bf16 schedules (same BLOCK 128x128x64, so the same bytes) against cuBLAS on each tree shape:
     the chunk-by-chunk loops at 4 stages with pointer slots, the contract tile (the same loops, TMA slots), and the
-    paired chunks at 3 stages (the contract before); every output checked byte-equal to the chunk-by-chunk loops'."""
+    paired chunks at 3 stages; every output checked byte-equal to the chunk-by-chunk loops'."""
     import dataclasses
 
     import torch

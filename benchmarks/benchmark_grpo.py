@@ -9,7 +9,7 @@ position is not its identity). Training
 is `grpo_step.grpo_iteration`: every (request, pass) item alone (batch 1, gradient checkpointing on, LoRA
 trainable), one inner epoch, one StrictAdamW step. Strict is the contract (ratio exactly 1.0 everywhere); `off` reports
 its deviation (min / max / mean of ratio - 1) next to Diffusers' numbers on the same model
-(`shared/reference/rl_anchors.md`).
+(`docs/reference/rl_anchors.md`).
 
     python benchmarks/benchmark_grpo.py --out benchmarks/results/grpo.json        # one H200
     python benchmarks/benchmark_grpo.py --tiny --out /tmp/grpo.json                # CPU dry run (tiny config)
@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
                  grpo={"kind": "flow_sde", "level": args.level, "group": args.group, "passes": args.passes,
                        "batch_order": batch_order(args.group), "gradient_checkpointing": True, "inner_epochs": 1},
                  build_s=round(build_s, 1),
-                 reference={"source": "shared/reference/rl_anchors.md (H200, Diffusers, ratio - 1)",
+                 reference={"source": "docs/reference/rl_anchors.md (H200, Diffusers, ratio - 1)",
                             "t2va 1344x768x39f": {"video": -9.0e-6, "audio": -9.1e-5},
                             "fl2va 512x512x56f": {"video": 0.0, "audio": -1.5e-5}})
     rewards = torch.randn(args.group, generator=torch.Generator().manual_seed(7), dtype=torch.float64)

@@ -1,5 +1,5 @@
-"""One LoRA training step of the full-size H3 DiT, strict against torch (`off`), at 512x512x22f (issue 12 target:
-strict <= 1.3x the torch step).
+"""One LoRA training step of the full-size H3 DiT, strict against torch (`off`), at 512x512x22f (target: strict
+<= 1.3x the torch step).
 
 The released 33B DiT (seeded random bf16 weights, float32 heads as released) gets a rank-64 LoRA through peft
 (`h3lab.training.add_lora`, alpha 64) on every attention and FFN projection of the 50 blocks and the 2 refiner blocks
@@ -17,15 +17,16 @@ as it comes). The ratio strict / off is measured in the same run.
 the model is built, so a collection no longer walks the model's objects); every row reports the collector's seconds
 per step (`gc.callbacks`) and its collections per generation.
 
-`--lean-compare` (issue 24 item 3) times, interleaved in one process on the same weights, with the step graph off
+`--lean-compare` times, interleaved in one process on the same weights, with the step graph off
 (`step_graph.use_graphs(False)`: the launch path is what it measures), the strict step with the lean launch path
-off ("h3lab-strict-before": every Triton launch through Triton's own `JITFunction.run`, every op validated twice, as
-before `kernels/_launch.py`), the strict step with it ("h3lab-strict") and torch ("h3lab-off"); it reports the
-SHA-256 of the LoRA gradients of each (before and lean must be equal), one strict step run with every lean launch
+off ("h3lab-strict-triton-launch": every Triton launch through Triton's own `JITFunction.run`, every op validated
+twice, `kernels/_launch.enabled(False)`), the strict step with it ("h3lab-strict") and torch ("h3lab-off"); it
+reports the SHA-256 of the LoRA gradients of each (Triton's launch and the lean one must be equal), one strict step
+run with every lean launch
 verified against Triton's own lookup, the launcher's hits/misses per step, and with `--runtime-profile` each one's
 launches, syncs and GPU busy/idle time.
 
-`--step-graph` (issue 24 item 3) times, interleaved in one process on the same weights, the strict step with its
+`--step-graph` times, interleaved in one process on the same weights, the strict step with its
 micro-batch eager ("h3lab-strict-eager": `step_graph.use_graphs(False)`, every kernel launched from Python), the
 strict step as shipped ("h3lab-strict": the micro-batch replayed from a CUDA graph, `h3lab.training.step_graph`) and
 torch ("h3lab-off"). Before timing it checks the bytes: the LoRA gradients' SHA-256 of `--check-steps` steps
@@ -34,7 +35,7 @@ graph (warm-up, capture, replays), step by step; how each graph step ran and the
 (the capture's cost). With `--runtime-profile`, each one's launches, runtime calls, GPU busy and idle time.
 
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
-`fp32_variant`: "contract" as shipped, "wave2" the FMA 64x64x32 tiles before the narrow rule); the first listed is
+`fp32_variant`: "contract" as shipped, "fma64" the FMA 64x64x32 tiles without the narrow rule); the first listed is
 reported as `ratio_strict_over_off`.
 """
 
@@ -110,13 +111,13 @@ def host_profile(fn, device: str, top: int = 40) -> dict:
          "cumtime_s": round(v[3], 4)} for (f, line, name), v in rows]}
 
 
-FP32_VARIANTS = ("contract", "ieee", "tf32x3", "wave2")
+FP32_VARIANTS = ("contract", "ieee", "tf32x3", "fma64")
 
 
 @contextlib.contextmanager
 def fp32_variant(variant: str):
     """Run the strict float32 GEMMs as `variant` inside the block: "contract" (the tiles as shipped), "ieee" or
-    "tf32x3" (the shipped tiles at that precision), "wave2" (the tiles before the narrow rule: 64x64x32 FMA, no
+    "tf32x3" (the shipped tiles at that precision), "fma64" (64x64x32 FMA tiles without the narrow rule: no
     parallel chunks); "+nosplit" turns the narrow rule off."""
     from h3kernels import gemm
 
@@ -125,9 +126,9 @@ def fp32_variant(variant: str):
     for tiles in (gemm.LINEAR_TILES, gemm.TREE_TILES):
         if base in ("ieee", "tf32x3"):
             tiles[torch.float32] = dataclasses.replace(tiles[torch.float32], precision=base)
-        elif base == "wave2":
+        elif base == "fma64":
             tiles[torch.float32] = gemm.Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="ieee")
-    if flag == "nosplit" or base == "wave2":
+    if flag == "nosplit" or base == "fma64":
         gemm.SPLIT_MAX_N = 0
     from h3lab import strict_graph
     from h3lab.training import step_graph
@@ -159,13 +160,14 @@ def interleaved_rows(fns: dict, impls, flag: str, args, device: str, shape_name:
     return results
 
 
-LEAN_IMPLS = (("h3lab-strict-before", "strict", False), ("h3lab-strict", "strict", True), ("h3lab-off", "off", True))
+LEAN_IMPLS = (("h3lab-strict-triton-launch", "strict", False), ("h3lab-strict", "strict", True),
+              ("h3lab-off", "off", True))
 
 
 def lean_compare(gradients, params, device: str, args, shape_name: str, rows: int, doc: dict) -> dict:
-    """`--lean-compare`: strict before / strict lean / off, interleaved (module docstring). A failure of the lean
-    path or of its verification is recorded (`lean_error`, `verify_error`) and the rest still measured; the JSON is
-    written after the timings and again after the profiles."""
+    """`--lean-compare`: strict through Triton's launch / strict lean / off, interleaved (module docstring). A
+    failure of the lean path or of its verification is recorded (`lean_error`, `verify_error`) and the rest still
+    measured; the JSON is written after the timings and again after the profiles."""
     from h3kernels import _launch
     from h3lab.hashing import tensor_digest
     from h3lab.training import StrictAdamW, step_graph
@@ -176,11 +178,11 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
 
     out: dict = {"lean_error": None, "verify_error": None}
     impls = list(LEAN_IMPLS)
-    # gradient bytes before any optimiser step: before vs lean (twice each: repeat), off once
-    digests = {"h3lab-strict-before": [grad_sha(False, "strict"), grad_sha(False, "strict")]}
+    # gradient bytes before any optimiser step: Triton's launch vs lean (twice each: repeat), off once
+    digests = {"h3lab-strict-triton-launch": [grad_sha(False, "strict"), grad_sha(False, "strict")]}
     try:
         digests["h3lab-strict"] = [grad_sha(True, "strict"), grad_sha(True, "strict")]
-    except Exception as exc:  # noqa: BLE001 - recorded: the before / off timings are still worth having
+    except Exception as exc:  # noqa: BLE001 - recorded: the Triton-launch / off timings are still worth having
         out["lean_error"] = f"{type(exc).__name__}: {exc}"
         impls = [i for i in impls if i[0] != "h3lab-strict"]
     digests["h3lab-off"] = [grad_sha(True, "off")]
@@ -208,13 +210,15 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
     results = interleaved_rows(fns, impls, "lean_launch", args, device, shape_name, rows, lambda impl: {
         "grad_sha256": digests[impl][0], "grad_repeat_equal": len(set(digests[impl])) == 1})
     median = {r["impl"]: r["median_s"] for r in results}
-    off, before, lean = median["h3lab-off"], median["h3lab-strict-before"], median.get("h3lab-strict")
+    off, triton_launch, lean = median["h3lab-off"], median["h3lab-strict-triton-launch"], median.get("h3lab-strict")
     out.update({
         "results": results,
-        "ratio_strict_over_off": lean / off if lean else None, "ratio_strict_before_over_off": before / off,
-        "speedup_lean_over_before": before / lean if lean else None,
-        "grad_bytes_equal_before_vs_lean": (digests["h3lab-strict-before"][0] == digests["h3lab-strict"][0]
-                                            if "h3lab-strict" in digests else None),
+        "ratio_strict_over_off": lean / off if lean else None,
+        "ratio_strict_triton_launch_over_off": triton_launch / off,
+        "speedup_lean_over_triton_launch": triton_launch / lean if lean else None,
+        "grad_bytes_equal_triton_launch_vs_lean": (
+            digests["h3lab-strict-triton-launch"][0] == digests["h3lab-strict"][0]
+            if "h3lab-strict" in digests else None),
         "grad_sha256_verified_step": verified,
         "verified_step_equal": verified == digests["h3lab-strict"][0] if verified is not None else None,
         "lean_launches_per_step": per_step,
@@ -227,8 +231,9 @@ def lean_compare(gradients, params, device: str, args, shape_name: str, rows: in
             print(f"{impl} runtime: GPU busy {rp['gpu_busy_ms']:.0f} ms, idle {rp['gpu_idle_ms']:.0f} ms; " + ", ".join(
                 f"{c['name']} x{c['calls']} {c['cpu_ms']:.0f} ms" for c in rp["runtime_calls"][:6]), flush=True)
     print(table(results, ["impl", "shape", "rows", "median_s", "peak_mem_gib", "grad_repeat_equal"]))
-    print(f"strict / off = {out['ratio_strict_over_off']} (before: {before / off:.3f}; target <= 1.3); lean launches "
-          f"per step {per_step}; gradients before == lean: {out['grad_bytes_equal_before_vs_lean']}; verified step "
+    print(f"strict / off = {out['ratio_strict_over_off']} (Triton's launch: {triton_launch / off:.3f}; target <= 1.3); "
+          f"lean launches per step {per_step}; gradients Triton's launch == lean: "
+          f"{out['grad_bytes_equal_triton_launch_vs_lean']}; verified step "
           f"equal: {out['verified_step_equal']}; errors: {out['lean_error']} / {out['verify_error']}", flush=True)
     return out
 
@@ -398,7 +403,7 @@ def main(argv=None) -> dict:
                              "StrictAdamW, to see what the float32 factor GEMMs cost)")
     parser.add_argument("--fp32-variants", default="contract",
                         help="comma list of strict float32 GEMM variants to time in turn: contract | ieee | tf32x3 "
-                             "| wave2, each optionally +nosplit (default contract: the shipped tiles)")
+                             "| fma64, each optionally +nosplit (default contract: the shipped tiles)")
     parser.add_argument("--gc", default="default",
                         help="comma list of garbage-collector settings to time in turn: default | freeze")
     parser.add_argument("--runtime-profile", action="store_true",
@@ -408,8 +413,8 @@ def main(argv=None) -> dict:
                         help="also profile one step of each mode on the host (cProfile: the 40 functions of most own "
                              "time), to see where a host-bound step spends its Python time")
     parser.add_argument("--lean-compare", action="store_true",
-                        help="time strict with the lean launch path off (before) and on, and off, interleaved; "
-                             "gradient hashes, a verified step, launcher statistics (module docstring)")
+                        help="time strict with the lean launch path off (Triton's own launch) and on, and off, "
+                             "interleaved; gradient hashes, a verified step, launcher statistics (module docstring)")
     parser.add_argument("--step-graph", action="store_true",
                         help="time strict with its micro-batch eager and through the step graph, and off, "
                              "interleaved, after a step-by-step gradient byte check (module docstring)")

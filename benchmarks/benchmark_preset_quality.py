@@ -5,7 +5,7 @@ the 50-pass reference of the same prompt and seed.
                                                   [--out benchmarks/results/preset_quality.json] [--dry-run]
 
 - Prompts: the first `--prompts` held-out prompts of `h3lab.shapes` (t2va, 64x64x22f, mode off). Each runs once at
-  `--steps 50` (the slow reference of the README's presets table) and once per `CONFIGS` entry; every run decodes
+  `--steps 50` (the slow reference of docs/presets.md's table) and once per `CONFIGS` entry; every run decodes
   through the session (`Session.generate`), so the frames compared are what a user gets.
 - SSIM (`ssim`): Wang et al. 2004 on the luma (BT.601) of uint8 frames, an 11x11 Gaussian window (sigma 1.5),
   C1 = (0.01 * 255)^2, C2 = (0.03 * 255)^2, valid positions only, averaged over pixels and then frames; reported per
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bootstrap, header, table, write  # noqa: E402
 
 REFERENCE_STEPS = 50
-# name: generate overrides (README "Speed presets": the balanced and aggressive columns that a 6-block model takes).
+# name: generate overrides (docs/presets.md: the balanced and aggressive columns that a 6-block model takes).
 CONFIGS = {
     "steps-20 (CLI default)": {"steps": 20},
     "steps-7": {"steps": 7},

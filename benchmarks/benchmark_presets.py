@@ -1,4 +1,4 @@
-"""Speed presets (issue 16) on one GPU: a 20-pass denoise at 512x512x22f and 864x480x56f with the full-size DiT
+"""Speed presets on one GPU: a 20-pass denoise at 512x512x22f and 864x480x56f with the full-size DiT
 (seeded random weights) -- the full path, each preset alone, `--layers 45 --reuse 2` and
 `--layers 45 --reuse 2 --token-reduction` -- timed, with peak memory and the final latents' relative L2 against the
 full path of the same shape.

@@ -1,5 +1,5 @@
 """A whole `h3lab.Session` generation on the GPU with a full-size random-weight DiT: 512x512x22f, 20 steps, mode strict
-and mode off -- phase timings, peak GPU memory per run and the sealed trajectory digest (issue 5, "Show").
+and mode off -- phase timings, peak GPU memory per run and the sealed trajectory digest.
 
 No 66 GB snapshot fits the device's disk, so the DiT is built in memory exactly as benchmark_forward.py builds it
 (Diffusers model, seeded random weights in the released dtypes, `H3Transformer` sharing its tensors; the Diffusers

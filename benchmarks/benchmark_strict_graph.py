@@ -4,7 +4,7 @@ Models: Diffusers' `MiniMaxH3Transformer3DModel` with seeded random weights and 
 parameter tensors (benchmark_forward.py), all 50 blocks, batch 1, t2va at 512x512x22f (2,066 rows) and 864x480x56f
 (7,272 rows) by default. Impls:
   diffusers            the Diffusers forward (the baseline of every ratio);
-  h3lab-strict         the eager strict forward (`strict_graph.use_graphs(False)`), what strict ran before graphs;
+  h3lab-strict         the eager strict forward (`strict_graph.use_graphs(False)`): strict without graphs;
   h3lab-strict-graph   the strict forward as shipped (graphs on): the first call runs eager, the second captures
                        (`capture_call_s`), every timed call must be a replay.
 Per shape: one warm-up of each impl (two for the graph: eager, then capture), then `--runs` rounds of the three in

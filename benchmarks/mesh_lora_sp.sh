@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof of SP training (issue 25 item 2), one device call: the mesh LoRA step with sequence parallelism at
+# The GPU proof of SP training, one device call: the mesh LoRA step with sequence parallelism at
 # H3Config.full() widths (2 blocks + the refiner, released dtypes, rank-16 LoRA on every projection, fl2va 512 rows),
 # 4 shared-device ranks on ONE GPU over gloo, host-staged (bytes only): tp2+sp (two data-parallel replicas),
 # tp2xcp2+sp and tp4+sp, each rank's loss and gradient against rank 0's one-process step

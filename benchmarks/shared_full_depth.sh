@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full-depth shared-device proof (issue 25 item 1), one device call: the 50-block H3Config.full() model at
+# The full-depth shared-device proof, one device call: the 50-block H3Config.full() model at
 # TP2/TP4/TP8/CP2/CP4/TP2xCP2+SP/TP4xCP2(+SP), every rank on the one GPU (benchmark_distributed.py --share-device:
 # counter-random weights, one copy per CP group, collectives through CUDA IPC slots), against rank 0's one-process
 # reference at 512x512x22f and 864x480x56f, and a 20-pass TP4xCP2 (and +SP) trajectory digest at 512x512x22f.

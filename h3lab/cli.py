@@ -3,7 +3,7 @@
     h3lab -p "a blue square moves right, a middle tone" -o sq.mp4  # embedded h3-shapes snapshot, its native 64x64
     h3lab -d ./MiniMax-H3 -p PROMPT -o out.mp4 --width 512 --height 512 --frames 22 --steps 20
     h3lab -d ./MiniMax-H3                                          # interactive session (REPL)
-    h3lab --replay sessions/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
+    h3lab --replay replays/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
     h3lab --info [-d PATH] [--json]                                # snapshot report, no generation
     torchrun --nproc-per-node 4 -m h3lab --tp 2 --cp 2 -p PROMPT   # strict TP / CP (Ulysses) / SP on 4 ranks
     h3lab verify DIR                                               # replay a sealed trajectory / run (h3lab.verify)

@@ -190,7 +190,7 @@ class SessionState:
             return self.session
 
     def check_mode(self, mode: str, what: str = "!mode strict") -> None:
-        """Refuse a mode this session's device cannot run in this process (strict on a CPU without the interpreter),
+        """Refuse a mode the session's device cannot run in this process (strict on a CPU without the interpreter),
         now rather than at the next generation; a session not started yet is checked when it generates."""
         from .whatran import check_strict_runs
 

@@ -47,7 +47,7 @@ Emulation             `use_emulation()` (tests and the benchmarks' CPU dry runs 
                       SDPA call. Never the product path: the session's CPU refusal stands outside that context.
 Cost                  measured per pass against `off` (velocity and latent drift over a 20-pass trajectory) by
                       `benchmarks/benchmark_every_length.py` (H200: 7% per-pass velocity, 4.5% latent after 20
-                      passes at 512x512x22f; forward_every_length.json); see README.
+                      passes at 512x512x22f; forward_fast_drift.json); see docs/strict-and-drift.md.
 """
 
 from __future__ import annotations

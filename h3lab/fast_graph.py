@@ -6,7 +6,7 @@ Fast's rules on top of it:
   ran ({"cuda_graph": "eager" | "captured" | "replay", ...}).
 - Captured up to `MAX_ROWS` packed rows (37,853 = 1344x768x124f and below). Past it the forward runs eager: at
   109,205 rows (1344x768x362f) a 3-block forward is 2.3 s of GPU work, and the graph's memory pool held 22 GiB of
-  its activations after the call, enough to run the H200 out of memory beside the next forward (session 7).
+  its activations after the call, enough to run the H200 out of memory beside the next forward.
 - `fast.use_emulation()` (the CPU dry runs) is never captured; fast's switches (`fast.graph_key()`: fused producers,
   emulation, FP8 attention) are part of the signature.
 - Not strict and promises no bytes; on the H200 a replay's output bytes are compared with the eager fast forward's in

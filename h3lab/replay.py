@@ -18,7 +18,7 @@ Contract
   class without `_amx` (`strict_class`): the DiT runs in Triton's interpreter (measured equal on an AVX-512 and an
   AVX-512+AMX machine), but the interpreter's numpy loops, the noise (torch's vectorised normal sampler) and the
   text encoder take ISA-specific paths (AVX2 and `ATEN_CPU_CAPABILITY=default` give other digests). No CPU digest
-  is machine-free, so the shipped replays carry lines for several classes (README, "Replays"). A generation without
+  is machine-free, so the shipped replays carry lines for several classes (docs/replays.md). A generation without
   a line for this class is reported as unchecked and run a second time, from empty conditioning caches with the
   same settings, before the next line runs (`repeat=True`, the default): its digest must repeat, else the replay
   fails (`unrepeated`). So a replay on a class it holds no lines for still checks something -- that every result

@@ -1,4 +1,4 @@
-"""Stochastic rollouts for RL (issue 21): G requests per prompt on an SDE stepper, each pass's Gaussian log-density
+"""Stochastic rollouts for RL: G requests per prompt on an SDE stepper, each pass's Gaussian log-density
 sealed in the trajectories. `Session.rollout` is this module's `rollout(session, ...)` under the session lock.
 
 Contract

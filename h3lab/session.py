@@ -358,7 +358,7 @@ class Session:
 
     # ---------------------------------------------------------------------------------------- re-runs
     def drift(self, a: GenerationResult, b: GenerationResult):
-        """First drift between two generations of this session (`drift.compare`, through `h3lab.reruns.drift`):
+        """First drift between two generations of the session (`drift.compare`, through `h3lab.reruns.drift`):
         each result's sealed `RunSpec` re-runs exactly as it ran -- inputs, schedule, mode, ablation factors, reuse
         -- with every operator boundary hashed."""
         return reruns.drift(self, a, b)
@@ -367,7 +367,7 @@ class Session:
         return reruns.drift_lines(self.drift(a, b))
 
     def verify(self, path: str | os.PathLike):
-        """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with this session's DiT of
+        """Replay a sealed trajectory's `RunSpec` exactly (ablated, reused, in its mode) with the session's DiT of
         the spec's variant (`trajectory.verify`, through `h3lab.reruns.verify`); a trajectory with custom callables
         is refused."""
         return reruns.verify(self, path)

@@ -1,7 +1,7 @@
 """CUDA graphs for strict forwards: the strict policy of the shared mechanism `h3lab.cuda_graph` (see its contract).
 
 Why: a strict forward is ~2,000 Triton launches (50 blocks); at 2,066 rows the host's launch path, not the GPU, set
-its time (1.064x Diffusers on the H200, issue #24). A replayed graph launches the same kernels on the same buffers
+its time (1.064x Diffusers on the H200 without graphs). A replayed graph launches the same kernels on the same buffers
 without the host.
 
 Switch and default: on by default for strict forwards on CUDA up to `MAX_ROWS` packed rows (no grad, no hooks,

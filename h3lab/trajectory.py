@@ -430,8 +430,8 @@ def _legacy_spec(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
 
 def _check_identity(manifest_path: Path, manifest: dict[str, Any], spec: RunSpec) -> None:
     """The sealed spec against the identity its manifest records. Current form: the result hash (`result_sha256`)
-    and the run record's spec fields (placement, residency, adapter names and paths). The form sealed before the
-    split (issue 26, item 3) holds one `spec_sha256` over the whole description: checked as it was
+    and the run record's spec fields (placement, residency, adapter names and paths). The v1 form (no result
+    hash / run record split) holds one `spec_sha256` over the whole description: checked as it was
     (`RunSpec.description_sha256`), its result hash derived from the spec."""
     if "result_sha256" in manifest:
         if spec.sha256 != manifest["result_sha256"]:

@@ -28,8 +28,8 @@ FMA       The bf16 forward is compiled with enable_fp_fusion=True (`FORWARD`): t
           one rounding each instead of two (IEEE fusedMultiplyAdd; no reassociation, no approximation). It is
           deterministic and the same instruction stream for every row, so every invariance below holds; it does
           tie the GPU bytes to the compiler's contraction choices as well as to its dot and exp code (a Triton
-          upgrade may change them; the interpreter has no contraction). Adopted in the tenth session for the
-          longest clips: 4.2 % faster at 109,205 rows, where it equals torch's SDPA
+          upgrade may change them; the interpreter has no contraction). It is on for the longest clips' sake:
+          4.2 % faster at 109,205 rows, where it equals torch's SDPA
           (`benchmarks/results/attention_fp_fusion_109k.json`), 0.6 % at 37,853. The backward and the float32
           forward keep enable_fp_fusion=False (no mul+add contraction outside dot).
 Tiles     fixed per dtype (`TILES`), never from S, B or the device:
@@ -120,8 +120,8 @@ class ForwardVariant:
     Byte-keeping knobs (the per-row order over keys and every rounding unchanged): `split_tail` (full BLOCK_N tiles
     unmasked, then one masked tail tile), `even_d` (no D mask when D == BLOCK_D), `tma` (K/V tiles through
     device-side TMA descriptors; CUDA, packed order, last-dim stride 1 only), `loop_stages` / `warp_specialize`
-    (`tl.range` pipelining of the full-tile loop). Byte-changing knobs: `fp_fusion` (FMA contraction: in the bf16
-    contract since the tenth session, see the module's FMA paragraph); exploration only: `exp` "triton"/"ftz",
+    (`tl.range` pipelining of the full-tile loop). Byte-changing knobs: `fp_fusion` (FMA contraction: part of the bf16
+    contract, see the module's FMA paragraph); exploration only: `exp` "triton"/"ftz",
     `prescale_q`, `reciprocal`."""
 
     split_tail: bool = False

@@ -13,8 +13,8 @@ tests could not check the bytes; written out, the codes are the same bytes on th
 torch's own float32 -> float8_e4m3fn cast (round to nearest even) of the same quotient. One program per row, two
 sweeps over the row in BLOCK columns (the amax, then the scaled cast; the second reads the row back from L2), int64
 row offsets. The same math in torch is `quantize_rows_reference` (h3lab/fast.py), which divides by a tensor (a
-true division on every device: CUDA multiplies by the reciprocal when the divisor is a Python scalar, which is
-why an earlier run saw the scales differ).
+true division on every device: CUDA multiplies by the reciprocal when the divisor is a Python scalar, which
+makes the scales differ).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ Reduction `linear`: each output element owns one float32 accumulator; the K axis
           this tile, one plain K loop with no tree, is 1.05-1.54x; `linear`'s 128x256 tile reaches 1.02-1.17x but
           cannot hold a finished subtree beside its accumulator: a one-accumulator schedule parking every partial
           in scratch (130-148 TFLOP/s) and one K loop over all chunks with the adds at chunk ends (103-134 TFLOP/s)
-          were byte-equal and far slower (gemm_tree_schedules_session9.json, gemm_tree_flat_held3.json), so were
+          were byte-equal and far slower (gemm_tree_stash_all.json, gemm_tree_flat_held3.json), so were
           not kept.
           Paired chunks (`Tile.paired`, the bf16 tree tile before): chunks 2j and 2j+1 accumulate in ONE loop over
           their BLOCK_K tiles, iteration k adding chunk 2j's tile k into p_2j and chunk 2j+1's tile k into

@@ -101,7 +101,7 @@ def _rms_norm_bwd_kernel(
     for t in range(TILES):  # constexpr trip count: tiles of the chunk in row order
         # A tile wholly past the last row is skipped: it would store nothing and add only +0.0 to dw, which is
         # never -0.0 (it starts at +0.0, and x + y rounds to -0.0 only when both are -0.0), so the bytes are the
-        # same; a short input (the tiny model's 22 rows in a 1,024-row chunk) no longer runs 15 empty tiles.
+        # same; a short input (the tiny model's 22 rows in a 1,024-row chunk) does not run 15 empty tiles.
         start = (chunk * TILES + t) * ROWS
         if start < n_rows:
             rows = start + tl.arange(0, ROWS)

@@ -11,7 +11,7 @@
 - FL2VA: for each of the first `--fl2va` held-out triples, a fresh rendered clip (seed 1000) gives its first and last frames as anchors;
   the generated clip's first and last decoded frames are compared with them (PSNR in dB over uint8 RGB).
 - `--strip`: a frame strip (frames 0, 5, 10, 16, 21 side by side, 3x nearest upscale) of `make demo`'s clip (the
-  held-out "a blue square moves right, a middle tone", seed 42; the README shows it).
+  held-out "a blue square moves right, a middle tone", seed 42; docs/embedded-default.md shows it).
 - Output JSON in the benchmarks schema (name, date, gpu, torch, triton, git_rev, command, results).
 """
 

@@ -3,7 +3,7 @@ by the first-drift localiser.
 
 Contract
 --------
-`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — and RL1 (issue 21's rollout-vs-training
+`ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — and RL1 (RL's rollout-vs-training
 ratio: 1.0 exactly in strict, a planted batch-position change in `off` moves it and drifts first at `video_proj_in`;
 `ratio.py`), each with the factor it changes, how the change is applied (op override / hook / layout change /
 sampler change / input change / model change / control), the runtime mode and scope it runs in, and its `Expected`

@@ -198,7 +198,7 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
          "model change", PASS, "off", "forward", "byte-equal forward and accepted gradient profile", probe=_probe_HC6),
     _row("H-C7", "FL2VA/Ref2VA repeated preprocessing", "layouts, sealed inputs and component hashes built twice",
          "control", PASS, "off", "-", "identical packed-layout artifact and component hashes", check=_check_HC7),
-    # ---- issue 21: RL on H3
+    # ---- RL on H3
     _row("RL1", "Rollout vs training ratio",
          "flow_sde rollout at batch position 1 of 3 vs the request replayed alone at every SDE pass; in off a planted "
          "batch-position change (items after the first: video_proj_in in bf16)", "control", PASS, "strict",

@@ -1,4 +1,4 @@
-"""The rollout-vs-training ratio row of the ablation matrix (issue 21): the on-policy importance ratio
+"""The rollout-vs-training ratio row of the ablation matrix: the on-policy importance ratio
 exp(logp_train - logp_rollout) of RL on H3 (`h3lab.training.grpo_step`).
 
 Contract

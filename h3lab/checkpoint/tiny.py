@@ -29,7 +29,7 @@ Contract
   vision tower merging to 5120), video VAE with 24 latent channels, audio VAE with 32 latent channels (latent_dim
   32), and `transformer/` / `transformer_ref/` = `INTERFACE_CONFIG` (text_dim 5120, in_channels 24 x patch (1,2,2),
   audio 32; the tiny blocks inside). About 20 M parameters, ~40 MB. Its manifest records `"preset": "interface"`.
-  The default preset ("tiny") is byte-for-byte what it was before presets existed.
+  The default preset ("tiny") is the snapshot the tests' and replays' digests are recorded on: its bytes are fixed.
 - `random_snapshot() -> Path`: `$H3LAB_CACHE` (default `~/.cache/h3lab`) / `tiny-v1-seed0`, built on first use and
   reused while its manifest verifies (a missing, extra or altered file, or another maker_id, triggers a rebuild).
   Builds go to a temp folder

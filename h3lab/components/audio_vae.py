@@ -13,8 +13,8 @@ Contract
 - Device/dtype: the module lives on `device`; Diffusers keeps every audio-VAE module in float32 whatever `dtype` says.
 - Threads: on the CPU, `encode` and `decode` run with one torch thread (`one_thread`, restored after). torch's CPU
   convolutions split their reductions by thread count, so the MP4's audio bytes changed with the number of threads
-  (issue 23: torchrun vs one process; measured here: 1 vs 2 threads give other decoded bytes); the video VAE's do
-  not. One thread is what a replay already used, so no sealed digest changes.
+  (torchrun vs one process; measured: 1 vs 2 threads give other decoded bytes); the video VAE's do not. One
+  thread is what a replay uses, so a sealed digest does not depend on the thread count.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`ExecutionPlan`: where and how runs execute -- device, placement (a device mesh), residency and streaming budget --
-in one object with one owner (issue 26, item 3).
+in one object with one owner.
 
 Contract
 --------

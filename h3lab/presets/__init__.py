@@ -1,4 +1,4 @@
-"""Speed presets (issue 16; the seed's h3-metal presets), each a declared transform of a run, sealed with it.
+"""Speed presets (the seed's h3-metal presets), each a declared transform of a run, sealed with it.
 
   layer_thinning.py   --layers N: run N blocks chosen by the checkpoint's AdaLN gates; release the others' weights
   core_reuse.py       --core-reuse K: the block stack every K passes, patch projections and heads every pass

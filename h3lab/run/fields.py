@@ -2,14 +2,14 @@
 
 Fields, their JSON defaults, the room that provides them, in the order they are applied to a run:
 
-  adapters   ()  LoRA adapters, e.g. [{"name": ..., "sha256": ..., "scale": 1.0}]    h3lab.training (issue 12)
+  adapters   ()  LoRA adapters, e.g. [{"name": ..., "sha256": ..., "scale": 1.0}]    h3lab.training
   factors    ()  ablation factor names, e.g. ["A2", "H5"]                              h3lab.ablation
   preset     {}  speed preset: layer thinning, core reuse, token reduction, RoPE
-                 adaptation, residency, e.g. {"layers": 45, "token_reduction": true}  h3lab.presets (issue 16)
+                 adaptation, residency, e.g. {"layers": 45, "token_reduction": true}  h3lab.presets
   placement  {}  device topology, e.g. {"tp": 2, "cp": 1, "sp": 1}; {} = one
-                 process, on the device of the model and the inputs                   h3lab.distributed (issue 11)
+                 process, on the device of the model and the inputs                   h3lab.distributed
   residency  {}  where the DiT's blocks live during the run, e.g. {"policy":
-                 "streamed", "slots": 2, "gpu_memory_gib": 40.0}; {} = resident      h3lab.components.store (issue 16)
+                 "streamed", "slots": 2, "gpu_memory_gib": 40.0}; {} = resident      h3lab.components.store
 
 Adapters first (they define the weights that run), then the factors (perturbations), then the preset (what a speed
 preset changes is applied to the perturbed run), then the placement (sharding wraps the finished model), then the

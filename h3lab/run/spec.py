@@ -39,7 +39,7 @@ its sealed tensors and checks each tensor's hash.
 
 Identity
 --------
-The description splits in two (issue 26, item 3):
+The description splits in two:
 
   result hash  `sha256` (= `result_sha256`): SHA-256 of `result_identity()`, everything that can change a result
                byte -- weights (variant, fingerprint), inputs (every sealed tensor's SHA-256, the layout), schedule,

@@ -1,4 +1,4 @@
-"""Stochastic steppers (issue 21): SDE transitions for RL on H3 -- Flow-GRPO's `flow_sde`, DanceGRPO's `dance_sde`,
+"""Stochastic steppers: SDE transitions for RL on H3 -- Flow-GRPO's `flow_sde`, DanceGRPO's `dance_sde`,
 coefficient-preserving `cps` -- as pure math (`transitions.py`: the Gaussian of one pass in H3's sign convention, its
 exact float32 log-density, the seeded per-pass noise) and as named steppers of a `RunSpec` (`steppers.py`: the
 parameters sealed in `RunSpec.stepper_params`, a MixGRPO window, the per-pass record the trajectory seals), and

@@ -1,7 +1,7 @@
 """The GRPO pieces as pure functions over tensors: group-relative advantages, the clipped surrogate, truncated
 importance weights, the KL to the reference policy, and which passes train.
 
-Contract (formulas from Flow-GRPO / DanceGRPO / MixGRPO, `shared/reference/rl_anchors.md`; nothing here holds a model)
+Contract (formulas from Flow-GRPO / DanceGRPO / MixGRPO, `docs/reference/rl_anchors.md`; nothing here holds a model)
 --------
 - Advantages (`group_advantages`): rewards (P * G,) in prompt-major order (entries p*G .. p*G + G - 1 are prompt
   p's G rollouts). Per group, in float64: mean m = sum(r) / G, population std s = sqrt(sum((r - m)^2) / G),

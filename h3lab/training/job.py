@@ -23,7 +23,7 @@ optimiser state are put back and the run continues from there (`run.RunState`): 
 records and the run digest equal an uninterrupted run's. `progress(k, steps, record)` is called after each step
 (after any checkpoint of that step), so an interruption there leaves a checkpoint to resume from.
 
-Faults (issue 23, item 5): a job folder a crash, a kill or a full disk interrupted can always be continued with
+Faults: a job folder a crash, a kill or a full disk interrupted can always be continued with
 `--resume` and the same arguments -- from its newest checkpoint, or, when none was written yet (only `job.json`,
 perhaps a partial `initial/`), restarted cleanly from step 0 (the LoRA init is seeded: the same initial adapter).
 A resume after the final step's checkpoint only seals the run and writes the adapter. `--resume` on a finished job

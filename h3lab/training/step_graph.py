@@ -1,5 +1,5 @@
 """CUDA graphs of the strict training micro-batch: one request's forward, loss, backward and flat gradient,
-captured once per signature and replayed for the steps after (issue #24 item 3).
+captured once per signature and replayed for the steps after.
 
 Why: a strict LoRA step at 512x512x22f is ~15,000 kernel launches through Python (Triton's and ATen's), and the
 host, not the GPU, set its time: the GPU sat idle ~0.9 s of a ~1.9 s step (lora_runtime_profile.json, H200). A

@@ -76,7 +76,7 @@ def test_fp32_kept_under_bfloat16_load(component_snapshot):
 
 
 def test_audio_bytes_do_not_depend_on_the_thread_count(audio_vae):
-    """Issue 23, item 6: the MP4's audio changed with the CPU thread count (torch's conv reductions split by thread);
+    """The MP4's audio would change with the CPU thread count (torch's conv reductions split by thread), so
     encode and decode run single-threaded on the CPU, and the caller's thread count is restored."""
     assert audio_vae.device.type == "cpu"  # the fixture's device: the thread count is a CPU matter
     g = torch.Generator().manual_seed(11)

@@ -1,4 +1,4 @@
-"""`ExecutionPlan` (issue 26, item 3): device, placement, residency and streaming budget in one object that both
+"""`ExecutionPlan`: device, placement, residency and streaming budget in one object that both
 places the model (the component store delegates to it) and hands the spec its sealed description; its choices are
 the spec's run record, never its result hash."""
 

@@ -136,7 +136,7 @@ def _failing_rank(rank: int, world: int, case: str) -> dict:
     ("follower-first", "rank 1: internal error: rank 1 cannot build its session (set H3LAB_DEBUG=1 for the traceback)"),
 ])
 def test_every_rank_raises_the_first_failing_ranks_own_line(case, line):
-    """Issue 23, item 4: the earliest failure of any rank is what every rank reports (the CLI prints it, exit 2),
+    """The earliest failure of any rank is what every rank reports (the CLI prints it, exit 2),
     never a peer's teardown; no rank leaves early."""
     results = run_ranks(_failing_rank, 2, case, timeout=120)
     assert [r["rc"] for r in results] == ["raised", "raised"]
@@ -172,7 +172,7 @@ a red fox
 
 @pytest.mark.parametrize("action, what", [("one-shot", "generation"), ("replay", "replay"), ("repl", "session")])
 def test_a_rank_killed_mid_generation_is_named_by_the_survivor(tmp_path, tiny_snapshot, action, what):
-    """Rank 1 SIGKILLed at its first TP gather. The REPL (issue 25): its generation runs in the worker thread, fed
+    """Rank 1 SIGKILLed at its first TP gather. The REPL: its generation runs in the worker thread, fed
     through torchrun's stdin; the broken mesh ends the session (no line's `error:`, no second generation)."""
     script, out, logs, session = tmp_path / "dies.py", tmp_path / "out", tmp_path / "logs", tmp_path / "session"
     script.write_text(DIES)

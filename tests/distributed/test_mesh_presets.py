@@ -1,4 +1,4 @@
-"""Speed presets on a mesh (issue 25): `Session(path, mesh=mesh)` leading on rank 0 and a follower on rank 1 (the
+"""Speed presets on a mesh: `Session(path, mesh=mesh)` leading on rank 0 and a follower on rank 1 (the
 torchrun front end's code path, `frontend.run_on_mesh`, 2 gloo CPU ranks), on a snapshot whose DiT has 6 blocks
 (so `--layers 5` drops one and token reduction reduces blocks 4 and 5). Each admitted preset's trajectory digest
 equals the one-process strict run's on the same request: core reuse (the follower takes rank 0's per-pass

@@ -1,5 +1,5 @@
-"""No function or method under `h3lab/` is longer than `LIMIT` lines (issue 26, item 6: rooms a person can hold in
-their head). `kernels/` is outside `h3lab/` and not checked: a Triton kernel reads top to bottom.
+"""No function or method under `h3lab/` is longer than `LIMIT` lines (rooms a person can hold in their
+head). `kernels/` is outside `h3lab/` and not checked: a Triton kernel reads top to bottom.
 
 A function's length is the lines from its `def` to its last statement (`end_lineno - lineno + 1`, docstring and
 comments included, decorators not); nested functions and methods are measured on their own as well, and an outer

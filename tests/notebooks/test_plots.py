@@ -132,7 +132,7 @@ def test_latent_strip_subsamples_rows_and_frames_with_the_rule_printed():
 
 
 def test_one_axes_per_row_would_fail_the_readability_checks():
-    """The checks can fail: a strip drawn the old way (one axes per row, 21 rows, 23.9 in tall, row labels at 6 pt
+    """The checks can fail: a strip drawn with one axes per row (21 rows, 23.9 in tall, row labels at 6 pt
     that do not fit their rows) is over the size limit, its labels overlap and its font is too small."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -316,8 +316,9 @@ def _direct_on_a_thread(session, settings):
 
 def test_panel_time_per_generation_against_the_direct_call(tiny_session, tmp_path):
     """The panel's time to a result (click -> result on screen, Generate usable again) stays within 1.2x the direct
-    `session.generate` of the same request + 50 ms (thread start, widget messages). Before: one preview decode per
-    pass and a 13-row strip of 104 axes before "done" -- 3.9 s against 0.19 s here at 128x128, 12 passes."""
+    `session.generate` of the same request + 50 ms (thread start, widget messages). What it guards against: a
+    preview decode per pass and a 13-row strip of 104 axes before "done" cost 3.9 s against 0.19 s here at 128x128,
+    12 passes."""
     wb = Workbench(tiny_session, out_dir=tmp_path / "out", prompt="A red fox walks through fresh snow.", seed=5,
                    drift=False, **{**TINY_REQUEST, "width": 128, "height": 128, "steps": 12})
     settings = wb.current_settings()

@@ -104,8 +104,8 @@ def test_one_shot_cli_prints_the_preset(deep_snapshot, tmp_path, capsys, monkeyp
 
 
 def test_a_streamed_session_runs_every_preset_byte_equal_to_resident(session, deep_snapshot):
-    """Issue 23, item 7: a streamed session with a layer preset crashed (the released block's streaming hooks bound
-    slot views into its meta parameters). Each preset alone and all together: the same bytes as resident, and the
+    """A streamed session with a layer preset (the released block's streaming hooks must not bind slot views into
+    its meta parameters). Each preset alone and all together: the same bytes as resident, and the
     streamer forgets the released block (no hook, no host bytes) and plans the rest."""
     import torch
 

@@ -11,7 +11,7 @@ from h3lab import ablation as A
 
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
-    + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: issue 21's rollout-vs-training ratio
+    + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: RL's rollout-vs-training ratio
 )
 DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}

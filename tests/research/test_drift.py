@@ -173,7 +173,7 @@ def test_bad_comparisons_raise(bench):
 
 
 def test_layout_differences_read_as_lines_not_dicts():
-    """Issue 23, item 6: `!drift`'s "layout differs" lines."""
+    """`!drift`'s "layout differs" lines."""
     from h3lab.drift import metadata_line
     from h3lab.session import _drift_lines
 
@@ -195,7 +195,7 @@ def test_layout_differences_read_as_lines_not_dicts():
 
 
 def test_printed_pass_numbers_count_from_one():
-    """Issue 23 item 6: the progress bar counts passes from 1, so every printed drift location does too (the step
+    """The progress bar counts passes from 1, so every printed drift location does too (the step
     index of the API and the JSON stays 0-based; -1 is the scheduler's construction)."""
     point = D.DriftPoint(step=0, point="blocks.0.q_rope", layer=0, op="rope", rows="packed", packed_row=3,
                          modality="video")

@@ -1,8 +1,8 @@
-"""Issue 26, item 3: a run spec's identity splits into a result hash (what can change a byte) and a run record (where
+"""A run spec's identity splits into a result hash (what can change a byte) and a run record (where
 and how it ran). Moving the LoRA file, streaming the blocks or naming a one-process topology keep the result hash;
 the mode, the steps and the adapter's bytes change it. `verify` checks the result hash and reports the run record;
-a trajectory sealed by main before the split (a checked-in fixture: one `spec_sha256` over the whole description)
-still loads and verifies."""
+a trajectory in the v1 form (a checked-in fixture: one `spec_sha256` over the whole description) still loads and
+verifies."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_the_run_record_never_enters_the_result_hash(bench, adapter):
     a, b = spec.replace(adapters=[here]), spec.replace(adapters=[moved])
     assert a.sha256 == b.sha256 != spec.sha256  # moving (and renaming) the file keeps the result
     assert a.run_record()["adapters"] != b.run_record()["adapters"]
-    assert a.description_sha256 != b.description_sha256  # the old single identity held the path
+    assert a.description_sha256 != b.description_sha256  # the v1 single identity holds the path
     assert spec.replace(adapters=[other]).sha256 != a.sha256  # other bytes: another result
     assert spec.replace(adapters=[{**here, "scale": 0.5}]).sha256 != a.sha256
 
@@ -85,14 +85,14 @@ def test_the_run_record_never_enters_the_result_hash(bench, adapter):
 FIXTURE_CLASS = "cpu_avx512"
 
 
-def test_a_trajectory_sealed_before_the_split_loads_and_verifies(bench):
+def test_a_v1_trajectory_loads_and_verifies(bench):
     """Relies on: the fixture's arithmetic class's bytes (it was sealed in mode off on a `FIXTURE_CLASS` CPU; off
     bytes hold within one class). On that class it verifies byte for byte; on any other the loading, the result hash
     and the run record hold, and a drift, if any, is reported as a matter of the class, not of the run."""
     from h3lab.arithmetic import arithmetic_class
 
     manifest = json.loads((FIXTURE / T.MANIFEST).read_text())
-    assert "spec_sha256" in manifest and "result_sha256" not in manifest  # the old form, as main sealed it
+    assert "spec_sha256" in manifest and "result_sha256" not in manifest  # the v1 form, as it was sealed
     traj = T.load(FIXTURE)
     assert traj.spec.description_sha256 == manifest["spec_sha256"]
     assert traj.spec.sha256 == bench.spec("off").sha256  # streamed when sealed: the resident run's result hash

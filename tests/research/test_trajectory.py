@@ -135,7 +135,7 @@ def test_verify_reports_the_first_tampered_pass(bench, tmp_path):
 
 
 def test_a_kept_tensor_changed_with_its_manifest_entry_is_refused(bench, tmp_path):
-    """Issue 26, item 4: the `kept` digests are outside `digest`; each kept latent / velocity must still be the
+    """The `kept` digests are outside `digest`; each kept latent / velocity must still be the
     tensor its pass's sealed hash names."""
     from h3lab.hashing import tensor_digest
 

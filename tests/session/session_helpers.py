@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ASSETS = REPO / "sessions" / "assets"
+ASSETS = REPO / "replays" / "assets"
 TINY_GEOMETRY = {"canvas_short_edge": 64, "canvas_max_pixels": 64 * 112, "reference_image_short_edge": 64}
 GEN = ["!size 64x64", "!frames 22", "!steps 2", "!mode off"]  # the small generation every test uses
 

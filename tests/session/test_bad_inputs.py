@@ -74,7 +74,7 @@ def files(tmp_path_factory) -> Path:
     (d / "badarg.h3").write_text("!size 64\na fox\n")
     (d / "expect-first.h3").write_text("# expect 00ff\na fox\n")
     (d / "good.h3").write_text("!size 64x64\na fox\n")
-    # issue 23, items 3 and 6: the whole replay is validated before its first generation
+    # the whole replay is validated before its first generation
     (d / "late-size.h3").write_text("!size 64x64\n!steps 1\n!mode off\na fox\n# expect[cpu_avx2] " + "0" * 64
                                     + "\n!size 100x100\na fox\n")
     (d / "late-first.h3").write_text("!size 64x64\n!steps 1\n!mode off\na fox\n!first /nope.png\na fox\n")
@@ -286,7 +286,7 @@ CASES = [
      "at most 3"),
     ("ref-audio-inputs-count", ["-p", "x", "--ref-image", "M/first.png", *["--ref-audio", "M/tone.wav"] * 4],
      "4 audio inputs", "at most 3"),
-    # issue 23, item 6: invisible and undecodable prompts, streaming flags that change nothing on a CPU
+    # invisible and undecodable prompts, streaming flags that change nothing on a CPU
     ("prompt-invalid-utf8", ["-p", "fox \udced\udca0\udc80 \udcff"], "byte 0xed at character 5", "not UTF-8"),
     ("prompt-zero-width-only", ["-p", "\u200b\u200b\ufeff"], "prompt=", "empty prompt"),
     ("prompt-nbsp-only", ["-p", "\u00a0 \u00a0"], "prompt=", "empty prompt"),
@@ -311,7 +311,7 @@ CASES = [
     ("replay-no-generation", ["--replay", "M/no-generation.h3"], "no-generation.h3", "no generation line"),
     ("allow-unchecked-without-replay", ["-p", "x", "--allow-unchecked"], "--allow-unchecked",
      "only goes with --replay"),
-    # --keep / --trajectory (issue 23 item 1: rollouts from the CLI); `h3lab encode`'s table is test_encode_cli.py
+    # --keep / --trajectory (rollouts from the CLI); `h3lab encode`'s table is test_encode_cli.py
     ("keep-unknown", ["-p", "x", "--keep", "latent", "--trajectory", "t"], "--keep 'latent'",
      "must be latents, velocities, noise or several of them"),
     ("keep-empty-entry", ["-p", "x", "--keep", "latents,", "--trajectory", "t"], "--keep 'latents,'", "must be"),
@@ -386,7 +386,7 @@ SUBPROCESS_CASES = [
      "IMAGEIO_FFMPEG_EXE='/nonexistent/ffmpeg'", "not an executable file"),
     ("console-bogus", {}, ["--bogus"], "--bogus", "unrecognized arguments"),
     ("console-device", {}, ["-d", "SNAP", "-p", "x", "--device", "cuda"], "device='cuda'", "no CUDA"),
-    # issue 23, item 4: strict on a CPU without Triton's interpreter is refused with the flags, not after 10 s
+    # strict on a CPU without Triton's interpreter is refused with the flags, not at the first kernel
     ("strict-cpu-no-interpreter", {}, ["-d", "SNAP", "-p", "x", "--mode", "strict", "--device", "cpu"],
      "--mode strict on the cpu", "export TRITON_INTERPRET=1 before starting h3lab"),
     ("strict-cpu-repl-no-interpreter", {}, ["-d", "SNAP", "--mode", "strict", "--device", "cpu"],
@@ -410,7 +410,7 @@ def test_json_error_from_the_console_script(tmp_path, startup_s):
 
 
 def test_strict_on_a_cpu_without_the_interpreter_is_refused_before_any_work(snapshot, monkeypatch, no_work):
-    """Issue 23, item 4, in-process: `!mode strict` refuses (settings unchanged) on a started CPU session, and a
+    """In-process: `!mode strict` refuses (settings unchanged) on a started CPU session, and a
     session given strict refuses `generate` and `check_request` before any component loads."""
     from h3lab import commands
     from h3lab.errors import ValidationError

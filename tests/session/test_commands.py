@@ -225,7 +225,7 @@ def test_rejected_settings_leave_state_unchanged(state):
 
 
 def test_strict_on_cpu_without_interpreter_is_refused(state, monkeypatch):
-    """Issue 23, item 4: refused at the command (it used to be a note, and the generation failed after 10 s)."""
+    """Refused at the command, not noted and left to fail at the generation."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert_rejected(state, "!mode strict", "export TRITON_INTERPRET=1 before starting h3lab")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -1,6 +1,6 @@
 """`h3lab encode`'s bad inputs: a table of arguments, manifests and clips, each refused with exit 2 and one stderr
 line per bad row or clip naming the value and the rule -- all of them before anything is encoded, no model loaded,
-nothing written -- plus `--help`. The good path is README's "Your own clips" (`test_own_clips.py`)."""
+nothing written -- plus `--help`. The good path is the README's own-clips block (`test_own_clips.py`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`--keep latents` (issue 23 item 1): a one-shot generation sealing its trajectory with the latents rollouts need
+"""`--keep latents`: a one-shot generation sealing its trajectory with the latents rollouts need
 (`--trajectory DIR`), and `!trajectory save PATH --keep latents` in the REPL after a hashes-only generation (its run
 spec re-run, the digest checked). Both trajectories then serve `h3lab train --rollout` (`rollout_dataset`)."""
 

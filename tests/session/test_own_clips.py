@@ -1,5 +1,5 @@
-"""README's "Your own clips" section, end to end: two short MP4s with sound and a CSV made here, then the section's
-three commands exactly as written (`h3lab encode`, `h3lab train`, a generation with `--lora`), in-process through
+"""The README's own-clips block (its "Train a LoRA" example), end to end: two short MP4s with sound and a CSV made
+here, then the block's three commands exactly as written (`h3lab encode`, `h3lab train`, a generation with `--lora`), in-process through
 the console entry point, on the embedded tiny snapshot (`H3LAB_CACHE` pointed at the test's seed-0 snapshot)."""
 
 from __future__ import annotations

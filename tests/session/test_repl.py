@@ -81,14 +81,14 @@ def test_completer():
     assert words("!trajectory s") == ["save"]
     assert words("a prompt") == []
     assert "H9" in words("!ablate H") and words("!ablate H9 o") == ["on", "off"]
-    sessions = Path(__file__).resolve().parents[2] / "sessions"
-    found = words(f"!ref-image {sessions}/as")
+    replays = Path(__file__).resolve().parents[2] / "replays"
+    found = words(f"!ref-image {replays}/as")
     assert found and all(w.startswith("sets") for w in found)  # PathCompleter completes the rest of the name
     assert "clear" in words("!first c")
     assert words("!plot la") == ["latents"]  # plot kinds at the first position, paths at the second
     assert words("!ablate H9 on ") == [] and words("!seed 1 ") == []  # nothing past the declared arguments
     assert words("!ex") == ["exit"] and "q" in words("!q")  # aliases complete as names
-    found = words(f"!ref-video-audio clip.mp4 {sessions}/as")
+    found = words(f"!ref-video-audio clip.mp4 {replays}/as")
     assert found and all(w.startswith("sets") for w in found)
 
 

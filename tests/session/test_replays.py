@@ -1,4 +1,4 @@
-"""Scripted replays: every shipped `sessions/*.h3` passes its `# expect` lines; mismatches fail the CLI with exit 1;
+"""Scripted replays: every shipped `replays/*.h3` passes its `# expect` lines; mismatches fail the CLI with exit 1;
 `--update` rewrites expect lines atomically; malformed replays stop with file:line."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 from h3lab import cli, commands, replay as replays
 from session_helpers import REPO
 
-SESSIONS = sorted((REPO / "sessions").glob("*.h3"))
+REPLAYS = sorted((REPO / "replays").glob("*.h3"))
 
 
 def replay(state_factory, path, update=False, repeat=True):
@@ -46,7 +46,7 @@ def default_replay_state(default_session):
 
 
 def test_shipped_replays_exist():
-    assert {p.stem for p in SESSIONS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
+    assert {p.stem for p in REPLAYS} >= {"t2va", "fl2va", "ref2va", "ablation", "strict_vs_off"}
 
 
 TAG = replays.arithmetic_class("cpu")
@@ -56,19 +56,7 @@ def expect_line(digest: str) -> str:
     return f"# expect[{TAG}] {digest}"
 
 
-def strict_generations(path) -> int:
-    """How many generations of a replay run in mode strict (`!mode strict` before them)."""
-    mode, count = "auto", 0
-    for line in path.read_text().splitlines():
-        words = line.split()
-        if words[:1] == ["!mode"]:
-            mode = words[1]
-        elif line.strip() and not line.lstrip().startswith(("#", "!")):
-            count += mode == "strict"
-    return count
-
-
-@pytest.mark.parametrize("path", SESSIONS, ids=[p.stem for p in SESSIONS])
+@pytest.mark.parametrize("path", REPLAYS, ids=[p.stem for p in REPLAYS])
 def test_shipped_replay_passes(path, default_replay_state):
     """Relies on: one arithmetic class's bytes where the file records lines for this machine's class (strict lines
     on every machine of the line's CPU capability); repeatability on any other class. Every generation is either
@@ -93,7 +81,7 @@ def test_shipped_replay_passes(path, default_replay_state):
 
 def test_cli_replay_mismatch_exits_1_and_update_rewrites(tmp_path, snapshot, replay_state, capsys):
     path = tmp_path / "t2va.h3"
-    bare = [line for line in (REPO / "sessions" / "t2va.h3").read_text().splitlines() if "# expect" not in line]
+    bare = [line for line in (REPO / "replays" / "t2va.h3").read_text().splitlines() if "# expect" not in line]
     path.write_text("\n".join(bare) + "\n")
     replay(replay_state, path, update=True)  # this machine's lines
     original = path.read_text()
@@ -204,7 +192,7 @@ def test_an_amx_machine_checks_strict_lines_and_repeats_the_rest(default_replay_
     """On a class with AMX the shipped strict line of its CPU capability holds (the interpreter does not use AMX);
     the off generation has no line there and must repeat. Simulated by naming this machine's class with `_amx`:
     the bytes are this machine's, so only the bookkeeping is under test."""
-    path = REPO / "sessions" / "strict_vs_off.h3"
+    path = REPO / "replays" / "strict_vs_off.h3"
     amx = TAG if TAG.endswith("_amx") else TAG + "_amx"
     monkeypatch.setattr(replays, "arithmetic_class", lambda device: amx)
     report, _ = replay(default_replay_state, path)
@@ -245,7 +233,7 @@ def test_cpu_class_names_aten_and_onednn(capability, flags, env, tag):
 
 
 def test_a_mesh_replay_refuses_a_non_strict_generation_before_any(tmp_path, snapshot):
-    """Issue 23, item 3: on a mesh of several ranks every generation must be strict; the validation names the
+    """On a mesh of several ranks every generation must be strict; the validation names the
     generation line before the first one runs."""
     from types import SimpleNamespace
 

@@ -1,6 +1,6 @@
 """The session re-runs exactly what ran, from the run's sealed `RunSpec`: `!drift` after `!reuse 3` evaluates the
-passes the generation evaluated (issue 10, bug 2), `verify` replays ablated generations with their factors (bug 3)
-and reused ones as they ran, and a tampered factor list is caught (refused or reported as drift)."""
+passes the generation evaluated, `verify` replays ablated generations with their factors and reused ones as they
+ran, and a tampered factor list is caught (refused or reported as drift)."""
 
 import json
 
@@ -22,7 +22,7 @@ def count_forwards(model):
 
 
 def test_drift_after_reuse_evaluates_the_passes_the_generation_evaluated(session):
-    """20 passes with reuse 3 evaluate 8 (README): drift's re-runs must evaluate the same 8, not all 20, and a
+    """20 passes with reuse 3 evaluate 8 (docs/presets.md): drift's re-runs must evaluate the same 8, not all 20, and a
     reused run differs from a full one from its first extrapolated pass on."""
     steps = {**SMALL, "steps": 20}
     reused = session.generate("drift after reuse", reuse=3, **steps)

@@ -138,7 +138,7 @@ def test_below_released_five_seconds_is_a_notice_not_an_error():
     assert frames == 107 and any("below the released" in n for n in notices)
     frames, notices = resolve_frames(None, 4.9)  # 118 frames -> 124 = 5.167 s: at or above 5 s after snapping
     assert frames == 124 and not any("below the released" in n for n in notices)
-    # issue 23, item 6: the default length (22 frames) is not news on every generation
+    # the default length (22 frames) is not news on every generation
     frames, notices = resolve_frames(None, None)
     assert frames == 22 and notices == [] and settings().notices == ()
 
@@ -249,11 +249,11 @@ def test_settings_are_frozen():
 
 
 def test_readme_preset_table_cli_default_column_is_the_cli_default():
-    """Issue 23, item 6: the README's "CLI default" column says what runs without preset flags."""
+    """docs/presets.md's "CLI default" column says what runs without preset flags."""
     from session_helpers import REPO
 
     rows = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "presets.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[0] in ("Denoising passes", "Whole denoiser reuse", "Active DiT blocks",
                                             "Core residual reuse", "Token reduction", "Internal canvas"):

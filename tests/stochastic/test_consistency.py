@@ -1,4 +1,4 @@
-"""The consistency gate, rollout side (issue 21 item 3): the log-density a batched rollout records for a request at
+"""The consistency gate, rollout side: the log-density a batched rollout records for a request at
 a non-zero batch position (position 1 of 2) equals, byte for byte in strict mode, the one recomputed from a batch-1
 forward of that request at the same inputs; in `off` mode the same measurement is printed (whatever it is here).
 

@@ -56,7 +56,7 @@ def test_generation_with_adapter_is_sealed_and_verified(session, base, tmp_path)
     spec = result.trajectory.spec
     assert [dict(a) for a in spec.adapters] == [entry] and spec.sha256 != base.trajectory.spec.sha256
     assert not lora_layers(session.transformer())  # injected for the run only
-    # issue 23, item 6: the active adapter is shown in !status, the "ran" line and the drift labels
+    # the active adapter is shown in !status, the "ran" line and the drift labels
     from h3lab import commands
 
     shown = f"LoRA fox-lora x1 (sha256 {digest[:12]})"

@@ -1,4 +1,4 @@
-"""The consistency gate of the GRPO step (issue 21, training side), on the CPU under the Triton interpreter.
+"""The consistency gate of the GRPO step (training side), on the CPU under the Triton interpreter.
 
 - strict: a rollout of G = 2 requests batched through the one loop on the `flow_sde` stepper (request 1 at batch
   position 0; the trajectory records every pass's per-request log-density), every pass an SDE pass, replayed one
@@ -115,7 +115,7 @@ def test_sealed_run_verifies_and_names_a_tampered_record(off_run, tmp_path):
 
 @pytest.mark.parametrize("key", ["final", "optimizer"])
 def test_verify_refuses_stored_tensors_that_are_not_the_sealed_ones(off_run, tmp_path, key):
-    """Issue 26, item 4 (the artifact base): a stored final weight or optimiser tensor that is not what the last
+    """The artifact base: a stored final weight or optimiser tensor that is not what the last
     epoch record sealed is refused before anything re-runs, naming it."""
     model, run = off_run
     loaded = load(run.seal(tmp_path / "run"))

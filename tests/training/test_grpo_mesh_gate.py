@@ -1,4 +1,4 @@
-"""The consistency gate across placements (issue 21 item 3): a strict `flow_sde` rollout of G = 2 requests batched
+"""The consistency gate across placements: a strict `flow_sde` rollout of G = 2 requests batched
 (request 1 at batch position 0) run on a TP 2 mesh and on a CP 2 mesh (2 gloo ranks on the CPU, the 12-head
 distributed test model, one block, fl2va 15 rows: CP shards 8 + 7), and the GRPO step's training-side log-density
 computed on ONE process (batch 1, grad on, a LoRA whose B = 0 so the policy is the rollout's weights):

@@ -131,7 +131,7 @@ def test_tampered_artifacts_are_refused(off_runs, tmp_path):
 
 @pytest.mark.parametrize("key", ["final", "optimizer"])
 def test_verify_refuses_stored_tensors_that_are_not_the_sealed_ones(off_runs, tmp_path, key):
-    """Issue 23, item 7: a final (or optimiser) tensor changed together with its `weights_file` entry loads (the
+    """A final (or optimiser) tensor changed together with its `weights_file` entry loads (the
     entry is not under the steps digest) but must not verify: the last step record sealed its digest."""
     from safetensors.torch import load_file, save_file
 

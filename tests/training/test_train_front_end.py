@@ -195,7 +195,7 @@ def test_reward_weighted_update_through_the_console(data, tmp_path, capsys):
 
 
 
-# ------------------------------------------------------------------------------------------------ faults (issue 23)
+# ------------------------------------------------------------------------------------------------------------ faults
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     """The uninterrupted job's sealed run digest and adapter bytes."""
