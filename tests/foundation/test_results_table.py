@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 # JSON files the documents name as parts of a folder's format (a job, a sealed artifact, a snapshot), not results
 FORMATS = {"manifest.json", "job.json", "config.json", "adapter_config.json", "state.json",
-           "modular_model_index.json"}
+           "modular_model_index.json", "h3lab_native.json"}
 
 
 def _script():
