@@ -165,10 +165,14 @@ def registered(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool, to
 
 
 def unit_entries(module: nn.Module, check: bool = True) -> tuple[list[Entry], int]:
-    """Every parameter and buffer of `module` (recursively) with its aligned offset; (entries, packed bytes).
-    `check=False` reads shapes only (a meta model, for planning)."""
+    """Every frozen parameter and every buffer of `module` (recursively) with its aligned offset; (entries, packed
+    bytes). A trainable parameter (`requires_grad`: a LoRA factor of a model adapted before it was streamed) is not
+    packed: it stays resident, where its optimiser state is. `check=False` reads shapes only (a meta model, for
+    planning)."""
     out, offset = [], 0
     for path, mod, key, is_param, t in registered(module):
+        if is_param and t.requires_grad:
+            continue
         where = f"{path + '.' if path else ''}{key}"
         if check and t.is_meta:
             raise ResidencyError(f"{where} is a meta tensor: materialise the model before streaming it")

@@ -116,3 +116,17 @@ def test_h3lab_train_grpo_under_a_budget(tiny_snapshot, tmp_path, capsys):
     a, b = load_grpo(tmp_path / "resident" / "run"), load_grpo(tmp_path / "streamed" / "run")
     assert a.digest == b.digest
     assert b.manifest["meta"]["residency"] == {"policy": "streamed", "gpu_memory_gib": 1.0}
+
+
+def test_a_model_adapted_before_it_streams_keeps_its_factors_resident():
+    """Streaming after `add_lora` (as a benchmark that builds, adapts, then places does): the factors are not packed
+    into the units -- they stay where they are, trainable -- and the step is the resident step's."""
+    resident = _run(_model(None), "off")
+    model = build_model(DEEP, "released", 1).requires_grad_(False)
+    add_lora(model, 2, 4.0, seed=0)
+    streamer = stream_blocks(model, "cpu")
+    packed = {id(e.get()) for u in streamer.units for e in u.entries}
+    factors = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert factors and not any(id(p) in packed for p in factors) and all(p.requires_grad for p in factors)
+    got = _run(model, "off")
+    assert got[0] == resident[0] and all(torch.equal(got[1][k], resident[1][k]) for k in got[1])
