@@ -34,6 +34,17 @@ torch ("h3lab-off"). Before timing it checks the bytes: the LoRA gradients' SHA-
 graph (warm-up, capture, replays), step by step; how each graph step ran and the wall seconds of each checked step
 (the capture's cost). With `--runtime-profile`, each one's launches, runtime calls, GPU busy and idle time.
 
+`--gpu-memory GiB` trains under a budget for the frozen weights (`h3lab.components.streaming`: the blocks that fit
+stay resident, the rest stream through two slots in the forward and in the backward's recomputation; the factors and
+the optimiser state stay on the GPU). First, at `--compare-layers` blocks (a depth that fits resident), the strict
+step resident and then the same model streamed under `--compare-gpu-memory`: the LoRA gradients' SHA-256 of each
+(byte-equal is the contract), seconds per step of each (the ratio is streaming's cost at that depth), the peaks.
+Then the full model streamed under `--gpu-memory` at each of `--budget-shapes`: seconds per strict step, the peak,
+the plan (resident / streamed blocks, bytes moved per step) and the gradients' repeat.
+
+    python benchmarks/benchmark_lora.py --gpu-memory 44 --compare-layers 16 --compare-gpu-memory 12 \
+        --budget-shapes 512x512x22f,864x480x56f --out benchmarks/results/lora_gpu_memory.json    # one H100
+
 `--fp32-variants` times the strict step under other float32 GEMM settings in turn (`kernels/gemm.py`, see
 `fp32_variant`: "contract" as shipped, "fma64" the FMA 64x64x32 tiles without the narrow rule); the first listed is
 reported as `ratio_strict_over_off`.
@@ -144,6 +155,84 @@ def fp32_variant(variant: str):
         gemm.SPLIT_MAX_N = saved[2]
         step_graph.GRAPHS.clear()
         strict_graph.GRAPHS.clear()
+
+
+def budget_run(args, config, device: str, doc: dict, tiny_shape: str | None) -> dict:
+    """`--gpu-memory`: the byte and time check at `--compare-layers` resident vs streamed, then the full model under
+    the budget at each `--budget-shapes` (module docstring). Each result row says its residency."""
+    from h3lab.components.residency import GiB
+    from h3lab.components.streaming import stream_blocks
+    from h3lab.hashing import tensor_digest
+    from h3lab.training import Objective, StrictAdamW, compute_gradients, step_graph, trainable_parameters
+
+    objective = Objective()
+    shapes = [tiny_shape] if tiny_shape else args.budget_shapes.split(",")
+    bad = [s for s in shapes if not tiny_shape and s not in SHAPES]
+    if bad:
+        raise SystemExit(f"--budget-shapes {bad[0]!r}: must be benchmark_forward shapes")
+
+    def steps(model, shape_name: str):
+        params = trainable_parameters(model)
+        layout, request = clip_request(config, TINY_SHAPE[1] if tiny_shape else SHAPES[shape_name], seed=5)
+        optimizer = StrictAdamW(params, lr=1e-5, weight_decay=0.0)
+
+        def gradient():
+            return compute_gradients(model, [request], objective, mode="strict", gradient_checkpointing=True).gradient
+
+        def step():
+            optimizer.step(gradient())
+        return layout, gradient, step
+
+    def row(model, shape_name, layout, step, residency, **extra) -> dict:
+        times, peak = timed_interleaved({"step": step}, args.runs, device)["step"]
+        return {"shape": shape_name, "rows": layout.sequence_length, "impl": "h3lab-strict", "residency": residency,
+                "median_s": statistics.median(times), "runs": len(times), "times_s": times,
+                "peak_mem_gib": round(peak, 3) if peak == peak else None, **extra}
+
+    def plan_record(streamer) -> dict:
+        plan = streamer.plan
+        return {"resident_units": len(plan.resident), "streamed_units": len(plan.streamed),
+                "device_gib": round(plan.device_bytes / GiB, 3), "streamed_gib": round(plan.streamed_bytes / GiB, 3),
+                "gpu_memory_gib": plan.gpu_memory_gib}
+
+    out: dict = {"results": [], "gpu_memory_gib": args.gpu_memory}
+    with step_graph.use_graphs(False):  # a streamed step is eager (hooks between kernels): compare like with like
+        depth = 1 if tiny_shape else args.compare_layers
+        model = build(dataclasses.replace(config, num_layers=depth), device, args.rank, seed=0)
+        shape_name = shapes[0]
+        layout, gradient, step = steps(model, shape_name)
+        out["results"].append(row(model, shape_name, layout, step, "resident", layers=depth))
+        # the optimiser moved the factors: measure both sides' gradients from the factors as they are now
+        resident_sha = tensor_digest(gradient(), "sha256")
+        streamer = stream_blocks(model, device, gpu_memory_gib=None if tiny_shape else args.compare_gpu_memory)
+        streamed_sha = tensor_digest(gradient(), "sha256")
+        out["results"].append(row(model, shape_name, layout, step, "streamed", layers=depth,
+                                  plan=plan_record(streamer)))
+        out["compare"] = {"layers": depth, "shape": shape_name, "grad_sha256_resident": resident_sha,
+                          "grad_sha256_streamed": streamed_sha, "bytes_equal": resident_sha == streamed_sha,
+                          "ratio_streamed_over_resident": out["results"][1]["median_s"] / out["results"][0]["median_s"]}
+        print(f"depth {depth}: streamed / resident = {out['compare']['ratio_streamed_over_resident']:.3f}, "
+              f"gradients byte-equal: {out['compare']['bytes_equal']}", flush=True)
+        del model, streamer, gradient, step
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        doc.update(out)
+        write(args.out, doc)
+
+        model = build(config, device, args.rank, seed=0)
+        streamer = stream_blocks(model, device, gpu_memory_gib=None if tiny_shape else args.gpu_memory)
+        for shape_name in shapes:
+            layout, gradient, step = steps(model, shape_name)
+            a, b = tensor_digest(gradient(), "sha256"), tensor_digest(gradient(), "sha256")
+            out["results"].append(row(model, shape_name, layout, step, "streamed", layers=config.num_layers,
+                                      plan=plan_record(streamer), grad_repeat_equal=a == b))
+            print(f"{shape_name} all {config.num_layers} blocks under {args.gpu_memory} GiB: "
+                  f"{out['results'][-1]['median_s']:.3f} s/step, peak {out['results'][-1]['peak_mem_gib']} GiB",
+                  flush=True)
+            doc.update(out)
+            write(args.out, doc)
+    return out
 
 
 def interleaved_rows(fns: dict, impls, flag: str, args, device: str, shape_name: str, rows: int,
@@ -422,6 +511,14 @@ def main(argv=None) -> dict:
                         help="optimiser steps of the --step-graph byte check (default 4)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each mode's GPU time per kernel (torch.profiler, one step, CUDA only)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                        help="train the full model under this budget for its frozen weights (module docstring)")
+    parser.add_argument("--compare-layers", type=int, default=16,
+                        help="with --gpu-memory: the depth of the resident-vs-streamed byte and time check")
+    parser.add_argument("--compare-gpu-memory", type=float, default=12.0, metavar="GiB",
+                        help="with --gpu-memory: the budget of the streamed side of that check (default 12)")
+    parser.add_argument("--budget-shapes", default="512x512x22f",
+                        help="with --gpu-memory: comma list of benchmark_forward shapes of the full-size steps")
     args = parser.parse_args(argv)
     if args.check_steps < 3:
         parser.error(f"--check-steps {args.check_steps}: must be >= 3 (warm-up, capture and at least one replay)")
@@ -461,6 +558,11 @@ def main(argv=None) -> dict:
     def gradients(mode: str):
         return compute_gradients(model, [request], objective, mode=mode, gradient_checkpointing=True)
 
+    if args.gpu_memory is not None:
+        del model, params
+        doc.update(budget_run(args, config, device, doc, shape_name if args.tiny else None))
+        write(args.out, doc)
+        return doc
     if args.step_graph:
         doc.update(step_graph_compare(gradients, params, device, args, shape_name, layout.sequence_length, doc,
                                       model, request, objective))
