@@ -19,9 +19,11 @@ Contract
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
   encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist;
   `"streamed"` keeps them but streams the DiT's blocks from pinned host memory through two GPU slots (byte-identical
-  to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `set_residency(residency, gpu_memory)`
-  switches it (`!streaming on|off`); a streamed run records it in `RunSpec.residency` and `result.streaming` holds
-  its copy statistics (`--profile`).
+  to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `adaln="tables"` keeps the blocks' AdaLN
+  weights in pinned host memory and serves every forward from AdaLN tables computed ahead for the run's schedule
+  (byte-identical; composes with each residency). `set_residency(residency, gpu_memory, adaln=None)` switches them
+  (`!streaming on|off`); a streamed or tables run records it in `RunSpec.residency` and `result.streaming` holds its
+  copy statistics (`--profile`).
 - `mesh=` (an `h3lab.distributed.Mesh`; the torchrun front end passes one): every transformer the session loads or
   is given is parallelized on it in place (`h3lab.distributed.parallelize`, named by its variant) and every run
   spec records the topology (`RunSpec.placement`), so a sealed run replays on it.
@@ -102,12 +104,13 @@ class Session:
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
                  pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None,
-                 keep: Any = ()):
-        check_residency(residency, gpu_memory)
+                 keep: Any = (), adaln: str = "resident"):
+        check_residency(residency, gpu_memory, adaln)
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
         self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
-        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
+        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh,
+                                    adaln=adaln)
         self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
@@ -131,11 +134,17 @@ class Session:
         """The streamed DiT's GPU budget in GiB (None: every block streams, or not streamed)."""
         return self.store.gpu_memory
 
-    def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
-        """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed) and re-place the
-        loaded DiT in place; returns what it does now. A refusal changes nothing."""
+    @property
+    def adaln(self) -> str:
+        """Where the DiT blocks' AdaLN weights live: "resident", or "tables" (host memory; tables on the GPU)."""
+        return self.store.adaln
+
+    def set_residency(self, residency: str, gpu_memory: float | None = None, adaln: str | None = None) -> list[str]:
+        """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed; `adaln`
+        "resident" | "tables", None keeps it) and re-place the loaded DiT in place; returns what it does now. A
+        refusal changes nothing."""
         with self._lock:
-            return self.store.set_residency(residency, gpu_memory)
+            return self.store.set_residency(residency, gpu_memory, adaln)
 
     @property
     def load_seconds(self) -> float:
@@ -190,6 +199,7 @@ class Session:
             "device": str(self.device),
             "residency": self.residency,
             "gpu_memory_gib": self.gpu_memory,
+            "adaln": self.adaln,
             "streaming": self.store.describe()[1:],
             "loaded": self.loaded,
             "cache_entries": len(self._text_cache) + len(self._cond_cache),
