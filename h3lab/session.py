@@ -83,6 +83,7 @@ import torch
 
 from . import pipeline, reruns
 from .caches import LRU, entries
+from .components.residency import check_gpu_memory
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .devices import default_device, resolve_device  # noqa: F401 - re-exported: the session's device check
 from .errors import ValidationError
@@ -104,8 +105,9 @@ class Session:
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
                  pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None,
-                 keep: Any = (), adaln: str = "resident"):
+                 keep: Any = (), adaln: str = "resident", card_memory: float | None = None):
         check_residency(residency, gpu_memory, adaln)
+        self.card_memory = None if card_memory is None else check_gpu_memory(card_memory)  # GiB, a hypothetical card
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
         self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
@@ -273,9 +275,28 @@ class Session:
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
         check_ablations(s.ablations)  # fail before any work
+        self.check_memory(s)
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
             return run_generation(self, s, media, progress, cancel, preview, outputs)
+
+    def plan(self, request: str | GenerationSettings | None = None, card_memory: float | None = None,
+             **overrides: Any):
+        """What the request needs on the GPU (`h3lab.memory_plan`): the DiT's resident / streamed split, the AdaLN
+        tables, the activation estimate and the peak, against the card (`card_memory` GiB, else the session's, else
+        its CUDA device). No model loads."""
+        from .memory_plan import plan_request
+
+        return plan_request(self, self.settings(request, **overrides), card_memory)
+
+    def check_memory(self, settings: GenerationSettings) -> None:
+        """Refuse, in one line and before any work, a request whose estimated peak exceeds the card (a CUDA device,
+        or the hypothetical `card_memory`; nothing to check on the CPU without one)."""
+        if self.device.type != "cuda" and self.card_memory is None:
+            return
+        from .memory_plan import check_fits
+
+        check_fits(self.plan(settings))
 
     def encode_clip(self, video: str | os.PathLike, prompt: str, **options: Any):
         """An MP4 and its prompt -> one encoded t2va `ClipRequest` for `training.save_dataset` (its VAEs and text
