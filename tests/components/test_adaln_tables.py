@@ -271,3 +271,36 @@ def test_verify_replays_a_tables_run_resident(spec, tmp_path):
     T.record(spec.with_record(residency=TABLES), model).seal(tmp_path / "run")
     report = T.verify(tmp_path / "run", fresh_model(), execution={"residency": {}})
     assert report.ok and report.record_differences == ["residency"]
+
+
+# ============================================================================================== the benchmarks
+def test_benchmarks_tiny_smoke(tmp_path, monkeypatch):
+    """`benchmark_adaln_tables.py --tiny` writes the schema with every section byte-equal where bytes are promised, and
+    `benchmark_streaming.py --tiny --adaln tables` streams fewer bytes than with AdaLN in the blocks, still equal."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import benchmark_adaln_tables
+    import benchmark_streaming
+
+    doc = benchmark_adaln_tables.main(["--tiny", "--out", str(tmp_path / "adaln.json")])
+    assert {"name", "date", "gpu", "gpu_total_gib", "torch", "triton", "git_rev", "command"} <= set(doc)
+    rows = {(r["section"], r["impl"]): r for r in doc["results"]}
+    assert set(rows) == {("tables", "h3lab-strict"), ("tables", "h3lab-off"), ("t2va", "h3lab-strict"),
+                         ("diffusers", "diffusers")}
+    for r in rows.values():
+        assert {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(r)
+    strict = rows["tables", "h3lab-strict"]
+    assert strict["equal_one_at_a_time"] and strict["equal_two_at_a_time"] and strict["passes"] == 4
+    assert rows["t2va", "h3lab-strict"]["bytes_equal_resident"]
+    assert rows["diffusers", "diffusers"]["strict_rel_l2_vs_diffusers"] < 0.05
+    moved = {}
+    for adaln in ("resident", "tables"):
+        out = tmp_path / f"streaming-{adaln}.json"
+        benchmark_streaming.main(["--tiny", "--no-strict", "--runs", "1", "--repeats", "1", "--adaln", adaln,
+                                  "--out", str(out)])
+        by = {r["residency"]: r for r in json.loads(out.read_text())["results"]}
+        assert by["streamed"]["bytes_equal_resident"] and by["budget"]["bytes_equal_resident"]
+        moved[adaln] = by["streamed"]["bytes_per_forward"]
+    assert moved["tables"] < moved["resident"]
