@@ -201,7 +201,7 @@ class AdaLNTables:
             with runtime.use_overrides(dict(overrides)):
                 return self.prepare(groups)
         mode = runtime.current_mode()
-        runtime.require_not_fast("AdaLN tables computed ahead", mode)
+        _refuse_fast(mode)
         key = (mode, _overrides_key(runtime.Ops(mode, runtime.Trace(mode=mode, device=""), record=False).overrides()))
         self._check_weights()
         new: list[torch.Tensor] = []
@@ -277,7 +277,7 @@ class AdaLNTables:
             raise AdaLNTablesError("AdaLN tables: the forward passed no timestep tensor (H3Transformer.forward's "
                                    "fourth argument, `timestep`); a forward served from tables needs it")
         mode = runtime.current_mode()
-        runtime.require_not_fast("AdaLN tables computed ahead", mode)
+        _refuse_fast(mode)
         self._check_weights()
         overrides = runtime.Ops(mode, runtime.Trace(mode=mode, device=""), record=False).overrides()
         key = (mode, _overrides_key(overrides))
@@ -368,6 +368,12 @@ class AdaLNTables:
         ops.log_served("linear", point, info, args, kwargs, actual=actual, fallback=fallback)
         self.stats.served += 1
         return group.batch.tables[block][group.offset: group.offset + group.rows].clone()
+
+
+def _refuse_fast(mode: str) -> None:
+    if mode == "fast":
+        raise AdaLNTablesError("AdaLN tables in mode fast: not composed (fast keeps FP8 copies of the weights it "
+                               "reads on the GPU; these stay in host memory); run fast with --adaln resident")
 
 
 def _fields(record: runtime.OpRecord) -> tuple[str, dict, str]:

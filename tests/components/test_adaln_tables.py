@@ -246,7 +246,7 @@ def test_refusals(spec):
     model.transformer_blocks[0].adaln_proj.linear.weight.requires_grad_(True)
     with pytest.raises(AdaLNTablesError, match="records gradients"), torch.enable_grad():
         model_forward(model, spec.inputs, spec.inputs.video, spec.inputs.audio, 0)
-    with pytest.raises(runtime.FastModeError, match="AdaLN tables"), runtime.use_mode("fast"):
+    with pytest.raises(AdaLNTablesError, match="mode fast"), runtime.use_mode("fast"):
         tables_of(model).prepare([spec.inputs.plan[0][0]])
     with pytest.raises(S.ResidencyError, match="adaln='nope'"):
         S.residency_value("resident", adaln="nope")
