@@ -292,7 +292,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices"), ()),
     "schema": (("h3lab.schema",), ("base",)),
     "runtime": (("h3lab.runtime", "h3lab.fast", "h3lab.cuda_graph", "h3lab.module_tree", "h3lab.fast_graph",
-                 "h3lab.strict_graph"), ()),
+                 "h3lab.strict_graph", "h3lab.fast_weights"), ()),
     "checkpoint": (("h3lab.checkpoint",), ("base",)),
     "layout": (("h3lab.layout",), ("base",)),
     "sampler": (("h3lab.sampler",), ("base",)),
