@@ -113,6 +113,17 @@ class HostAdaLN:
             self.backend.synchronize()
             del slots
 
+    def forget_released(self) -> list[int]:
+        """After layer thinning released blocks (their tensors on the meta device): their host buffers are dropped
+        (an arena two blocks share is freed with its last block). Returns the blocks forgotten."""
+        live = set(live_blocks(self.model))
+        gone = [i for i in self.host if i not in live]
+        for i in gone:
+            del self.entries[i], self.nbytes[i], self.host[i], self.host_views[i]
+        if gone:
+            empty_caches(self.device)
+        return gone
+
     def restore(self) -> None:
         """Every AdaLN Parameter back on the device as an ordinary tensor; the host buffers are dropped."""
         with torch.no_grad():

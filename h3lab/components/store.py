@@ -48,7 +48,7 @@ import torch
 
 from ..errors import CheckpointError, ValidationError
 from ..run import FieldProvider, register_field
-from . import residency_field, streaming
+from . import adaln_host, residency_field, streaming
 from .execution import RESIDENCIES, ExecutionPlan, check_plan  # noqa: F401 - RESIDENCIES re-exported
 
 VARIANTS = ("transformer", "transformer_ref")
@@ -208,16 +208,19 @@ class ComponentStore:
 
     def release_blocks(self, variant: str, model, blocks) -> tuple[int, ...]:
         """Free the weights of the blocks of `model` (the DiT of `variant`) that a thinned run does not run
-        (`h3lab.presets.release_dropped`); a streamed DiT's streamer forgets them and plans the rest again. A pinned
+        (`h3lab.presets.release_dropped`); a streamed DiT's streamer forgets them and plans the rest again, the AdaLN
+        tables' host source drops their host buffers. A pinned
         (`set_transformer`) model is never released. Returns the blocks released now."""
         from ..presets import release_dropped
 
         if variant in self.injected:
             return ()
         released = release_dropped(model, blocks)
-        streamer = streaming.streamer_of(model)
+        streamer, source = streaming.streamer_of(model), adaln_host.source_of(model)
         if released and streamer is not None:
             streamer.forget_released()
+        if released and source is not None:
+            source.forget_released()
         return released
 
     def _load_component(self, name: str) -> Any:

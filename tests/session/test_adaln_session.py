@@ -97,3 +97,15 @@ def test_cli_info_plan(full_config_snapshot, capsys):
     assert "--plan only goes with --info" in capsys.readouterr().err
     assert cli.main(["--info", "--plan", "-d", str(full_config_snapshot), "-o", "x.mp4"]) == 2
     assert "--info --plan" in capsys.readouterr().err
+
+
+def test_layer_thinning_under_tables(deep_snapshot):
+    """A thinned run ranks the blocks on AdaLN weights that live in host memory, releases the dropped block (its
+    host buffer too) and keeps the resident session's bytes."""
+    small = dict(REQUEST, steps=2)
+    want = Session(deep_snapshot, device="cpu").generate("a fox", layers=5, **small)
+    tables = Session(deep_snapshot, device="cpu", adaln="tables")
+    got = tables.generate("a fox", layers=5, **small)
+    assert got.trajectory_hash == want.trajectory_hash and got.arm.preset == want.arm.preset
+    source = adaln_host.source_of(tables.transformer())
+    assert sorted(source.host) == sorted(got.arm.preset["blocks"])  # the released block's host buffer is gone
