@@ -13,14 +13,20 @@ A kernel benchmark's main reads (forward / trajectory build their own parser and
 - `prepare` makes `h3lab` and `h3kernels` importable without an install (the GPU image has none; `kernels/`
   imports as `h3kernels`), turns the Triton interpreter on for a CPU run, and returns "cpu" or "cuda" (refusing
   through `parser.error`, exit status 2, when CUDA is asked for and absent).
-- `header` gives {name, date, gpu, torch, triton, git_rev, command, results: []} plus any extra keys; `git_rev` is
+- `header` gives {name, date, gpu, gpu_total_gib, torch, triton, git_rev, command, results: []} plus any extra keys
+  (`gpu_total_gib`: the card's total memory, null on the CPU); `git_rev` is
   `$H3LAB_GIT_REV` when set (gpu_env.sh sets it from the carried .git_rev: the device copy's own .git can be stale),
   else the checkout's HEAD ("-dirty" when the tree has changes), else "unknown". `command` is `python benchmarks/<script> <args>`, the way to run it again.
 - `write` writes the document atomically (sorted keys, indent 2) and says where; nothing without a path.
 - Timers: `measure` (do_bench median, L2 flushed, for kernels), `measure_gpu` (device time of calls queued behind a
-  GPU sleep, for launch-bound ops), `timed` (CUDA-event seconds of each whole call, for a forward), `sync`,
+  GPU sleep, for launch-bound ops), `timed` (CUDA-event seconds of each whole call, for a forward), `call_seconds`
+  (one call, no warm-up: a first call that compiles), `sync`,
   `peak_mem_gib`. On CPU they fall back to `time.perf_counter`.
 - `rel_l2(out, truth)` and `equal(a, b)` take a tensor or a tuple of tensors (an op with several outputs).
+- `materialise(model, device)`: a model built on the meta device gets each parameter's released dtype while still on
+  the meta device, then is allocated once on `device` (`to_empty`): a bfloat16 parameter is never first allocated in
+  float32 (Diffusers' model builds in float32: 132 GB for 33B before a cast, more than an 80 GB card holds).
+- `add_gpu_memory(parser)`: the `--gpu-memory GiB` flag of the benchmarks that can place the DiT under a budget.
 
 Importable as `_common` because a script's own folder is first on `sys.path` (tests prepend this folder).
 """
@@ -106,8 +112,10 @@ def header(name: str, script: str, argv: Sequence[str] | None, device: str, **ex
     import torch
     import triton
 
+    total = None
     if device == "cuda":
         gpu = torch.cuda.get_device_name()
+        total = round(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30, 2)
     else:
         gpu = "cpu (triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"
     args = list(sys.argv[1:] if argv is None else argv)
@@ -115,6 +123,7 @@ def header(name: str, script: str, argv: Sequence[str] | None, device: str, **ex
         "name": name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu,
+        "gpu_total_gib": total,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "git_rev": git_rev(),
@@ -138,6 +147,33 @@ def table(rows: list[dict], cols: list[str]) -> str:
     for r in rows:
         lines.append(" | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ models
+def materialise(model, device):
+    """`model` (built under `torch.device("meta")`) with every parameter in its released dtype
+    (`h3lab.model.precision.policy_dtype`: the float32 modules float32, the rest bfloat16), cast on the meta device
+    (no bytes), then allocated once on `device`. Works for H3Transformer and Diffusers' MiniMaxH3Transformer3DModel
+    (the same parameter names); buffers keep their dtype. Values are uninitialised: fill them (`init_random_`)."""
+    import torch
+
+    from h3lab.model.precision import policy_dtype
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            dtype = policy_dtype(name, "released")
+            if not p.is_meta:
+                raise ValueError(f"materialise: {name} is on {p.device}, not the meta device (build the model under "
+                                 "torch.device('meta'))")
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model.to_empty(device=device)
+
+
+def add_gpu_memory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory", metavar="GiB", type=float, default=None,
+                        help="budget of the DiT's tensors on the GPU: the blocks that fit stay resident, the rest "
+                             "stream (h3lab.components.residency.plan_residency)")
 
 
 # ------------------------------------------------------------------------------------------------------- timers
@@ -198,6 +234,22 @@ def measure_gpu(fn: Callable[[], Any], device: str, reps: int = 20, trials: int 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / reps)
     return statistics.median(times)
+
+
+def call_seconds(fn: Callable[[], Any], device: str) -> float:
+    """Seconds of one call of fn(): CUDA events around it and a synchronisation (perf_counter on the CPU)."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def timed(fn: Callable[[], Any], runs: int, device: str) -> tuple[list[float], float]:

@@ -115,22 +115,9 @@ def _precompile(n_procs, heads, head_dim, device="cuda", only=None):
 
 
 def _timer(device):
-    import time
+    from _common import call_seconds
 
-    import torch
-
-    def run(fn):
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    return run
+    return lambda fn: call_seconds(fn, device)
 
 
 def _fp32_rel_l2(o, q, k, v):

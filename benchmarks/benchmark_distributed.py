@@ -45,7 +45,7 @@ from datetime import timedelta
 
 import torch
 
-from _common import header, prepare, timed_interleaved, write
+from _common import header, materialise, prepare, timed_interleaved, write
 
 TOPOLOGY_HELP = "comma-separated tpT[xcpC][+sp], e.g. tp2,cp2,tp2xcp2,tp2+sp (world size T*C each)"
 
@@ -70,8 +70,7 @@ def build_model(config, device, seed: int):
 
     with torch.device("meta"):
         model = H3Transformer(config)
-    model = model.to_empty(device=device)
-    model.apply_dtype_policy("released")
+    model = materialise(model, device)
     init_random_(model, seed)
     model.reset_buffers(device)
     return model.eval().requires_grad_(False)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import header, kernel_profile, prepare, rel_l2, timed_interleaved, write
+from _common import header, kernel_profile, materialise, prepare, rel_l2, timed_interleaved, write
 
 SHAPES = {
     # name: (latent frames, latent h, latent w, audio latents per channel, text rows) -> rows
@@ -65,15 +65,12 @@ def init_random_(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_diffusers(config, device, seed: int):
+    """Diffusers' model with `init_random_(seed)` weights, allocated once in the released dtypes (`materialise`)."""
     from diffusers import MiniMaxH3Transformer3DModel
-
-    from h3lab.config import FP32_MODULES
 
     with torch.device("meta"):
         model = MiniMaxH3Transformer3DModel(**config.to_diffusers())
-    model = model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(torch.float32 if any(m in name for m in FP32_MODULES) else torch.bfloat16)
+    model = materialise(model, device)
     model.rope.inv_freq = 1.0 / (
         config.rope_theta
         ** (torch.arange(0, 2 * config.rope_freq_dim, 2, dtype=torch.float32, device=device) / (2 * config.rope_freq_dim))

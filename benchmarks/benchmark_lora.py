@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import header, kernel_profile, prepare, runtime_profile, sync, table, timed_interleaved, write
+from _common import header, kernel_profile, materialise, prepare, runtime_profile, sync, table, timed_interleaved, write
 
 from benchmark_forward import SHAPES, init_random_  # noqa: E402 - the shapes and weight law of the forward benchmark
 
@@ -75,7 +75,7 @@ def build(config, device: str, rank: int, seed: int):
 
     with torch.device("meta"):
         model = H3Transformer(config)  # released dtype policy: bf16 blocks, float32 projections in/out
-    model = model.to_empty(device=device)
+    model = materialise(model, device)
     init_random_(model, seed)
     model.reset_buffers(device)
     add_lora(model, rank, float(rank), seed=seed)

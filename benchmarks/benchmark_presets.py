@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from _common import header, peak_mem_gib, prepare, rel_l2, sync, table, write
+from _common import header, materialise, peak_mem_gib, prepare, rel_l2, sync, table, write
 from benchmark_forward import init_random_, t2va_spec
 
 # name: (preset settings, whole-velocity reuse); layer counts are the release's (45 of 50), scaled to other depths.
@@ -47,7 +47,7 @@ def build_model(config, device: str, seed: int):
 
     with torch.device("meta"):
         model = H3Transformer(config, dtype_policy="released")
-    model = model.to_empty(device=device)
+    model = materialise(model, device)
     init_random_(model, seed)
     model.reset_buffers(device)
     return model.eval().requires_grad_(False)

@@ -5,6 +5,8 @@
     h3lab -d ./MiniMax-H3                                          # interactive session (REPL)
     h3lab --replay replays/t2va.h3 [--update]                     # scripted replay, checks '# expect' hashes
     h3lab --info [-d PATH] [--json]                                # snapshot report, no generation
+    h3lab --info --plan -d PATH --width 1344 --height 768 --frames 362 --adaln tables [--card-memory 80]
+                                                                   # what the settings need on the GPU
     torchrun --nproc-per-node 4 -m h3lab --tp 2 --cp 2 -p PROMPT   # strict TP / CP (Ulysses) / SP on 4 ranks
     h3lab verify DIR                                               # replay a sealed trajectory / run (h3lab.verify)
     h3lab train ... / h3lab train grpo ... / h3lab encode ...      # the training front ends (h3lab.train, .encode)
@@ -117,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", metavar="GiB", type=float, default=None,
                    help="GPU budget of the streamed DiT: blocks that fit stay resident, the rest stream (implies "
                         "--residency streamed)")
+    p.add_argument("--adaln", choices=("resident", "tables"), default=None,
+                   help="tables: keep the blocks' AdaLN weights (13B of the 33B parameters) in host memory and hold "
+                        "only the AdaLN tables of the run's schedule on the GPU (byte-identical; default resident)")
+    p.add_argument("--plan", action="store_true",
+                   help="with --info: what the settings need on the GPU (resident/streamed split, AdaLN tables, "
+                        "estimated peak) for the card, without loading anything")
+    p.add_argument("--card-memory", metavar="GiB", type=float, default=None,
+                   help="plan for (and refuse requests that do not fit) a card of this many GiB instead of this "
+                        "machine's GPU")
     p.add_argument("--session-dir", metavar="DIR", default=None,
                    help="REPL outputs, previews and history (default ./h3lab-session)")
     p.add_argument("--lora", metavar="PATH", default=None,
@@ -233,7 +244,7 @@ def session_from_args(args: argparse.Namespace):
     from .schema.argv import session_options
 
     session = Session(args.model, device=device, residency=residency, gpu_memory=args.gpu_memory, mesh=mesh,
-                      **session_options(args))
+                      adaln=args.adaln or "resident", card_memory=args.card_memory, **session_options(args))
     if getattr(args, "lora", None):
         session.load_lora(args.lora)  # checked against the snapshot's config; no model loads
     return session
@@ -246,18 +257,18 @@ CONDITIONING_FLAGS = {"first_frame": "--first-frame", "last_frame": "--last-fram
 OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir", "trajectory": "--trajectory"}
 OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
                "update": "--update", "allow_unchecked": "--allow-unchecked", "session_dir": "--session-dir",
-               "residency": "--residency",
+               "residency": "--residency", "adaln": "--adaln", "plan": "--plan", "card_memory": "--card-memory",
                "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
 MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel",
               "share_device": "--share-device"}
+PLACEMENT = {"residency", "gpu_memory", "adaln", "card_memory"}
 FIXED_ALLOWED = {  # action -> the fixed flags it uses (besides -d and --device, which every action uses)
     "info": {"json"},
-    "replay": {"replay", "update", "allow_unchecked", "session_dir", "profile", "residency", "gpu_memory",
-               *MESH_FLAGS},
-    "one-shot": {"prompt", "json", "show", "zoom", "profile", "residency", "gpu_memory", "session_dir", "lora",
+    "plan": {"json", "plan", *PLACEMENT, "first_frame", "last_frame"},
+    "replay": {"replay", "update", "allow_unchecked", "session_dir", "profile", *PLACEMENT, *MESH_FLAGS},
+    "one-shot": {"prompt", "json", "show", "zoom", "profile", *PLACEMENT, "session_dir", "lora",
                  *CONDITIONING_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
-    "repl": {"session_dir", "show", "zoom", "profile", "residency", "gpu_memory", "lora", *CONDITIONING_FLAGS,
-             *MESH_FLAGS},
+    "repl": {"session_dir", "show", "zoom", "profile", *PLACEMENT, "lora", *CONDITIONING_FLAGS, *MESH_FLAGS},
 }
 
 
@@ -273,11 +284,14 @@ def allowed() -> dict[str, set[str]]:
     from .schema.argv import flag_actions
 
     declared = flag_actions()
+    declared["plan"] = declared.get("one-shot", set())  # a plan is for the settings a generation would take
     return {action: dests | declared.get(action, set()) for action, dests in FIXED_ALLOWED.items()}
 
 
 WHY = {
-    "info": "--info only reports the snapshot (it takes -d, --device, --json)",
+    "info": "--info only reports the snapshot (it takes -d, --device, --json; with --plan the settings too)",
+    "plan": "--info --plan reports what the settings need on the GPU (it takes the settings, --first-frame, "
+            "--last-frame, --residency, --gpu-memory, --adaln, --card-memory, --json)",
     "replay": "a replay takes its prompts and settings from its file (it takes -d, --device, --residency, "
               "--gpu-memory, --session-dir, --profile, --update, --allow-unchecked)",
     "one-shot": "-p generates once and writes -o/--wav/--frames-dir/--trajectory; --session-dir only goes with --show",
@@ -288,7 +302,7 @@ WHY = {
 
 def action_of(args: argparse.Namespace) -> str:
     if args.info:
-        return "info"
+        return "plan" if args.plan else "info"
     if args.replay:
         return "replay"
     return "repl" if args.prompt is None else "one-shot"
@@ -298,6 +312,8 @@ def check_flags(args: argparse.Namespace) -> str:
     """The action the flags ask for; a one-line `CliError` naming a flag that action would silently ignore."""
     if (args.update or args.allow_unchecked) and not args.replay:
         raise CliError(f"{'--update' if args.update else '--allow-unchecked'} only goes with --replay FILE")
+    if args.plan and not args.info:
+        raise CliError("--plan only goes with --info (h3lab --info --plan [settings]); in the REPL: !plan")
     action = action_of(args)
     from .schema.argv import flags
 
@@ -313,7 +329,7 @@ def check_flags(args: argparse.Namespace) -> str:
         check_zoom(args.zoom, "--zoom")
     stray = [dest for dest in names if getattr(args, dest) not in (None, False, []) and dest not in takes]
     if stray:
-        head = {"info": "--info", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
+        head = {"info": "--info", "plan": "--info --plan", "replay": f"--replay {args.replay!r}", "one-shot": "-p",
                 "repl": "the interactive session (no -p)"}[action]
         raise CliError(f"{names[stray[0]]} with {head}: {WHY[action]}")
     return action
@@ -326,7 +342,7 @@ def preflight(args: argparse.Namespace, action: str) -> None:
     from .settings import check_prompt
 
     device = resolve_device(args.device)
-    if device.type == "cpu" and (args.residency == "streamed" or args.gpu_memory is not None):
+    if device.type == "cpu" and action != "plan" and (args.residency == "streamed" or args.gpu_memory is not None):
         flag = "--residency streamed" if args.residency == "streamed" else f"--gpu-memory {args.gpu_memory:g}"
         raise CliError(f"{flag} on the cpu: streaming moves DiT blocks from host memory to a GPU; on the cpu every "
                        "block already is in host memory (the flag would change nothing)")
@@ -429,6 +445,17 @@ def _info(args) -> int:
     return 0
 
 
+def _plan(args, settings) -> int:
+    """`--info --plan`: the settings' memory plan on this machine's GPU or the `--card-memory` card (no model
+    loads)."""
+    plan = session_from_args(args).plan(settings)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True, default=str))
+    else:
+        print("\n".join(plan.lines()))
+    return 0
+
+
 def _one_shot(args) -> int:
     from . import commands
     from .preview import TerminalPreview
@@ -528,11 +555,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         action = check_flags(args)
         mesh = None
-        if action != "info":
+        if action not in ("info", "plan"):
             from .distributed.frontend import mesh_request
 
             mesh = mesh_request(args)  # None without --tp/--cp/--sp and without torchrun; sets --mode strict
-        settings = settings_from_args(args) if action in ("one-shot", "repl") else None
+        settings = settings_from_args(args) if action in ("one-shot", "repl", "plan") else None
         if mesh is not None:  # rank 0 checks and runs the action, the other ranks follow its forwards
             from .distributed.frontend import close_mesh, run_on_mesh
             from .distributed.launch import RankFailed
@@ -571,6 +598,8 @@ def run_action(args: argparse.Namespace, action: str, settings) -> int:
     """The chosen action, after `check_flags` and `preflight` (on a mesh: rank 0's part)."""
     if action == "info":
         return _info(args)
+    if action == "plan":
+        return _plan(args, settings)
     if action == "replay":
         return _replay(args)
     if action == "repl":

@@ -689,6 +689,20 @@ def _h_streaming(state, switch):
     return session.set_residency(residency, session.gpu_memory if switch == "on" else None)
 
 
+@command("adaln", "!adaln tables|resident", "keep the DiT blocks' AdaLN weights in host memory and only the AdaLN "
+         "tables of each run on the GPU, or keep them resident", parse=p_choice(("tables", "resident")),
+         args=(Arg(("tables", "resident")),), drain=True)
+def _h_adaln(state, placement):
+    session = state.get_session()
+    return session.set_residency(session.residency, session.gpu_memory, placement)
+
+
+@command("plan", "!plan", "what the next generation needs on the GPU: resident / streamed blocks, AdaLN tables, "
+         "estimated peak against the card", parse=no_args)
+def _h_plan(state):
+    return state.get_session().plan(state.settings).lines()
+
+
 @command("quit", "!quit", "leave (also !exit, Ctrl-D)", parse=no_args, aliases=("exit", "q"))
 def _h_quit(state):
     state.running = False

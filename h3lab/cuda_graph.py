@@ -245,8 +245,8 @@ def _ineligible(policy: Policy, model, args, backend, device_ok) -> str:
 
 def shared_refusal(model, backend) -> str:
     """"" or why no graph of `model` may be captured now, whatever is captured (a forward here, a training
-    micro-batch in `h3lab.training.step_graph`): inference mode, an h3lab hook, an op override, a placement, a
-    capture already running, a global torch forward hook (a module's own: `module_tree.walk`)."""
+    micro-batch in `h3lab.training.step_graph`): inference mode, an h3lab hook, an op override, a placement, AdaLN
+    tables computed ahead, a capture already running, a global torch forward hook (a module's own: `module_tree.walk`)."""
     if torch.is_inference_mode_enabled():
         return ("inference mode (its tensors carry no version, so the index caches a graph is built on cannot hold "
                 "them; use torch.no_grad())")
@@ -256,6 +256,8 @@ def shared_refusal(model, backend) -> str:
         return f"op overrides {list(runtime.active_overrides())}"
     if runtime.current_placement() is not None:
         return "a placement (sharded forward)"
+    if runtime.current_precomputed() is not None:
+        return "AdaLN tables computed ahead (each forward selects its rows)"
     if backend.capturing():
         return "a capture is already running"
     from torch.nn.modules import module as torch_module

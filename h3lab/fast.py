@@ -43,8 +43,12 @@ Refused (FastModeError, one line naming the op, its point and the rule)
                       compute capability 8.9, and autograd recording through an op (fast is inference-only: FP8
                       products have no backward).
 Emulation             `use_emulation()` (tests and the benchmarks' CPU dry runs only) lets fast run on the CPU: the
-                      projections are `linear_reference` (kernel_id `fast.emulated.fp8_e4m3`), attention the plain
-                      SDPA call. Never the product path: the session's CPU refusal stands outside that context.
+                      projections are `linear_reference` (kernel_id `fast.emulated.fp8_e4m3`; a weight already in
+                      `WEIGHTS` is read through its cached FP8 copy, the same bytes), attention the plain SDPA call.
+                      Never the product path: the session's CPU refusal stands outside that context.
+Without bf16          `h3lab.fast_weights.drop_bf16(model)` moves the bf16 bytes of the weights fast only reads as
+                      FP8 off the GPU (92.6 -> ~31 GiB for the released DiT); a weight in `WEIGHTS` is accepted on
+                      the host, its FP8 copy is what runs.
 Cost                  measured per pass against `off` (velocity and latent drift over a 20-pass trajectory) by
                       `benchmarks/benchmark_every_length.py` (H200: 7% per-pass velocity, 4.5% latent after 20
                       passes at 512x512x22f; forward_fast_drift.json); see docs/strict-and-drift.md.
@@ -167,7 +171,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """The fast projection emulated in float32 on any device: dequantised rows @ dequantised weight^T (+ bias),
     cast to x's dtype. What `_scaled_mm` computes, up to its accumulation order."""
     qx, sx = quantize_rows_reference(x)
-    qw, sw = quantize_rows_reference(weight)
+    hit = WEIGHTS.lookup(weight)  # a weight `fast_weights.drop_bf16` dropped is read through its FP8 copy only
+    qw, sw = (hit[0], hit[1].reshape(-1, 1)) if hit is not None else quantize_rows_reference(weight)
     y = (qx.float() * sx) @ (qw.float() * sw).t()
     y = y.to(x.dtype)
     if bias is not None:
@@ -360,7 +365,7 @@ def _check(name: str, point: str, args: tuple, kwargs: dict) -> None:
     if _emulated.get():
         return
     for t in tensors:
-        if t.device.type != "cuda":
+        if t.device.type != "cuda" and WEIGHTS.lookup(t) is None:  # a dropped bf16 weight runs as its FP8 copy
             raise _error(f"mode 'fast' needs a CUDA GPU with FP8 matmuls: {where} has a tensor on {t.device} "
                          "(no fast mode on the CPU; use off, auto or strict)")
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()

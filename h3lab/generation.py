@@ -130,7 +130,7 @@ def _denoise(session: Any, s, schedule, media, text, cond, progress, cancel, pre
         raise GenerationCancelled(f"{err}; the session is unchanged") from None
     latents, audio_rows = pipeline.final_latents(s, inputs, video, audio, patch)
     trajectory = recorder.finish()
-    streamed = streaming.last_stats() if spec.residency else None
+    streamed = streaming.last_stats() if spec.residency.get("policy") == "streamed" else None
     return {
         "layout": layout,
         "latents": latents,

@@ -38,6 +38,13 @@ on all rows of the rank's heads). The trace records served calls (`ops.log_serve
 (`Trace.placement`) and the forward's collective log (`Trace.collectives`); both are None, and absent from
 `to_dict()`, for a one-process forward.
 
+Precomputed results (`use_precomputed(server)`, entered around a forward by `h3lab.model.adaln_tables` when a model's
+AdaLN tables were computed ahead): a point-scoped layer before the placement. `server.serve(name, point, ops)` returns
+None (the op runs as usual) or a callable that returns the rows computed ahead for this call and traces it with
+`ops.log_served(...)`, carrying the backend, kernel and tile of the call that computed them: the record equals the one
+the op would have written. A table built by one forward keeps the layer (a gradient-checkpoint replay is served as
+its forward was).
+
 `derived(tensors, tag, make)` keeps a value derived from integer tensors (the AdaLN row index) while they are
 unchanged, and `frozen_index_caches()` is what a CUDA graph capture (`h3lab.cuda_graph`) runs inside: no index-cache
 entry is built there (a miss raises before any host sync), and the entries read are collected for the graph.
@@ -215,6 +222,7 @@ _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_overrid
 _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
 _current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
 _placement: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_placement", default=None)
+_precomputed: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_precomputed", default=None)
 
 
 def check_mode(mode: str) -> str:
@@ -273,6 +281,22 @@ def use_placement(placement: Any) -> Iterator[Any]:
 def current_placement() -> Any:
     """The placement the enclosing `use_placement` set (None for a one-process forward)."""
     return _placement.get()
+
+
+@contextlib.contextmanager
+def use_precomputed(server: Any) -> Iterator[Any]:
+    """Serve the enclosed forwards' ops from results computed ahead where `server.serve(name, point, ops)` returns a
+    callable (see the module docstring); None serves nothing."""
+    token = _precomputed.set(server)
+    try:
+        yield server
+    finally:
+        _precomputed.reset(token)
+
+
+def current_precomputed() -> Any:
+    """The server the enclosing `use_precomputed` set (None: every op is computed in its forward)."""
+    return _precomputed.get()
 
 
 def active_overrides() -> tuple[str, ...]:
@@ -426,12 +450,13 @@ class Ops:
     class (installed from `OP_NAMES` below), so a table makes no reference cycle."""
 
     def __init__(self, mode: str, trace: Trace, record: bool = True, overrides: bool = True,
-                 placement: bool = True):
+                 placement: bool = True, precomputed: bool = True):
         self.mode = check_mode(mode)
         self.trace = trace
         self.record = record
         self._overrides = _overrides.get() if overrides else {}
         self._placement = _placement.get() if placement else None
+        self._precomputed = _precomputed.get() if precomputed else None
         self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
@@ -443,7 +468,15 @@ class Ops:
         # Only reached for names that are no op (every op is a method, installed below `Ops`).
         raise AttributeError(f"no op {name!r}: ops are {', '.join(OP_NAMES)}")
 
+    def overrides(self) -> dict[str, Callable[..., Any]]:
+        """The op overrides this table applies (name -> function)."""
+        return dict(self._overrides)
+
     def _call(self, name: str, point: str, args: tuple, kwargs: dict) -> Any:
+        if self._precomputed is not None:
+            served = self._precomputed.serve(name, point, self)
+            if served is not None:
+                return served(*args, **kwargs)
         if self._placement is not None:
             served = self._placement.serve(name, point, self)
             if served is not None:
@@ -489,10 +522,11 @@ class Ops:
         self._log(name, point, "torch", _TORCH_INFO, args, kwargs, f"auto fallback: {reason}")
         return REFERENCE_OPS[name](*args, **kwargs)
 
-    def log_served(self, name: str, point: str, info: dict, args: tuple) -> None:
-        """Trace a call a placement served with strict kernels and strict collectives (`info`: kernel_id, tile,
-        acc_dtype)."""
-        self._log(name, point, "strict", info, args, {})
+    def log_served(self, name: str, point: str, info: dict, args: tuple, kwargs: dict | None = None,
+                   actual: str = "strict", fallback: str = "") -> None:
+        """Trace a call served outside `dispatch`: by a placement with strict kernels and strict collectives, or from
+        rows computed ahead (`info`: kernel_id, tile, acc_dtype; `actual` / `fallback` as the computing call's)."""
+        self._log(name, point, actual, info, args, kwargs or {}, fallback)
 
     def _log(self, name, point, actual, info, args, kwargs, fallback: str = "") -> None:
         if not self.record:
@@ -536,9 +570,11 @@ def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool 
 
 def mode_op(name: str) -> Callable[..., Any]:
     """Op `name` exactly as the current mode dispatches it (strict fails closed, auto falls back), ignoring overrides
-    and any placement, recording nothing: what an override that perturbs only some calls delegates the others to."""
+    and any placement or precomputed results, recording nothing: what an override that perturbs only some calls
+    delegates the others to."""
     mode = current_mode()
-    return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False, placement=False), name)
+    return getattr(Ops(mode, Trace(mode=mode, device=""), record=False, overrides=False, placement=False,
+                       precomputed=False), name)
 
 
 # ------------------------------------------------------------------------------------- derived index tensors

@@ -19,9 +19,11 @@ Contract
   video VAE and the audio VAE. `residency="resident"` keeps them; `"phased"` releases each after its phase (text
   encode, condition encode, denoise, decode) so the 32B encoder, the 33B DiT and the decoders never coexist;
   `"streamed"` keeps them but streams the DiT's blocks from pinned host memory through two GPU slots (byte-identical
-  to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `set_residency(residency, gpu_memory)`
-  switches it (`!streaming on|off`); a streamed run records it in `RunSpec.residency` and `result.streaming` holds
-  its copy statistics (`--profile`).
+  to resident; with `gpu_memory` GiB the blocks that fit stay on the GPU). `adaln="tables"` keeps the blocks' AdaLN
+  weights in pinned host memory and serves every forward from AdaLN tables computed ahead for the run's schedule
+  (byte-identical; composes with each residency). `set_residency(residency, gpu_memory, adaln=None)` switches them
+  (`!streaming on|off`); a streamed or tables run records it in `RunSpec.residency` and `result.streaming` holds its
+  copy statistics (`--profile`).
 - `mesh=` (an `h3lab.distributed.Mesh`; the torchrun front end passes one): every transformer the session loads or
   is given is parallelized on it in place (`h3lab.distributed.parallelize`, named by its variant) and every run
   spec records the topology (`RunSpec.placement`), so a sealed run replays on it.
@@ -84,6 +86,7 @@ import torch
 from . import pipeline, reruns
 from .caches import LRU, entries
 from .checkpoint.native import native_form
+from .components.residency import check_gpu_memory
 from .components.store import RESIDENCIES, VARIANTS, ComponentStore, check_residency, resolve_snapshot  # noqa: F401
 from .devices import default_device, resolve_device  # noqa: F401 - re-exported: the session's device check
 from .errors import ValidationError
@@ -105,12 +108,14 @@ class Session:
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device | None = None,
                  residency: str = "resident", dtype_policy: str = "released",
                  pipeline_config: dict[str, int] | None = None, gpu_memory: float | None = None, mesh: Any = None,
-                 keep: Any = ()):
-        check_residency(residency, gpu_memory)
+                 keep: Any = (), adaln: str = "resident", card_memory: float | None = None):
+        check_residency(residency, gpu_memory, adaln)
+        self.card_memory = None if card_memory is None else check_gpu_memory(card_memory)  # GiB, a hypothetical card
         self.path, self.model_name = resolve_snapshot(path)
         self.device = resolve_device(device)
         self.mesh = mesh  # an h3lab.distributed Mesh: every transformer is parallelized on it, specs record it
-        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
+        self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh,
+                                    adaln=adaln)
         self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self._lock = threading.RLock()  # one generation at a time
@@ -135,11 +140,17 @@ class Session:
         """The streamed DiT's GPU budget in GiB (None: every block streams, or not streamed)."""
         return self.store.gpu_memory
 
-    def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
-        """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed) and re-place the
-        loaded DiT in place; returns what it does now. A refusal changes nothing."""
+    @property
+    def adaln(self) -> str:
+        """Where the DiT blocks' AdaLN weights live: "resident", or "tables" (host memory; tables on the GPU)."""
+        return self.store.adaln
+
+    def set_residency(self, residency: str, gpu_memory: float | None = None, adaln: str | None = None) -> list[str]:
+        """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed; `adaln`
+        "resident" | "tables", None keeps it) and re-place the loaded DiT in place; returns what it does now. A
+        refusal changes nothing."""
         with self._lock:
-            return self.store.set_residency(residency, gpu_memory)
+            return self.store.set_residency(residency, gpu_memory, adaln)
 
     @property
     def load_seconds(self) -> float:
@@ -194,6 +205,7 @@ class Session:
             "device": str(self.device),
             "residency": self.residency,
             "gpu_memory_gib": self.gpu_memory,
+            "adaln": self.adaln,
             "streaming": self.store.describe()[1:],
             "loaded": self.loaded,
             "cache_entries": len(self._text_cache) + len(self._cond_cache),
@@ -291,9 +303,28 @@ class Session:
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
         check_ablations(s.ablations)  # fail before any work
+        self.check_memory(s)
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
             return run_generation(self, s, media, progress, cancel, preview, outputs)
+
+    def plan(self, request: str | GenerationSettings | None = None, card_memory: float | None = None,
+             **overrides: Any):
+        """What the request needs on the GPU (`h3lab.memory_plan`): the DiT's resident / streamed split, the AdaLN
+        tables, the activation estimate and the peak, against the card (`card_memory` GiB, else the session's, else
+        its CUDA device). No model loads."""
+        from .memory_plan import plan_request
+
+        return plan_request(self, self.settings(request, **overrides), card_memory)
+
+    def check_memory(self, settings: GenerationSettings) -> None:
+        """Refuse, in one line and before any work, a request whose estimated peak exceeds the card (a CUDA device,
+        or the hypothetical `card_memory`; nothing to check on the CPU without one)."""
+        if self.device.type != "cuda" and self.card_memory is None:
+            return
+        from .memory_plan import check_fits
+
+        check_fits(self.plan(settings))
 
     def encode_clip(self, video: str | os.PathLike, prompt: str, **options: Any):
         """An MP4 and its prompt -> one encoded t2va `ClipRequest` for `training.save_dataset` (its VAEs and text

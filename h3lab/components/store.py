@@ -32,7 +32,7 @@ Contract
   ConfigSpecs that shape reference media), `component_config(folder)`.
 
 The store holds no lock: `Session` serialises its calls. Importing it registers the provider of the run-spec field
-`residency` (`streaming.check_residency_value` / `streaming.apply_residency`).
+`residency` (`streaming.check_residency_value` / `residency_field.apply_residency`).
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ import torch
 
 from ..errors import CheckpointError, ValidationError
 from ..run import FieldProvider, register_field
-from . import streaming
+from . import adaln_host, residency_field, streaming
 from .execution import RESIDENCIES, ExecutionPlan, check_plan  # noqa: F401 - RESIDENCIES re-exported
 
 VARIANTS = ("transformer", "transformer_ref")
 
-register_field("residency", FieldProvider(validate=streaming.check_residency_value, apply=streaming.apply_residency),
-               replace=True)
+register_field("residency", FieldProvider(validate=streaming.check_residency_value,
+                                          apply=residency_field.apply_residency), replace=True)
 
 
 def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
@@ -72,9 +72,9 @@ def resolve_snapshot(path: str | os.PathLike | None) -> tuple[Path, str]:
     return path, name
 
 
-def check_residency(residency: str, gpu_memory: float | None = None) -> str:
+def check_residency(residency: str, gpu_memory: float | None = None, adaln: str = "resident") -> str:
     """The residency rules of an `ExecutionPlan` (`execution.check_plan`), before anything is built."""
-    return check_plan(residency, gpu_memory)
+    return check_plan(residency, gpu_memory, adaln=adaln)
 
 
 def check_variant(variant: str) -> str:
@@ -87,10 +87,12 @@ class ComponentStore:
     """The loaded components of one snapshot and their residency (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, device: torch.device, residency: str = "resident",
-                 dtype_policy: str = "released", gpu_memory: float | None = None, mesh: Any = None):
+                 dtype_policy: str = "released", gpu_memory: float | None = None, mesh: Any = None,
+                 adaln: str = "resident"):
         self.path = Path(path)
-        # the one owner of device, mesh, residency and budget: it places every DiT and hands specs their fields
-        self.plan = ExecutionPlan(device, residency, gpu_memory, mesh)
+        # the one owner of device, mesh, residency, budget and AdaLN placement: it places every DiT and hands specs
+        # their fields
+        self.plan = ExecutionPlan(device, residency, gpu_memory, mesh, adaln)
         self.dtype_policy = dtype_policy
         self.components: dict[str, Any] = {}
         self.injected: dict[str, Any] = {}  # variant -> pinned caller-built transformer (`set_transformer`)
@@ -109,6 +111,11 @@ class ComponentStore:
     @property
     def gpu_memory(self) -> float | None:
         return self.plan.gpu_memory
+
+    @property
+    def adaln(self) -> str:
+        """Where the blocks' AdaLN weights live: "resident" or "tables" (host memory; tables on the device)."""
+        return self.plan.adaln
 
     @property
     def mesh(self) -> Any:
@@ -201,16 +208,19 @@ class ComponentStore:
 
     def release_blocks(self, variant: str, model, blocks) -> tuple[int, ...]:
         """Free the weights of the blocks of `model` (the DiT of `variant`) that a thinned run does not run
-        (`h3lab.presets.release_dropped`); a streamed DiT's streamer forgets them and plans the rest again. A pinned
+        (`h3lab.presets.release_dropped`); a streamed DiT's streamer forgets them and plans the rest again, the AdaLN
+        tables' host source drops their host buffers. A pinned
         (`set_transformer`) model is never released. Returns the blocks released now."""
         from ..presets import release_dropped
 
         if variant in self.injected:
             return ()
         released = release_dropped(model, blocks)
-        streamer = streaming.streamer_of(model)
+        streamer, source = streaming.streamer_of(model), adaln_host.source_of(model)
         if released and streamer is not None:
             streamer.forget_released()
+        if released and source is not None:
+            source.forget_released()
         return released
 
     def _load_component(self, name: str) -> Any:
@@ -240,7 +250,7 @@ class ComponentStore:
         on the CPU, then placed (the blocks never sit on the GPU all at once)."""
         from ..model import H3Transformer
 
-        streamed = self.residency == "streamed"
+        streamed = self.residency == "streamed" or self.plan.tables  # mapped on the CPU, placed block by block
         if self.mesh is not None and self.mesh.topology.tp > 1:  # each rank reads only its TP shard from the files
             from ..distributed.shard_load import load_sharded_transformer
 
@@ -269,13 +279,14 @@ class ComponentStore:
                 model = H3Transformer(H3Config.from_dict(self.component_config(model)), dtype_policy=self.dtype_policy)
         return self.plan.streaming_plan(model)
 
-    def set_residency(self, residency: str, gpu_memory: float | None = None) -> list[str]:
-        """Switch the policy and re-place every loaded DiT in place; returns what each now does. The refusals (an
-        unknown policy, a budget that cannot hold the streamed DiT, blocks that do not fit back on the GPU) are
-        checked before any block moves."""
+    def set_residency(self, residency: str, gpu_memory: float | None = None, adaln: str | None = None) -> list[str]:
+        """Switch the policy (and, given, the AdaLN placement) and re-place every loaded DiT in place; returns what
+        each now does. The refusals (an unknown policy, a budget that cannot hold the streamed DiT, blocks that do
+        not fit back on the GPU) are checked before any block moves."""
         dits = [(v, self.components[v]) for v in VARIANTS if v in self.components]
         before = self.plan
-        self.plan = self.plan.replace(residency=residency, gpu_memory=gpu_memory)  # checks the rules first
+        changes = {"residency": residency, "gpu_memory": gpu_memory, **({"adaln": adaln} if adaln else {})}
+        self.plan = self.plan.replace(**changes)  # checks the rules first
         try:
             if residency == "streamed":
                 for _, model in dits:

@@ -40,15 +40,15 @@ moved, copies, on-demand loads, copy seconds and throughput, and the copy wait t
 
 The run-spec field: `RunSpec.residency` (`h3lab/run/fields.py`) holds `residency_value(policy, gpu_memory_gib,
 slots)`, checked by `check_residency_value` ({} = resident; {"policy": "streamed", "slots": 2[, "gpu_memory_gib":
-40.0]}) and applied by `apply_residency` around the loop: a model a streamer already drives runs as it is (the
-store streams it with the session's plan); a resident model is streamed for the run and restored after it. A
-resident spec on a streamed model streams too (bytes are identical either way). `h3lab.components.store` registers
-the provider.
+40.0]}) and applied by `residency_field.apply_residency` around the loop.
+
+AdaLN tables (`adaln_host.py`): when the model's forwards are served from AdaLN tables, the blocks' AdaLN weights
+live in the tables' source, not in the units (`BlockStreamer.skip`): a streamed block moves its other tensors only,
+and the plan counts the tables instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import time
 from collections import deque
@@ -58,9 +58,11 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..model.adaln_tables import tables_of
 from .residency import (  # noqa: F401 - the planning names are re-exported: streaming is the room's entry point
-    ALIGN, DEFAULT_SLOTS, GiB, Plan, ResidencyError, aligned, arena_layout, bind, block_units, check_gpu_memory,
-    check_residency_value, fixed_bytes, plan_for_model, plan_residency, registered, residency_value, unit_entries,
+    ALIGN, DEFAULT_SLOTS, PLANNED_TABLE_ROWS, GiB, Plan, ResidencyError, adaln_ids, aligned, arena_layout, bind,
+    block_units, check_gpu_memory, check_residency_value, fixed_bytes, plan_for_model, plan_residency, registered,
+    residency_value, tables_plan, unit_entries,
 )
 
 
@@ -239,9 +241,13 @@ class BlockStreamer:
         self.model = model
         self.device = torch.device(device)
         self.backend = backend if backend is not None else backend_for(self.device)
+        # AdaLN weights served as tables live where the tables' source keeps them: no unit carries them; trainable
+        # parameters (a LoRA of a model adapted before it streams) stay resident, where their optimiser state is
+        self.skip = adaln_ids(model) if tables_of(model) is not None else set()
+        self.skip |= {id(p) for p in model.parameters() if p.requires_grad}
         self.units: list[_Unit] = []
         for name, module in block_units(model):
-            group, nbytes = unit_entries(module)
+            group, nbytes = unit_entries(module, skip=self.skip)
             self.units.append(_Unit(name, module, group, nbytes))
         self.plan: Plan | None = None
         self.streamed: list[_Unit] = []
@@ -304,7 +310,7 @@ class BlockStreamer:
         later inside a unit -- a LoRA adapter injected for one run (`RunSpec.adapters`, applied before the
         residency), whose factors peft creates where the unit's weights are between forwards, in host memory -- stay
         resident beside the streamed ones (called by `begin_run`)."""
-        packed = {id(e.get()) for u in (self.streamed if skip is None else skip) for e in u.entries}
+        packed = {id(e.get()) for u in (self.streamed if skip is None else skip) for e in u.entries} | self.skip
         moved = []
         with torch.no_grad():
             for path, owner, key, is_param, t in list(registered(self.model)):
@@ -327,10 +333,7 @@ class BlockStreamer:
         self.units = [u for u in self.units if u.name in live]
         self.streamed = [u for u in self.streamed if u.name in live]
         plan = self.plan
-        sizes = [(u.name, u.nbytes) for u in self.units]
-        fixed = fixed_bytes(self.model, [u.entries for u in self.units])
-        self.apply(plan_residency(sizes, fixed, plan.gpu_memory_gib if plan else None,
-                                  plan.slots if plan else DEFAULT_SLOTS))
+        self.apply(_plan(self, plan.gpu_memory_gib if plan else None, plan.slots if plan else DEFAULT_SLOTS))
         return [u.name for u in gone]
 
     def _make_resident(self, unit: _Unit) -> None:
@@ -528,10 +531,19 @@ def stream_blocks(model: nn.Module, device: torch.device | str | None = None, *,
         from ..hashing import model_fingerprint
 
         model.fingerprint = model_fingerprint(model)  # the identity of these bytes, before they move
+    if current is not None and current.skip != (adaln_ids(model) if tables_of(model) is not None else set()):
+        current.remove(restore=False)  # the AdaLN weights joined or left the tables: the units change
+        current = None
     streamer = current or BlockStreamer(model, device, backend)
+    return streamer.apply(_plan(streamer, gpu_memory_gib, slots))
+
+
+def _plan(streamer: BlockStreamer, gpu_memory_gib: float | None, slots: int) -> Plan:
+    """The streamer's units planned under the budget; the device also holds the AdaLN tables when they serve."""
     sizes = [(u.name, u.nbytes) for u in streamer.units]
-    fixed = fixed_bytes(model, [u.entries for u in streamer.units])
-    return streamer.apply(plan_residency(sizes, fixed, gpu_memory_gib, slots))
+    fixed = fixed_bytes(streamer.model, [u.entries for u in streamer.units], streamer.skip)
+    tables = tables_plan(streamer.model, PLANNED_TABLE_ROWS) if streamer.skip else None
+    return plan_residency(sizes, fixed, gpu_memory_gib, slots, tables)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -540,25 +552,3 @@ def _model_device(model: nn.Module) -> torch.device:
     if isinstance(weight, torch.Tensor):
         return weight.device
     return next(model.parameters()).device
-
-
-# ------------------------------------------------------------------------------------------------ the field
-@contextlib.contextmanager
-def apply_residency(value: Mapping[str, Any], run):
-    """`RunSpec.residency` applied to a run (see the module docstring); yields the run unchanged."""
-    model = run.model
-    streamer = streamer_of(model)
-    temporary = streamer is None
-    if temporary:
-        device = run.inputs.video.device
-        streamer = stream_blocks(model, device, gpu_memory_gib=value.get("gpu_memory_gib"),
-                                 slots=value.get("slots", DEFAULT_SLOTS))
-    streamer.begin_run()
-    try:
-        yield run
-    finally:
-        try:
-            streamer.end_run()
-        finally:
-            if temporary:
-                streamer.remove(restore=True)

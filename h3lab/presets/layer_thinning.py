@@ -134,8 +134,8 @@ def _whole_adaln(model: Any, i: int, device) -> tuple[torch.Tensor, torch.Tensor
     lin = model.transformer_blocks[i].adaln_proj.linear
     c = model.config
     full = NUM_MODALITIES * 6 * c.hidden_size
-    if lin.weight.shape[0] == full:
-        return lin.weight, lin.bias
+    if lin.weight.shape[0] == full:  # on the device of the analysis (AdaLN weights may sit in host memory)
+        return lin.weight.to(device), lin.bias.to(device)
     read = getattr(model, "h3lab_read_whole", None)
     if read is None:
         raise PresetError(f"layers: block {i}'s AdaLN projection holds {lin.weight.shape[0]} of its {full} rows (a "

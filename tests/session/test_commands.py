@@ -42,6 +42,8 @@ EXAMPLES = {
     "profile": ("!profile on", ("on",)),
     "show": ("!show off", ("off",)),
     "streaming": ("!streaming on", ("on",)),
+    "adaln": ("!adaln tables", ("tables",)),
+    "plan": ("!plan", ()),
     "layers": ("!layers 45", (45,)),
     "core-reuse": ("!core-reuse 4", (4,)),
     "token-reduction": ("!token-reduction on", ("on",)),
