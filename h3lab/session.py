@@ -113,6 +113,7 @@ class Session:
         self.store = ComponentStore(self.path, self.device, residency, dtype_policy, gpu_memory, mesh=mesh)
         self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
+        self.last_result: GenerationResult | None = None  # what `attention` views when given no result
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = LRU(self.CACHE_LIMIT)
         self._cond_cache = LRU(4 * self.CACHE_LIMIT)
@@ -293,7 +294,8 @@ class Session:
         check_ablations(s.ablations)  # fail before any work
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
-            return run_generation(self, s, media, progress, cancel, preview, outputs)
+            self.last_result = run_generation(self, s, media, progress, cancel, preview, outputs)
+            return self.last_result
 
     def encode_clip(self, video: str | os.PathLike, prompt: str, **options: Any):
         """An MP4 and its prompt -> one encoded t2va `ClipRequest` for `training.save_dataset` (its VAEs and text
@@ -371,3 +373,24 @@ class Session:
         the spec's variant (`trajectory.verify`, through `h3lab.reruns.verify`); a trajectory with custom callables
         is refused."""
         return reruns.verify(self, path)
+
+    # ---------------------------------------------------------------------------------------- research views
+    def attention(self, result: GenerationResult | None = None, block: int = 0, *, step: int | None = None,
+                  heads=None, query=None, audio_bin: int = 1, chunk: int | None = None):
+        """The attention view of `result` (default: the last generation) at `block`: its sealed `RunSpec` re-run with
+        a probe hook at the block's RoPE'd Q and K, exact float64 probabilities summed over the layout's regions
+        (`h3lab.views`, through `h3lab.reruns.attention`). `step` is the pass (default the last with a forward),
+        `heads` a list of head indices (default all), `query` region words ("text", "video", "frame3", ...) whose rows
+        are the queries (default every region)."""
+        if result is None:
+            result = self.last_result
+        if result is None:
+            raise ValidationError("attention: no generation yet (generate first, or pass a result)")
+        return reruns.attention(self, result, block, step=step, heads=heads, query=query, audio_bin=audio_bin,
+                                chunk=chunk)
+
+    def compare(self, a, b, settings: GenerationSettings | str | None = None, *, labels=None, drift: bool = True):
+        """A matched-seed A/B of two sides -- results, or setting overrides (with "lora": PATH | None) generated on
+        `settings`' seed: per-frame PSNR / SSIM, audio log-spectral distance and RMS ratio, the h3-shapes reads and
+        the first drift, one table (`h3lab.views.compare`, through `h3lab.reruns.compare`)."""
+        return reruns.compare(self, a, b, settings, labels, drift)

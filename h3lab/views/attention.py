@@ -203,6 +203,12 @@ class AttentionMap:
         """(Gq, G) the weights averaged over the chosen heads."""
         return self.weights.mean(dim=1)
 
+    def keys(self, words: str | Sequence[str] | None) -> list[int]:
+        """Key region indices named by selector words (`views.regions.select`: "video", "frame3", "text", ...)."""
+        from .regions import select_labels
+
+        return select_labels(self.key_labels, self.key_kinds, words)
+
     def key_columns(self, keys: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights on the key regions `keys` (Gq, H', K), the mass left on every other region (Gq, H'))."""
         keep = torch.as_tensor(list(keys), dtype=torch.long)

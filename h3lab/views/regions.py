@@ -127,22 +127,27 @@ def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: 
 
 def select(regions: Regions, words: str | Sequence[str] | None) -> list[int]:
     """Region indices named by selector words (module docstring); None or "all" is every region."""
+    return select_labels(regions.labels, regions.kinds, words)
+
+
+def select_labels(labels: Sequence[str], kinds: Sequence[str], words: str | Sequence[str] | None) -> list[int]:
+    """`select` over region labels and kinds alone (an `AttentionMap`'s key regions)."""
     if words is None:
-        return list(range(regions.num_regions))
+        return list(range(len(labels)))
     items = [words] if isinstance(words, str) else list(words)
     chosen: list[int] = []
     for word in items:
         for part in str(word).split(","):
             part = part.strip()
             if part == "all":
-                hits = list(range(regions.num_regions))
+                hits = list(range(len(labels)))
             elif part in KINDS:
-                hits = regions.of_kind(part)
+                hits = [g for g, k in enumerate(kinds) if k == part]
             else:
-                hits = [g for g, label in enumerate(regions.labels)
-                        if part in (label, label.split(":")[0]) or regions.kinds[g] == "text" and label.partition(":")[2] == part]
+                hits = [g for g, label in enumerate(labels)
+                        if part in (label, label.split(":")[0]) or kinds[g] == "text" and label.partition(":")[2] == part]
             if not hits:
                 raise RegionError(f"region {part!r}: not in this layout (kinds {', '.join(KINDS)}, 'all', or a "
-                                  f"label such as {regions.labels[-1]!r})")
+                                  f"label such as {labels[-1]!r})")
             chosen += [g for g in hits if g not in chosen]
     return sorted(chosen)

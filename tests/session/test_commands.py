@@ -53,6 +53,8 @@ EXAMPLES = {
     "stepper": ("!stepper flow_sde", ("flow_sde",)),
     "level": ("!level 0.3", (0.3,)),
     "window": ("!window 1,4", ("1,4",)),
+    "attention": ("!attention 3 0-1 pass 2 from text to video map.png", (3, (0, 1), 1, "text", "video", "map.png")),
+    "compare": ("!compare ab.png", ("ab.png",)),
 }
 
 
