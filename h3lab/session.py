@@ -89,7 +89,8 @@ from .devices import default_device, resolve_device  # noqa: F401 - re-exported:
 from .errors import ValidationError
 from .generation import run_generation
 from .io_utils import check_output_file
-from .request_checks import ablation_factors, check_ablations, check_outputs, check_preset  # noqa: F401
+from .request_checks import (ablation_factors, check_ablations, check_lora_scale, check_outputs,  # noqa: F401
+                             check_preset)
 from .results import PHASES, GenerationCancelled, GenerationResult, StepInfo  # noqa: F401 - re-exported
 from .reruns import drift_lines as _drift_lines  # noqa: F401 - re-exported (tests)
 from .settings import FPS, GenerationSettings, check_prompt, is_blank
@@ -291,6 +292,7 @@ class Session:
         s = s.with_notices(self.canvas_notice(s))
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
+        check_lora_scale(self.store, s, self.adapters)
         check_ablations(s.ablations)  # fail before any work
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded

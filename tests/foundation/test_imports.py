@@ -306,7 +306,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
     "distributed": (("h3lab.distributed",), ("base", "checkpoint", "model", "run", "runtime")),
     "research": (("h3lab.trajectory", "h3lab.drift", "h3lab.arms", "h3lab.artifact"), ("base", "model", "run", "runtime", "sampler")),
     "training": (("h3lab.training",), ("base", "checkpoint", "layout", "model", "research", "run", "runtime",
-                                       "sampler", "settings", "stochastic")),
+                                       "sampler", "schema", "settings", "stochastic")),
     "ablation": (("h3lab.ablation",), ("base", "checkpoint", "distributed", "layout", "model", "research", "run",
                                        "runtime", "sampler", "training")),
     "components": (("h3lab.components",), ("base", "checkpoint", "distributed", "model", "presets", "run",
