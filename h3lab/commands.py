@@ -579,7 +579,7 @@ def _h_drift(state):
     return state.get_session().drift_lines(a, b)
 
 
-def _p_heads(name: str, word: str) -> tuple[int, ...] | None:
+def parse_heads(name: str, word: str) -> tuple[int, ...] | None:
     """HEADS: "all" (None), "0,2" or "0-3" (a range, inclusive)."""
     if word == "all":
         return None
@@ -601,7 +601,7 @@ def _p_attention(name, args):
     out: dict[str, Any] = {"block": int(words.pop(0)), "heads": None, "pass": None, "from": None, "to": None,
                            "path": None}
     if words and words[0] not in ("pass", "from", "to") and not words[0].lower().endswith(".png"):
-        out["heads"] = _p_heads(name, words.pop(0))
+        out["heads"] = parse_heads(name, words.pop(0))
     while words:
         word = words.pop(0)
         if word in ("pass", "from", "to") and words and out[word] is None:
