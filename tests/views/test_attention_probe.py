@@ -72,3 +72,26 @@ def test_bad_requests_fail_before_the_run(bench):
         reused = RunSpec(make_inputs(bench.model.config, bench.layout, sched, 0, {}), sched, layout=bench.layout,
                          reuse=2)
         attention_view(reused, bench.model, 0, step=1)
+
+
+def test_a_knocked_out_block_passes_its_input_on(bench):
+    from h3lab.views.knockout import knocked_out
+
+    seen = {}
+
+    def keep(point, tensor):
+        seen[point.name] = tensor.detach().clone()
+
+    spec = bench.spec("off")
+    names = ["blocks.1.residual2", "blocks.2.residual2", "blocks.3.residual2"]
+    with knocked_out(bench.model, [2, 3]):
+        handle = bench.model.add_hook(keep, names=names)  # registered after: sees the replaced values
+        try:
+            knocked = T.record(spec, bench.model)
+        finally:
+            handle.remove()
+    assert torch.equal(seen["blocks.3.residual2"], seen["blocks.1.residual2"])
+    assert knocked.digest != T.record(spec, bench.model).digest
+    with pytest.raises(Exception, match=r"name blocks in 0\.\.5"):
+        with knocked_out(bench.model, [6]):
+            pass

@@ -90,3 +90,13 @@ def test_compare_command(session, pair, tmp_path):
     lines = commands.run_line(state, "!compare ab.png")
     assert lines[0] == "A/B A vs reuse 2, seed 42" and (tmp_path / "ab.png").is_file()
     assert any(line.strip().startswith("SSIM mean") for line in lines)
+
+
+def test_block_map_and_blocks_figures_are_readable(session, pair):
+    rows = [{"label": "baseline", "fractions": {"colour": 0.9, "direction": 1.0, "tone": 1.0, "pan": 1.0}},
+            {"label": "block 3 out", "fractions": {"colour": 0.2, "direction": 0.5, "tone": 1.0, "pan": 0.0}}]
+    assert_readable(plots.block_map_figure(rows, ("colour", "direction", "tone", "pan"), "a title"))
+    views = [session.attention(pair[0], b, query="text") for b in (0, 5)]
+    assert_readable(plots.attention_blocks(views, "text -> video"))
+    with pytest.raises(H3Error, match="fractions"):
+        plots.block_map_figure([{"label": "x", "fractions": {}}], ("colour",))
