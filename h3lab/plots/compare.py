@@ -93,8 +93,9 @@ def compare_figure(comparison: Any) -> Figure:
     ax = fig.add_subplot(grid[5, :])
     ax.set_axis_off()
     rows = [list(r) for r in comparison.table()]
-    table = ax.table(cellText=[[c if len(c) <= 56 else c[:55] + "…" for c in r] for r in rows], colLabels=["", "A", "B", "A vs B"],
-                     loc="upper center", cellLoc="left", colWidths=[0.22, 0.18, 0.18, 0.42])
+    cells = [[c if len(c) <= 56 else c[:55] + "…" for c in r] for r in rows]
+    table = ax.table(cellText=cells, colLabels=["", "A", "B", "A vs B"], loc="upper center", cellLoc="left",
+                     colWidths=[0.22, 0.18, 0.18, 0.42])
     table.auto_set_font_size(False)
     table.set_fontsize(FONT_PT)
     fig.suptitle(f"A/B on seed {comparison.seeds[0]}", fontsize=FONT_PT + 2)

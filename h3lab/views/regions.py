@@ -14,11 +14,11 @@ current packed order (the order the model's hook points see):
             kind "audio"
 
 Regions are numbered in canonical block order (text, anchors / references, target audio bins, target video frames),
-so a region index means the same thing whatever the packed order. `times` is each region's mean rotary time t (the layout's
-`position_ids[:, 0]`, float64): video frames and audio bins sit on one clock (40 units per second), which is what puts
-"video <-> audio over time" on one axis. `select(regions, words)` turns selector words into region indices: a kind
-("text", "cond", "ref", "video", "audio"), "all", a label ("frame3", "audio10", "ref0:image", "t2") or its part
-before the colon ("ref0", "anchor0"), or a text row's label ("blue": every text row labelled so).
+so a region index means the same thing whatever the packed order. `times` is each region's mean rotary time t
+(the layout's `position_ids[:, 0]`, float64): video frames and audio bins sit on one clock (40 units per second),
+which is what puts "video <-> audio over time" on one axis. `select(regions, words)` turns selector words into
+region indices: a kind ("text", "cond", "ref", "video", "audio"), "all", a label ("frame3", "audio10", "ref0:image",
+"t2") or its part before the colon ("ref0", "anchor0"), or a text row's label ("blue": every text row labelled so).
 
 Pure functions of the layout's tables (no model, no tensor arithmetic beyond integer indexing).
 """
@@ -144,8 +144,8 @@ def select_labels(labels: Sequence[str], kinds: Sequence[str], words: str | Sequ
             elif part in KINDS:
                 hits = [g for g, k in enumerate(kinds) if k == part]
             else:
-                hits = [g for g, label in enumerate(labels)
-                        if part in (label, label.split(":")[0]) or kinds[g] == "text" and label.partition(":")[2] == part]
+                hits = [g for g, label in enumerate(labels) if part in (label, label.split(":")[0])
+                        or kinds[g] == "text" and label.partition(":")[2] == part]
             if not hits:
                 raise RegionError(f"region {part!r}: not in this layout (kinds {', '.join(KINDS)}, 'all', or a "
                                   f"label such as {labels[-1]!r})")
