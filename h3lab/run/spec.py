@@ -24,7 +24,8 @@ stepper_params={}, custom=None, label="")`
   preset, placement, adapters, residency, lora_scale   extension fields (speed presets, device topology, LoRA
                adapters, where the DiT's blocks live, the adapter's strength per block and modality -- in the JSON
                description only when not the default): JSON values with empty defaults, validated and applied by
-               the rooms that register them (`fields.py`); a non-default value nobody provides fails closed when the spec is built.
+               the rooms that register them (`fields.py`); a non-default value nobody provides fails closed when
+               the spec is built.
                `residency` (streamed blocks, `h3lab.components.streaming`) and `placement` never change a result byte:
                they are the run record, not the result hash (see "Identity"); `residency` is in the JSON description
                only when it is not the default, so descriptions sealed before it existed are unchanged
