@@ -47,7 +47,7 @@ def test_research_tabs_in_chromium(tmp_path):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-            page = browser.new_page(viewport={"width": 1300, "height": 1500})
+            page = browser.new_page(viewport={"width": 1300, "height": 2000})
             page.set_default_timeout(60_000)
             try:
                 open_and_run(page, lab, "research")
