@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 from nb_helpers import ARTIFACTS
-from test_browser import NOTEBOOK_RUN_S, _require_browser, open_and_run, start_lab
+from test_browser import NOTEBOOK_RUN_S, _require_browser, launch, open_and_run, start_lab
 
 pytestmark = pytest.mark.browser
 
@@ -45,8 +45,7 @@ def test_research_tabs_in_chromium(tmp_path):
     lab = start_lab(root, ARTIFACTS)
     try:
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, headless=True,
-                                         args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            browser = launch(pw, chromium)
             page = browser.new_page(viewport={"width": 1300, "height": 2000})
             page.set_default_timeout(60_000)
             try:
