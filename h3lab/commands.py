@@ -579,6 +579,78 @@ def _h_drift(state):
     return state.get_session().drift_lines(a, b)
 
 
+def parse_heads(name: str, word: str) -> tuple[int, ...] | None:
+    """HEADS: "all" (None), "0,2" or "0-3" (a range, inclusive)."""
+    if word == "all":
+        return None
+    heads: list[int] = []
+    for part in word.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or hi and not hi.isdigit():
+            raise CommandError(f"!{name} heads {word!r}: must be all, a list 0,2 or a range 0-3")
+        heads += range(int(lo), int(hi or lo) + 1)
+    return tuple(heads)
+
+
+def _p_attention(name, args):
+    """BLOCK [HEADS] [pass N] [from REGION] [to REGION] [PATH.png] -> (block, heads, step, query, keys, path)."""
+    usage = f"!{name} BLOCK [HEADS] [pass N] [from REGION] [to REGION] [PATH.png]"
+    words = list(args)
+    if not words or not words[0].isdigit():
+        raise CommandError(f"{usage}: BLOCK must be a block index, got {' '.join(args)!r}")
+    out: dict[str, Any] = {"block": int(words.pop(0)), "heads": None, "pass": None, "from": None, "to": None,
+                           "path": None}
+    if words and words[0] not in ("pass", "from", "to") and not words[0].lower().endswith(".png"):
+        out["heads"] = parse_heads(name, words.pop(0))
+    while words:
+        word = words.pop(0)
+        if word in ("pass", "from", "to") and words and out[word] is None:
+            out[word] = words.pop(0)
+        elif word.lower().endswith(".png") and not words:
+            out["path"] = word
+        else:
+            raise CommandError(f"{usage}: unexpected {word!r}")
+    step = None if out["pass"] is None else int_word(name, out["pass"], "pass N (1 = the first pass)") - 1
+    return (out["block"], out["heads"], step, out["from"], out["to"], out["path"])
+
+
+@command("attention", "!attention BLOCK [HEADS] [pass N] [from REGION] [to REGION] [PATH.png]",
+         "who attends to whom at one block of the last generation: exact softmax rows summed over text tokens, "
+         "references, video frames and audio time (REGION: text|video|audio|ref|cond|frame3|t2 ...)",
+         parse=_p_attention, args=(Arg(("all",)),), drain=True)
+def _h_attention(state, block, heads, step, query, keys, path):
+    target = check_output_file(state.resolve(path), (".png",), "!attention") if path else None
+    view = state.get_session().attention(state.last, block, step=step, heads=heads, query=query)
+    columns = view.keys(keys) if keys else None
+    lines = view.lines(keys=columns)
+    if target is not None:
+        from . import plots
+
+        lines.append(f"wrote {plots.save(plots.attention_figure(view, keys=columns), target)}")
+    return lines
+
+
+def _p_optional_png(name, args):
+    if len(args) > 1 or args and not args[0].lower().endswith(".png"):
+        raise CommandError(f"!{name} [PATH.png]: got {' '.join(args)!r}")
+    return tuple(args)
+
+
+@command("compare", "!compare [PATH.png]", "matched-seed A/B of the last two generations: PSNR/SSIM per frame, "
+         "audio spectral distance and RMS ratio, attribute reads, first drift", parse=_p_optional_png,
+         args=(PATH,), drain=True)
+def _h_compare(state, *path):
+    a, b = _last_two(state, "!compare")
+    target = check_output_file(state.resolve(path[0]), (".png",), "!compare") if path else None
+    comparison = state.get_session().compare(a, b)
+    lines = comparison.lines()
+    if target is not None:
+        from . import plots
+
+        lines.append(f"wrote {plots.save(plots.compare_figure(comparison), target)}")
+    return lines
+
+
 @command("save", "!save PATH", "write the last generation (.mp4 video+audio, .wav audio)", parse=_p_path,
          args=(PATH,), drain=True)
 def _h_save(state, path):

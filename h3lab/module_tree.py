@@ -6,7 +6,7 @@ Contract
 pre-order (the root first, children in registration order), `tensors` every parameter and buffer (not None) in that
 order, live objects of this call, `hooked` whether any module has a forward or forward-pre hook, and `state` the
 forward-changing Python state of every adapter layer (`adapter_state`: peft's adapter on/off switch, active and
-merged adapters, scalings), read anew on every call. The result is always what a fresh walk of the tree would give
+merged adapters, scalings, a run's LoRA factors per block and modality), read anew on every call. The result is always what a fresh walk of the tree would give
 now; what is cached is only the work of walking it.
 
 Why `state`: a CUDA graph bakes in the Python branches its forward took. peft's `enable_adapters(False)` (GRPO's
@@ -58,11 +58,14 @@ def is_adapter_layer(module: torch.nn.Module) -> bool:
 
 
 def adapter_state(module: torch.nn.Module) -> tuple:
-    """(adapters off, active adapters, merged adapters, scalings) of one adapter layer."""
+    """(adapters off, active adapters, merged adapters, scalings, the run's per-block / per-modality factors) of one
+    adapter layer."""
     active = module.active_adapter
     scaling = getattr(module, "scaling", None)
+    factors = module.__dict__.get("_h3_row_scale")  # h3lab.training.lora_scale.LayerScale or None
     return (bool(module._disable_adapters), (active,) if isinstance(active, str) else tuple(active),
-            tuple(module.merged_adapters), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else None)
+            tuple(module.merged_adapters), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else None,
+            None if factors is None else factors.state())
 
 
 class _Cached:

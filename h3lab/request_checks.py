@@ -68,3 +68,23 @@ def check_ablations(names: Sequence[str]) -> None:
         unknown = [n for n in names if n not in ablation_factors()]
         if unknown:
             raise ValidationError(f"ablation factor(s) {unknown}: must be among {', '.join(ablation_factors())}")
+
+
+def check_lora_scale(store: Any, s: Any, adapters: Any) -> None:
+    """`--lora-scale` needs a loaded adapter and names blocks the DiT has (its depth from the injected model or the
+    snapshot's config): one line naming the flag, before any model loads."""
+    from .pipeline import variant_for
+    from .schema.lora_scale import FLAG, deepest_block, parse
+
+    text = getattr(s, "lora_scale", None)
+    if text is None or not parse(text):
+        return
+    if not adapters:
+        raise ValidationError(f"{FLAG} {text!r}: scales a LoRA adapter, and none is loaded (--lora PATH, !lora PATH)")
+    variant = variant_for(s.task)
+    model = store.injected.get(variant)
+    depth = len(model.transformer_blocks) if model is not None else store.component_config(variant).get(
+        "num_layers", 50)
+    if deepest_block(parse(text)) >= int(depth):
+        raise ValidationError(f"{FLAG} {text!r}: block {deepest_block(parse(text))} does not exist (the "
+                              f"{variant} has blocks 0..{int(depth) - 1})")

@@ -9,17 +9,28 @@ Contract
   a warning when the reference run did not repeat its own hashes, at most three layout notes).
 - `verify(session, path)`: replay a sealed trajectory's spec with the session's DiT of its variant
   (`trajectory.verify`); a variant the session does not serve is a one-line `ValidationError`.
+- `attention(session, result, block, ...)`: the result's sealed spec re-run with an attention probe at one block
+  (`views.attention_probe.attention_view`) on the session's DiT of its variant; the text rows are labelled with the
+  prompt's tokens (`components.text_encoder.token_strings`; rows before the prompt -- anchor and reference labels,
+  vision blocks -- are "ctx").
+- `compare(session, a, b, settings=None, labels=None, drift=True)`: a matched-seed A/B (`views.compare`). A side is a
+  `GenerationResult` or a mapping of setting overrides generated on `settings` (its seed for both sides; a side may
+  not set another seed) -- with "lora": PATH (or None: no adapter) for that side only, the session's adapter put back
+  afterwards. With `drift`, the first drift between the two runs (`drift` above; skipped, with a note, when the two
+  ran on different transformers).
 The session's lock is held by the caller (`Session.drift`, `Session.verify`) around the model work.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from .components.store import VARIANTS
 from .drift import pass_label  # noqa: F401 - re-exported: the front ends print pass numbers as drift does
-from .errors import ValidationError
+from .errors import H3Error, ValidationError
+
+KEEP_ADAPTER = object()  # a compare side without a "lora" key runs with the session's adapter
 
 
 def drift(session: Any, a: Any, b: Any):
@@ -71,3 +82,90 @@ def verify(session: Any, path: str | os.PathLike):
         model = session.store.dit(variant, *needed_blocks([traj.spec.preset]))
         return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model),
                         execution={**session.store.plan.spec_fields(), "adapters": list(session.adapters)})
+
+
+
+def text_labels(session: Any, result: Any) -> list[str] | None:
+    """One label per text row of `result`: the prompt's tokens on the last rows, "ctx" before them; None when the
+    tokenizer cannot say (then the rows are numbered only)."""
+    from .components.text_encoder import token_strings
+
+    rows = result.layout.num_text_tokens
+    try:
+        tokens = token_strings(session.path, result.settings.prompt)
+    except H3Error:
+        return None
+    return None if len(tokens) > rows else ["ctx"] * (rows - len(tokens)) + tokens
+
+
+def attention(session: Any, result: Any, block: int, **options: Any):
+    """The attention view of `result` at `block` (see the module docstring); options: step, heads, query, audio_bin,
+    chunk."""
+    from .presets import needed_blocks
+    from .views.attention_probe import attention_view
+
+    spec = result.trajectory.spec
+    with session._lock:
+        model = session.store.dit(spec.variant, *needed_blocks([spec.preset]))
+        models = session.store.models_for(spec.variant, model)
+        return attention_view(spec, model, block, text_labels=text_labels(session, result), models=models, **options)
+
+
+def _side_label(side: Any, fallback: str) -> str:
+    if isinstance(side, Mapping):
+        return ", ".join(f"{k}={'off' if v is None else v}" for k, v in side.items()) or fallback
+    return fallback
+
+
+def _differences(a: Any, b: Any) -> tuple[str, str]:
+    """What tells two results apart in words: the parts of their settings summaries the other lacks, and their
+    adapters ("A" / "B" when nothing differs)."""
+    from .training.adapters import describe
+
+    pa, pb = a.settings.summary().split(", "), b.settings.summary().split(", ")
+    da, db = [p for p in pa if p not in pb], [p for p in pb if p not in pa]
+    la, lb = (describe(r.trajectory.spec.adapters) for r in (a, b))
+    if la != lb:
+        da, db = da + [la or "no LoRA"], db + [lb or "no LoRA"]
+    return ", ".join(da) or "A", ", ".join(db) or "B"
+
+
+def _generate_side(session: Any, settings: Any, side: Mapping[str, Any]):
+    overrides = dict(side)
+    if "seed" in overrides:
+        raise ValidationError(f"compare side {_side_label(side, '')!r} sets seed={overrides['seed']!r}: a matched-seed "
+                              "A/B runs both sides on the settings' seed (pass seed= in the settings)")
+    lora = overrides.pop("lora", KEEP_ADAPTER)
+    kept = session.adapters
+    try:
+        if lora is None:
+            session.unload_lora()
+        elif lora is not KEEP_ADAPTER:
+            session.load_lora(lora)
+        return session.generate(settings, **overrides)
+    finally:
+        session.adapters = kept
+
+
+def compare(session: Any, a: Any, b: Any, settings: Any = None, labels: Sequence[str] | None = None,
+            drift: bool = True):
+    """The matched-seed A/B of two sides (see the module docstring)."""
+    from .views.compare import CompareError, compare_results
+
+    sides = (a, b)
+    if any(isinstance(s, Mapping) for s in sides):
+        settings = session.settings(settings) if not hasattr(settings, "replace") else settings
+    results = [_generate_side(session, settings, s) if isinstance(s, Mapping) else s for s in sides]
+    if results[0].seed != results[1].seed:
+        raise CompareError(f"seeds {results[0].seed} vs {results[1].seed}: a matched-seed A/B compares two runs of one "
+                           "seed")
+    if labels is None:
+        differ = _differences(*results)
+        labels = (_side_label(a, differ[0]), _side_label(b, differ[1]))
+    report = None
+    if drift:
+        try:
+            report = session.drift(*results)
+        except ValidationError:
+            report = None  # two transformers (t2va vs ref2va): nothing to localise
+    return compare_results(results[0], results[1], labels, report)

@@ -92,7 +92,8 @@ from .devices import default_device, resolve_device  # noqa: F401 - re-exported:
 from .errors import ValidationError
 from .generation import run_generation
 from .io_utils import check_output_file
-from .request_checks import ablation_factors, check_ablations, check_outputs, check_preset  # noqa: F401
+from .request_checks import (ablation_factors, check_ablations, check_lora_scale, check_outputs,  # noqa: F401
+                             check_preset)
 from .results import PHASES, GenerationCancelled, GenerationResult, StepInfo  # noqa: F401 - re-exported
 from .reruns import drift_lines as _drift_lines  # noqa: F401 - re-exported (tests)
 from .settings import FPS, GenerationSettings, check_prompt, is_blank
@@ -118,6 +119,7 @@ class Session:
                                     adaln=adaln)
         self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
+        self.last_result: GenerationResult | None = None  # what `attention` views when given no result
         self._lock = threading.RLock()  # one generation at a time
         self._text_cache = LRU(self.CACHE_LIMIT)
         self._cond_cache = LRU(4 * self.CACHE_LIMIT)
@@ -302,11 +304,13 @@ class Session:
         s = s.with_notices(self.canvas_notice(s))
         self.check_prompt_length(s.prompt)
         self.check_preset(s)
+        check_lora_scale(self.store, s, self.adapters)
         check_ablations(s.ablations)  # fail before any work
         self.check_memory(s)
         with self._lock:
             media = self._load_media(s)  # every input decoded and validated before anything is encoded
-            return run_generation(self, s, media, progress, cancel, preview, outputs)
+            self.last_result = run_generation(self, s, media, progress, cancel, preview, outputs)
+            return self.last_result
 
     def plan(self, request: str | GenerationSettings | None = None, card_memory: float | None = None,
              **overrides: Any):
@@ -402,3 +406,24 @@ class Session:
         the spec's variant (`trajectory.verify`, through `h3lab.reruns.verify`); a trajectory with custom callables
         is refused."""
         return reruns.verify(self, path)
+
+    # ---------------------------------------------------------------------------------------- research views
+    def attention(self, result: GenerationResult | None = None, block: int = 0, *, step: int | None = None,
+                  heads=None, query=None, audio_bin: int = 1, chunk: int | None = None):
+        """The attention view of `result` (default: the last generation) at `block`: its sealed `RunSpec` re-run with
+        a probe hook at the block's RoPE'd Q and K, exact float64 probabilities summed over the layout's regions
+        (`h3lab.views`, through `h3lab.reruns.attention`). `step` is the pass (default the last with a forward),
+        `heads` a list of head indices (default all), `query` region words ("text", "video", "frame3", ...) whose rows
+        are the queries (default every region)."""
+        if result is None:
+            result = self.last_result
+        if result is None:
+            raise ValidationError("attention: no generation yet (generate first, or pass a result)")
+        return reruns.attention(self, result, block, step=step, heads=heads, query=query, audio_bin=audio_bin,
+                                chunk=chunk)
+
+    def compare(self, a, b, settings: GenerationSettings | str | None = None, *, labels=None, drift: bool = True):
+        """A matched-seed A/B of two sides -- results, or setting overrides (with "lora": PATH | None) generated on
+        `settings`' seed: per-frame PSNR / SSIM, audio log-spectral distance and RMS ratio, the h3-shapes reads and
+        the first drift, one table (`h3lab.views.compare`, through `h3lab.reruns.compare`)."""
+        return reruns.compare(self, a, b, settings, labels, drift)

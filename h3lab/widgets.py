@@ -37,6 +37,10 @@ Contract
   `h3lab-error`) and leaves the session and the panel usable; a failed run leaves no stale result on screen.
   `wb.wait(timeout)` joins the worker and the media thread (tests, scripts).
 
+- Research tabs below the results (`h3lab.panel.views`, `wb.research`): "attention" (one block of the last run: the
+  region heatmap, text -> video frames, video <-> audio over time, and the table) and "A/B" (the last two runs side
+  by side: frames, |A - B|, spectrograms, PSNR / SSIM per frame, the table), each computed on its own thread.
+
 The workbench asks the session to keep per-step latents (`session.keep` gains "latents"); it never touches the
 model: everything goes through `Session`, `h3lab.commands` and `h3lab.whatran`. Its parts (`h3lab.panel`): the
 widgets and where they sit (`PanelLayout`, `wb.view`; every widget is also `wb.<name>`), the generation worker
@@ -64,6 +68,7 @@ from .panel.controls import one_line as _one_line
 from .panel.layout import REFERENCE_UPLOAD_KINDS, PanelLayout  # noqa: F401 - re-exported
 from .panel.media import VIDEO_INLINE_LIMIT, VIDEO_MAX_PX, VIDEO_MIN_PX, MediaView  # noqa: F401 - re-exported
 from .panel.run import RunWorker
+from .panel.views import ResearchViews
 from .schema import SETTINGS
 from .session import ablation_factors
 from .settings import FPS, GenerationSettings, seconds_to_frames
@@ -116,6 +121,8 @@ class Workbench:
         self.media = MediaView(self.view, session, strip_rows)
         self.runner = RunWorker(self.view, self.state, self.media, on_done=self._refresh_strict)
         self.controls = self.view.controls
+        self.research = ResearchViews(self.state)  # the "attention" and "A/B" tabs, below the results
+        self.view.panel.children = self.view.panel.children + (self.research.box,)
         clash = [name for name in self.controls
                  if name in self.view.fixed_names() or hasattr(type(self), name) or name in vars(self)]
         if clash:

@@ -133,6 +133,28 @@ class PromptBound:
         return count
 
 
+def token_strings(snapshot: str | Path, text: str) -> list[str]:
+    """The tokens of `text` as the pipeline's tokenizer splits it (`add_special_tokens=False`), each decoded on its own
+    and stripped ("blue", ","), from `tokenizer/` alone (no weights): labels for the text rows of a view."""
+    folder = Path(snapshot) / "tokenizer"
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
+            raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
+        ids = fast.encode(text, add_special_tokens=False).ids
+        return [fast.decode([i]).strip() or repr(fast.decode([i])) for i in ids]
+    if not folder.is_dir():
+        raise CheckpointError(f"snapshot {str(Path(snapshot))!r} has no tokenizer/ folder")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return [tok.decode([i]).strip() or repr(tok.decode([i])) for i in ids]
+
+
 # ------------------------------------------------------------------------------------------------ video frames
 def sample_video_frames(num_frames: int, fps: float = FPS, sample_fps: float = TEXT_SAMPLE_FPS,
                         temporal_patch: int = TEMPORAL_PATCH) -> tuple[list[int], list[float]]:

@@ -32,6 +32,13 @@ Figure functions take documented plain inputs (numpy arrays or tensors + labels,
   `load_benchmarks(folder)` reads a results folder (the DESIGN "Evidence" schema) and reports one problem per skipped
   file; `skipped_line(problems)` says it in one line.
 
+- `attention_heatmap(view)`, `text_to_video(view)`, `video_audio(view)`, `attention_figure(view)`,
+  `attention_blocks(views)` (`attention.py`): an attention view (`Session.attention`): query regions x key regions,
+  text tokens -> video frames, video <-> audio over time in seconds, several blocks side by side.
+- `block_map_figure(rows, attributes)` (`block_map.py`): configurations x attributes, match fractions.
+- `compare_figure(comparison)` (`compare.py`): a matched-seed A/B (`Session.compare`): frames and |A - B|,
+  spectrograms, PSNR / SSIM per frame, the table.
+
 Adapters turn h3lab objects into those inputs: `latent_steps(result | trajectory)`, `step_norms(...)` (they need the
 per-step tensors kept: `Session.keep = ("latents", "velocities")` before generating), `drift_inputs(report)`.
 
@@ -52,7 +59,8 @@ Every bad input raises `PlotError` (an `H3Error`) with one line naming the value
 Modules, one per figure family: `figure.py` (sizes, fonts, colours, `PlotError`, `save`, `png_bytes`, tick
 thinning), `latents.py` (PCA-to-RGB, `latent_strip`, `norm_curves`), `drift.py` (`drift_heatmaps`, `drift_inputs`),
 `tables.py` (`ablation_table`, `sigma_grids`), `benchmarks.py` (`load_benchmarks`, the benchmark figures),
-`adapters.py` (`latent_steps`, `step_norms`), `kinds.py` (`PLOTS`, `plot`). Every name is importable from
+`adapters.py` (`latent_steps`, `step_norms`), `kinds.py` (`PLOTS`, `plot`), `attention.py` (attention views),
+`compare.py` (A/B), `block_map.py` (the block map). Every name is importable from
 `h3lab.plots` as before.
 """
 
@@ -127,10 +135,25 @@ from .kinds import (
     PLOTS,
     plot,
 )
+from .attention import (
+    attention_blocks,
+    attention_figure,
+    attention_heatmap,
+    text_to_video,
+    video_audio,
+)
+from .compare import (
+    compare_figure,
+)
+from .block_map import (
+    block_map_figure,
+)
 
 __all__ = [
     "ABLATION_COLUMNS", "ABLATION_WRAP", "BASELINE_IMPLS", "BENCHMARK_KEYS", "BENCHMARK_RESULT_KEYS", "COLOR_NAMES",
-    "DPI", "EQUAL_COLOR", "FAIL_COLOR", "FIRST_DRIFT_COLOR", "FONT_PT", "IMPL_COLORS", "LatentSteps",
+    "DPI", "EQUAL_COLOR", "attention_blocks", "attention_figure", "attention_heatmap", "block_map_figure",
+    "compare_figure",
+    "text_to_video", "video_audio", "FAIL_COLOR", "FIRST_DRIFT_COLOR", "FONT_PT", "IMPL_COLORS", "LatentSteps",
     "MAX_HEIGHT_IN", "MAX_WIDTH_IN", "MIN_FONT_PT", "MISSING_COLOR", "MODALITY_COLORS", "NOT_RUN_COLOR",
     "PASS_COLOR", "PCABasis", "PLOTS", "PlotError", "ablation_table", "audio_image", "baseline_impl",
     "benchmark_figure", "benchmark_figures", "benchmark_rows", "benchmark_summary", "bin_rows", "case_labels",

@@ -3,6 +3,8 @@
 Fields, their JSON defaults, the room that provides them, in the order they are applied to a run:
 
   adapters   ()  LoRA adapters, e.g. [{"name": ..., "sha256": ..., "scale": 1.0}]    h3lab.training
+  lora_scale {}  the adapter's strength per block and per modality of the output
+                 rows, e.g. {"blocks": [[0, 19, 0.0]], "audio": 0.3}                 h3lab.training
   factors    ()  ablation factor names, e.g. ["A2", "H5"]                              h3lab.ablation
   preset     {}  speed preset: layer thinning, core reuse, token reduction, RoPE
                  adaptation, residency, e.g. {"layers": 45, "token_reduction": true}  h3lab.presets
@@ -11,7 +13,7 @@ Fields, their JSON defaults, the room that provides them, in the order they are 
   residency  {}  where the DiT's blocks live during the run, e.g. {"policy":
                  "streamed", "slots": 2, "gpu_memory_gib": 40.0}; {} = resident      h3lab.components.store
 
-Adapters first (they define the weights that run), then the factors (perturbations), then the preset (what a speed
+Adapters first (they define the weights that run), then their per-block and per-modality strength, then the factors (perturbations), then the preset (what a speed
 preset changes is applied to the perturbed run), then the placement (sharding wraps the finished model), then the
 residency (it moves whatever weights the blocks of the final model hold; it never changes a byte of the result).
 
@@ -52,12 +54,14 @@ from .registry import Registry, RunSpecError
 if TYPE_CHECKING:  # pragma: no cover
     from .loop import ResolvedRun
 
-EXTENSION_FIELDS = ("adapters", "factors", "preset", "placement", "residency")  # application order
-DEFAULTS: dict[str, Any] = {"adapters": (), "factors": (), "preset": MappingProxyType({}),
-                            "placement": MappingProxyType({}), "residency": MappingProxyType({})}
+EXTENSION_FIELDS = ("adapters", "lora_scale", "factors", "preset", "placement", "residency")  # application order
+DEFAULTS: dict[str, Any] = {"adapters": (), "lora_scale": MappingProxyType({}), "factors": (),
+                            "preset": MappingProxyType({}), "placement": MappingProxyType({}),
+                            "residency": MappingProxyType({})}
 
 FIELDS = Registry("run-spec field", {
     "adapters": "h3lab.training",
+    "lora_scale": "h3lab.training",
     "factors": "h3lab.ablation",
     "preset": "h3lab.presets",
     "placement": "h3lab.distributed",

@@ -4,8 +4,8 @@ ablation matrix and the arms build, run and seal.
 Contract
 --------
 `RunSpec(inputs, schedule, mode="off", variant="transformer", fingerprint="", layout=None, factors=(),
-stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), residency={}, stepper_params={},
-custom=None, label="")`
+stepper="euler", reuse=1, reuse_mode="linear", preset={}, placement={}, adapters=(), residency={}, lora_scale={},
+stepper_params={}, custom=None, label="")`
 
   inputs       `DenoiseInputs`, the sealed tensors (text, initial rows, layout index tensors, per-pass plan)
   schedule     the sealed `DualSchedule` (its plan must match the inputs' pass count)
@@ -21,9 +21,11 @@ custom=None, label="")`
                the JSON description only when not empty, so specs sealed before it existed keep their sha256
   reuse        whole-denoiser reuse: evaluate every `reuse`-th pass (+ first and last), extrapolate the others
                with `reuse_mode` ("linear" | "hold"), `sampler.reuse_plan` / `extrapolate_velocity`
-  preset, placement, adapters, residency   extension fields (speed presets, device topology, LoRA adapters, where
-               the DiT's blocks live): JSON values with empty defaults, validated and applied by the rooms that
-               register them (`fields.py`); a non-default value nobody provides fails closed when the spec is built.
+  preset, placement, adapters, residency, lora_scale   extension fields (speed presets, device topology, LoRA
+               adapters, where the DiT's blocks live, the adapter's strength per block and modality -- in the JSON
+               description only when not the default): JSON values with empty defaults, validated and applied by
+               the rooms that register them (`fields.py`); a non-default value nobody provides fails closed when
+               the spec is built.
                `residency` (streamed blocks, `h3lab.components.streaming`) and `placement` never change a result byte:
                they are the run record, not the result hash (see "Identity"); `residency` is in the JSON description
                only when it is not the default, so descriptions sealed before it existed are unchanged
@@ -160,6 +162,7 @@ class RunSpec:
     placement: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["placement"])
     adapters: tuple = ()
     residency: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["residency"])
+    lora_scale: Mapping[str, Any] = field(default_factory=lambda: DEFAULTS["lora_scale"])
     stepper_params: Mapping[str, Any] = field(default_factory=dict)
     custom: Custom | None = None
     label: str = ""
@@ -283,6 +286,7 @@ class RunSpec:
             "sealable": self.sealable,
             **({} if is_default("residency", self.residency) else {"residency": thaw(self.residency)}),
             **({"stepper_params": thaw(self.stepper_params)} if self.stepper_params else {}),
+            **({} if is_default("lora_scale", self.lora_scale) else {"lora_scale": thaw(self.lora_scale)}),
         }
 
     def result_identity(self) -> dict[str, Any]:
@@ -344,7 +348,7 @@ class RunSpec:
                 factors=tuple(data["factors"]), stepper=data["stepper"], reuse=data["reuse"]["k"],
                 reuse_mode=data["reuse"]["mode"], preset=data["preset"], placement=data["placement"],
                 adapters=data["adapters"], residency=data.get("residency"),
-                stepper_params=data.get("stepper_params"), custom=custom,
+                stepper_params=data.get("stepper_params"), lora_scale=data.get("lora_scale"), custom=custom,
                 label=data.get("label", ""),
             )
         except (KeyError, TypeError) as err:

@@ -220,5 +220,6 @@ class Schema:
 
 
 # The modules that declare settings: a new room that declares one at import adds its module here.
-SETTINGS = Schema(modules=("h3lab.schema.builtin", "h3lab.presets", "h3lab.stochastic.settings"))
+SETTINGS = Schema(modules=("h3lab.schema.builtin", "h3lab.presets", "h3lab.stochastic.settings",
+                           "h3lab.schema.lora_scale"))
 declare = SETTINGS.declare

@@ -16,6 +16,8 @@ verifiable training runs.
 - `adapter_file.py`   `read_adapter` (PEFT directory or Diffusers .safetensors, checked before any model loads),
                       `check_shapes`, `files_digest`
 - `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
+- `lora_scale.py`     the `RunSpec.lora_scale` provider: the adapter's delta scaled per block and per modality of the
+                      output rows (`LayerScale` on each LoRA layer for the run)
 - `rewards.py`        RL rewards: `Reward`, `RewardSample`, `score`, `resolve_reward` (NAME, module:function)
 - `grpo.py`           GRPO pieces as pure functions: `group_advantages`, `clipped_surrogate`, `truncated_weight`,
                       `reference_kl`, `PassSelection`
@@ -27,6 +29,7 @@ verifiable training runs.
 """
 
 from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider
+from . import lora_scale as _lora_scale  # noqa: F401 - registers the RunSpec.lora_scale provider
 from .adapter_file import AdapterFile, check_shapes, read_adapter
 from .adapters import adapter_entry
 from .combine import TreeAccumulator, tree_nodes, tree_sum, tree_sum_nodes

@@ -28,6 +28,9 @@ Contract
   Every layer passes the same (rows,) zero index tensor (`_row_index`): the strict gated_residual validates an index
   once per tensor object, with a device sync, and keeps 64 of them; one index per layer (312 at full size) overflowed
   that cache and synced the host with the GPU on every call (516 syncs per training step on the H200).
+  A run's `RunSpec.lora_scale` (`training.lora_scale`) sets per-layer factors (`_h3_row_scale`): a layer whose
+  factors are all 0 returns the base output; the gate then holds `scaling * block * modality`, one row, or three
+  rows (video, text, audio) indexed by each output row's stream.
   No dropout is applied (peft's eval-mode behaviour; `add_lora` refuses dropout, a random op has no strict kernel).
   An op override of `linear` or `gated_residual` (an ablation factor) sees these calls like the model's own.
 - Files: `adapter_files(model)` is the adapter in PEFT's format -- `adapter_config.json` (the `LoraConfig`, sorted
@@ -131,10 +134,12 @@ def lora_layer_class() -> type:
                     getattr(self, kind)[adapter_name] = new
                 self._h3_tables = {}
 
-            def _tables(self, name: str, rows: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                """(gate (1, out) holding the scaling, index (rows,) zeros shared by all layers), cached per value,
-                shape and device (the strict gated_residual checks an index tensor once per object)."""
-                scaling = float(self.scaling[name])
+            def _tables(self, name: str, rows: int, ref: torch.Tensor, scaling: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                """(gate (1, out) holding the scaling -- peft's, or `scaling` -- and index (rows,) zeros shared by all
+                layers), cached per value, shape and device (the strict gated_residual checks an index tensor once per
+                object)."""
+                scaling = float(self.scaling[name]) if scaling is None else scaling
                 key = (name, scaling, rows, ref.shape[-1], ref.dtype, ref.device)
                 found = self._h3_tables.get(key)
                 if found is None:
@@ -149,21 +154,27 @@ def lora_layer_class() -> type:
                 if self.disable_adapters or self.merged:
                     return result
                 active = [a for a in self.active_adapters if a in self.lora_A]
-                if not active:
-                    return result
+                scale = self.__dict__.get("_h3_row_scale")  # RunSpec.lora_scale's factors (training.lora_scale)
+                if not active or scale is not None and scale.silent:
+                    return result  # every factor 0: the base projection, exactly as without the adapter
                 ops = runtime.current_ops()
                 point = f"{self.get_base_layer().point}.lora"
-                out = None
+                out = index = None
                 for name in active:
                     a, b = self.lora_A[name], self.lora_B[name]
                     d = b(a(x.to(a.weight.dtype)))  # (..., out) float32: two op-table linears
                     if out is None:
                         out = result.to(d.dtype)
                     rows = out.numel() // d.shape[-1]  # d holds a TP rank's columns on a TP mesh
-                    gate, index = self._tables(name, rows, d)
+                    if scale is None or scale.uniform:
+                        factor = None if scale is None else scale.uniform_scaling(float(self.scaling[name]))
+                        gate, index = self._tables(name, rows, d, factor)
+                    else:  # one gate row per stream (video, text, audio), each output row reads its stream's
+                        gate, index = scale.gate(name, float(self.scaling[name]), d), scale.rows(rows, d)
                     out = ops.gated_residual(out.reshape(1, rows, -1), gate, index, d.reshape(1, rows, -1),
                                              point=point).reshape(d.shape)
-                return out.to(result.dtype)
+                out = out.to(result.dtype)
+                return out if scale is None or scale.uniform else scale.keep_base(result, out, index)
 
             def __repr__(self) -> str:
                 return "h3lab." + super().__repr__()

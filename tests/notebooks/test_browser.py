@@ -154,6 +154,12 @@ _FAILED_CELLS = """() => window.jupyterapp.shell.currentWidget.content.widgets
     .map(c => c.model.id)"""
 
 
+def launch(pw, chromium: str):
+    """Headless Debian chromium through Playwright, as every browser test here runs it."""
+    return pw.chromium.launch(executable_path=chromium, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+
+
 def open_and_run(page, lab: JupyterLab, name: str) -> None:
     """Open notebook NAME in a workspace of its own (reset: JupyterLab would otherwise restore the previous page's
     notebook as the current one), wait for its kernel, and start running every cell."""
@@ -178,8 +184,7 @@ def test_quickstart_workbench_in_chromium(tmp_path):
     lab = start_lab(root, ARTIFACTS)
     try:
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, headless=True,
-                                         args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            browser = launch(pw, chromium)
             page = None
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1200})

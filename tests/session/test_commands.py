@@ -55,6 +55,9 @@ EXAMPLES = {
     "stepper": ("!stepper flow_sde", ("flow_sde",)),
     "level": ("!level 0.3", (0.3,)),
     "window": ("!window 1,4", ("1,4",)),
+    "attention": ("!attention 3 0-1 pass 2 from text to video map.png", (3, (0, 1), 1, "text", "video", "map.png")),
+    "compare": ("!compare ab.png", ("ab.png",)),
+    "lora-scale": ("!lora-scale blocks 0-19:0, audio:0.3", ("blocks 0-19:0, audio:0.3",)),
 }
 
 
