@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
+from h3lab.shapes import READS, ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
 from h3lab.shapes.clips import first_last  # noqa: E402
 from h3lab.io_utils import atomic_write  # noqa: E402
 
@@ -52,14 +52,11 @@ def strip(frames: np.ndarray, scale: int = 3) -> np.ndarray:
     return np.concatenate([x for t in tiles for x in (t, gap)][:-1], axis=1)
 
 
-ATTRIBUTE_READS = ("colour", "direction", "tone", "pan")
-
-
 def _fractions(rows: list[dict], prefix: str) -> dict:
     """{prefix + "fraction_<attribute>" / "fraction_all_four": share of `rows` that match}, {} for no rows."""
     if not rows:
         return {}
-    out = {f"{prefix}fraction_{k}": round(sum(r["match"][k] for r in rows) / len(rows), 4) for k in ATTRIBUTE_READS}
+    out = {f"{prefix}fraction_{k}": round(sum(r["match"][k] for r in rows) / len(rows), 4) for k in READS}
     return {f"{prefix}runs": len(rows), f"{prefix}fraction_all_four": round(sum(r["all"] for r in rows) / len(rows), 4),
             **out}
 
