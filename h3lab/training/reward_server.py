@@ -23,7 +23,7 @@ import json
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from ..errors import user_message
+from ..errors import H3Error, first_line, user_message
 from .reward_protocol import FORMAT, ProtocolError, decode_batch, encode_scores
 from .rewards import Reward, RewardError, resolve_reward, score
 
@@ -94,7 +94,8 @@ class _Handler(BaseHTTPRequestHandler):
         except RewardError as err:
             return self._error(422, str(err))
         except Exception as err:  # noqa: BLE001 - one line to the client, the server keeps serving
-            return self._error(500, f"reward {reward.name!r} failed: {user_message(err)}")
+            why = user_message(err) if isinstance(err, H3Error) else f"{type(err).__name__}: {first_line(str(err))}"
+            return self._error(500, f"reward {reward.name!r} failed: {why}")
         self._reply(200, encode_scores(samples, values.tolist()))
 
 

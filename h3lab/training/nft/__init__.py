@@ -18,6 +18,8 @@ trained by flow matching on forward-noised final latents.
 from .objective import NftConfig, nft_modality_loss, noising_seed, optimality
 from .run import NftRun, load, nft_train, verify
 from .step import CleanRequest, NftBatch, batch_from_rollout, clean_request, frozen_velocities, nft_iteration
+from .job import NftJob, run_nft_job
 
 __all__ = ["NftConfig", "nft_modality_loss", "noising_seed", "optimality", "NftRun", "load", "nft_train", "verify",
-           "CleanRequest", "NftBatch", "batch_from_rollout", "clean_request", "frozen_velocities", "nft_iteration"]
+           "CleanRequest", "NftBatch", "batch_from_rollout", "clean_request", "frozen_velocities", "nft_iteration",
+           "NftJob", "run_nft_job"]
