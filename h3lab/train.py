@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -215,11 +216,21 @@ def nft_job_from_args(args: argparse.Namespace):
     from .training import Objective
     from .training.nft import NftConfig, NftJob
 
-    config = NftConfig(kind=args.stepper, level=args.level, group=args.group, beta=args.nft_beta, ref_kl=args.ref_kl,
-                       adv_clip=args.adv_clip, draws=args.draws, inner_epochs=args.inner_epochs,
-                       old_batch=args.old_batch, seed=args.seed, mode=args.mode,
-                       gradient_checkpointing=args.gradient_checkpointing, lr=args.lr, weight_decay=args.weight_decay,
-                       objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
+    from .training.objective import TrainingError
+
+    try:
+        config = NftConfig(kind=args.stepper, level=args.level, group=args.group, beta=args.nft_beta,
+                           ref_kl=args.ref_kl, adv_clip=args.adv_clip, draws=args.draws,
+                           inner_epochs=args.inner_epochs, old_batch=args.old_batch, seed=args.seed, mode=args.mode,
+                           gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
+                           weight_decay=args.weight_decay,
+                           objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
+    except TrainingError as err:  # name the flag beside the field: "--nft-beta: NftConfig.beta=0.0: must be ..."
+        found = re.match(r"(?:NftConfig\.|Objective[. ]|AdamW )(\w+)", str(err))
+        field = found.group(1) if found else ""
+        flag = {"kind": "--stepper", "beta": "--nft-beta", "video_weight": "--video-weight, --audio-weight"}.get(
+            field, "--" + field.replace("_", "-"))
+        raise TrainArgError(f"{flag}: {err}" if field else str(err)) from None
     return NftJob(config=config, **_job_fields(args)).check(resume=args.resume)
 
 
