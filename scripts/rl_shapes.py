@@ -22,12 +22,15 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    before and after) the held-out evaluation runs again.
 4. After the last iteration: the held-out (and training) evaluation, the run sealed into `--run-dir` and verified
    (`verify` re-runs every iteration from the sealed batches on the same model: byte-equal or the first difference).
-5. One JSON (`--out`, the DESIGN.md "Evidence" schema: name, date, gpu, torch, triton, git_rev, command, results) with
-   the learning curve: per iteration the wall-clock (training seconds since the start, evaluations not counted),
-   the mean reward (a sum's parts), the on-policy statistic of the first epoch (GRPO: every ratio
-   exp(logp_train - logp_rollout) and how many are exactly 1; NFT: every generated-row velocity of the first
-   training forward against the frozen previous policy's, how many are byte-equal) and, where evaluated, held-out
-   all-four accuracy; the before/after table; the totals of those counts; the verify line.
+5. One JSON (`--out`, the DESIGN.md "Evidence" schema: name, date, gpu, torch, triton, git_rev, command, results;
+   one result entry per algorithm, a later run replacing only its own algorithm's entry and details, so the GRPO
+   and the DiffusionNFT runs share one file) with the learning curve (`runs_by_algorithm.<algorithm>.curve`): per
+   iteration the wall-clock (training seconds since the start, evaluations not counted), the mean reward (a sum's
+   parts), the on-policy statistic of the first epoch (GRPO: every ratio exp(logp_train - logp_rollout) and how many
+   are exactly 1; NFT: every generated-row velocity of the first training forward against the frozen previous
+   policy's, how many are byte-equal) and, where evaluated, held-out all-four accuracy; the before/after table; the
+   totals of those counts; the verify line. `--budget-s S` stops after the iteration that reaches S training
+   seconds (the sealed run holds the iterations done).
 
 `--quick`: the CPU smoke form -- mode off, the 6 training triples of yellow and white triangles (the embedded
 default's weakest binding: it draws them red or blue, as it does the held-out "a yellow triangle moves down"), G = 4,
@@ -89,9 +92,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--nft-beta", type=float, default=1.0, help="NFT: beta")
     p.add_argument("--ref-kl", type=float, default=1e-4, help="NFT: reference weight")
     p.add_argument("--draws", type=int, default=2, help="NFT: forward noisings per request per iteration")
+    p.add_argument("--budget-s", type=float, default=None, help="stop after the iteration whose training seconds "
+                   "reach this (evaluations not counted); the run sealed and verified holds the iterations done")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
-    p.add_argument("--out", default=None, help="JSON (default benchmarks/results/rl_shapes_<algorithm>[_quick].json)")
+    p.add_argument("--out", default=None, help="JSON (default benchmarks/results/rl_shapes[_quick].json; an earlier "
+                   "run of the other algorithm in it is kept)")
     p.add_argument("--run-dir", default=None, help="sealed run folder (default a fresh temporary folder)")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -213,72 +219,115 @@ def train(args, session, model, curve: list) -> tuple:
               f"{row['reward_mean']:.4f}, on-policy {row['on_policy']['exact']}/{row['on_policy']['count']} exact"
               + (f", held-out {row['held_out_all_four']}/{row['held_out_clips']}" if "held_out_all_four" in row
                  else ""), flush=True)
+        if args.budget_s is not None and clock["train"] >= args.budget_s and k + 1 < args.iterations:
+            print(f"training budget of {args.budget_s:g} s spent after {k + 1} iterations", flush=True)
+            raise Budget(run)
         clock["start"] = time.perf_counter()
 
-    run = train_fn(model, rollout, config, args.iterations, reward=reward.name, on_iteration=on_iteration,
-                   meta={"script": "scripts/rl_shapes.py", "prompts": prompts, "per_iteration": args.per_iteration})
+    try:
+        run = train_fn(model, rollout, config, args.iterations, reward=reward.name, on_iteration=on_iteration,
+                       meta={"script": "scripts/rl_shapes.py", "prompts": prompts,
+                             "per_iteration": args.per_iteration})
+    except Budget as stop:
+        run = stop.run
     return run, config, verify, load, clock["rows"]
+
+
+class Budget(Exception):
+    """Raised after the iteration that spent `--budget-s` training seconds; carries the run so far."""
+
+    def __init__(self, run):
+        super().__init__("training budget spent")
+        self.run = run
+
+
+def run_one(args, session, model) -> tuple[dict, dict]:
+    """Before, the iterations, after, seal and verify (module docstring, steps 2-4): (result entry, details)."""
+    import tempfile
+
+    from _common import peak_mem_gib
+
+    curve: list = []
+    before = evaluate(session, args.seeds, args.eval_steps, args.training_eval, args.held_out)
+    print(f"before: held-out {before['held_out_all_four']}/{before['held_out_clips']}, training "
+          f"{before['training_all_four']}/{before['training_clips']} all four ({before['seconds']} s)", flush=True)
+    run, config, verify, load, rows = train(args, session, model, curve)
+    after = evaluate(session, args.seeds, args.eval_steps, args.training_eval, args.held_out)
+    print(f"after: held-out {after['held_out_all_four']}/{after['held_out_clips']}, training "
+          f"{after['training_all_four']}/{after['training_clips']} all four", flush=True)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"rl-shapes-{args.algorithm}-")) / "run"
+    t0 = time.perf_counter()
+    report = verify(load(run.seal(run_dir)), model)
+    verify_s = time.perf_counter() - t0
+    print(f"verify: {report} ({verify_s:.1f} s); sealed run in {run_dir}", flush=True)
+    steps = [b["seconds"] - a["seconds"] for a, b in zip([{"seconds": 0.0}] + curve, curve)]
+    entry = {
+        "shape": "64x64x22f", "rows": rows, "impl": f"h3lab-{args.mode}", "algorithm": args.algorithm,
+        "median_s": round(statistics.median(steps), 3), "runs": len(curve),
+        "peak_mem_gib": peak_mem_gib("cuda") if args.device.startswith("cuda") else None,
+        "train_seconds": curve[-1]["seconds"], "held_out_all_four_before": before["held_out_all_four"],
+        "held_out_all_four_after": after["held_out_all_four"], "held_out_clips": after["held_out_clips"],
+        "training_all_four_before": before["training_all_four"], "training_all_four_after": after["training_all_four"],
+        "training_clips": after["training_clips"], "reward_first": curve[0]["reward_mean"],
+        "reward_last": curve[-1]["reward_mean"], "verify": str(report), "verify_ok": report.ok,
+        "verify_s": round(verify_s, 2), "digest": run.digest,
+        "on_policy": {"count": sum(r["on_policy"]["count"] for r in curve),
+                      "exact": sum(r["on_policy"]["exact"] for r in curve),
+                      "max_abs": max(r["on_policy"]["max_abs"] for r in curve)}}
+    details = {"config": config.to_dict(), "reward": args.reward, "curve": curve, "before": before, "after": after,
+               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "run_dir")}}
+    return entry, details
+
+
+def write_doc(args, argv, entry: dict, details: dict) -> dict:
+    """The benchmarks-schema document at `--out`: this algorithm's result entry and run details replace any earlier
+    ones of the same algorithm in it (so a GRPO run then an NFT run with one `--out` leave both curves in one file);
+    the header is this run's."""
+    from _common import header, write
+
+    name = "rl_shapes" + ("_quick" if args.quick else "")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}.json")
+    doc = header(name, __file__, argv, "cuda" if args.device.startswith("cuda") else "cpu")
+    doc["command"] = " ".join(["python", "scripts/rl_shapes.py", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        old = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = {}
+    if old.get("name") == name:
+        doc["results"] = [r for r in old.get("results", []) if r.get("algorithm") != args.algorithm]
+        doc["runs_by_algorithm"] = {k: v for k, v in old.get("runs_by_algorithm", {}).items() if k != args.algorithm}
+    entry = {**entry, "command": doc["command"], "git_rev": doc["git_rev"], "date": doc["date"], "gpu": doc["gpu"]}
+    doc["results"].append(entry)
+    doc.setdefault("runs_by_algorithm", {})[args.algorithm] = details
+    write(str(out), doc)
+    return doc
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    import os
+
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.mode = args.mode or ("strict" if args.device.startswith("cuda") else "off")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    import os
-    import tempfile
-
     if args.mode == "strict" and args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from _common import header, peak_mem_gib, write
-
     from h3lab import Session
     from h3lab.training import add_lora, remove_lora
 
     session = Session(None, device=args.device)
     model = session.transformer("transformer")
     handle = add_lora(model, args.rank, None, seed=args.seed)
-    curve: list = []
     try:
-        before = evaluate(session, args.seeds, args.eval_steps, args.training_eval, args.held_out)
-        print(f"before: held-out {before['held_out_all_four']}/{before['held_out_clips']}, training "
-              f"{before['training_all_four']}/{before['training_clips']} all four ({before['seconds']} s)", flush=True)
-        run, config, verify, load, rows = train(args, session, model, curve)
-        after = evaluate(session, args.seeds, args.eval_steps, args.training_eval, args.held_out)
-        print(f"after: held-out {after['held_out_all_four']}/{after['held_out_clips']}, training "
-              f"{after['training_all_four']}/{after['training_clips']} all four", flush=True)
-        run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"rl-shapes-{args.algorithm}-")) / "run"
-        t0 = time.perf_counter()
-        report = verify(load(run.seal(run_dir)), model)
-        verify_s = time.perf_counter() - t0
-        print(f"verify: {report} ({verify_s:.1f} s); sealed run in {run_dir}", flush=True)
+        entry, details = run_one(args, session, model)
     finally:
         remove_lora(model, handle)
-    name = f"rl_shapes_{args.algorithm}" + ("_quick" if args.quick else "")
-    doc = header(name, __file__, argv, "cuda" if args.device.startswith("cuda") else "cpu")
-    doc["command"] = " ".join(["python", "scripts/rl_shapes.py", *(sys.argv[1:] if argv is None else argv)])
-    on_policy = {"count": sum(r["on_policy"]["count"] for r in curve),
-                 "exact": sum(r["on_policy"]["exact"] for r in curve),
-                 "max_abs": max(r["on_policy"]["max_abs"] for r in curve)}
-    doc["results"].append({
-        "shape": "64x64x22f", "rows": rows, "impl": f"h3lab-{args.mode}", "algorithm": args.algorithm,
-        "median_s": round(statistics.median(b["seconds"] - a["seconds"] for a, b in zip([{"seconds": 0.0}] + curve, curve)), 3),
-        "runs": len(curve), "peak_mem_gib": peak_mem_gib("cuda") if args.device.startswith("cuda") else None,
-        "train_seconds": curve[-1]["seconds"], "held_out_all_four_before": before["held_out_all_four"],
-        "held_out_all_four_after": after["held_out_all_four"], "held_out_clips": after["held_out_clips"],
-        "training_all_four_before": before["training_all_four"], "training_all_four_after": after["training_all_four"],
-        "training_clips": after["training_clips"], "reward_first": curve[0]["reward_mean"],
-        "reward_last": curve[-1]["reward_mean"], "on_policy": on_policy, "verify": str(report),
-        "verify_ok": report.ok, "verify_s": round(verify_s, 2), "digest": run.digest})
-    doc.update(config=config.to_dict(), reward=args.reward, settings={k: v for k, v in vars(args).items()
-                                                                      if k not in ("out", "run_dir")},
-               curve=curve, before=before, after=after)
-    write(args.out or str(ROOT / "benchmarks" / "results" / f"{name}.json"), doc)
-    print(json.dumps({k: v for k, v in doc["results"][0].items()}, indent=1))
-    return 0 if report.ok else 1
+    write_doc(args, argv, entry, details)
+    print(json.dumps(entry, indent=1))
+    return 0 if entry["verify_ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""`scripts/rl_shapes.py` end to end in its smallest form on the CPU (one prompt, G = 2, one iteration, 2-pass
-evaluations): both algorithms train, evaluate before and after, seal and verify the run, and write the benchmarks
-schema with the learning curve and the on-policy counts."""
+"""`scripts/rl_shapes.py` end to end in its smallest form on the CPU (one prompt, G = 2, 2-pass evaluations of two
+held-out triples): both algorithms train (GRPO stopped by its training budget after one iteration), evaluate before
+and after, seal and verify the run, and write one benchmarks-schema file with both learning curves and the on-policy
+counts."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,17 +29,20 @@ def test_prompt_choice_is_seeded_round_robin_over_the_training_triples():
     assert walk == [rl.prompts_of(k, quick, 4, seed=3) for k in range(3)]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
-def test_the_smallest_run_writes_a_verified_learning_curve(algorithm, tmp_path):
+def test_the_smallest_runs_write_verified_learning_curves_into_one_file(tmp_path):
     out = tmp_path / "rl.json"
-    code = script().main(["--algorithm", algorithm, "--quick", "--device", "cpu", "--prompts", "1", "--per-iteration",
-                          "1", "--group", "2", "--steps", "2", "--iterations", "1", "--eval-steps", "2",
-                          "--training-eval", "1", "--held-out", "2", "--window", "0,1", "--draws", "1", "--out", str(out),
-                          "--run-dir", str(tmp_path / "sealed")])
+    small = ["--quick", "--device", "cpu", "--prompts", "1", "--per-iteration", "1", "--group", "2", "--steps", "2",
+             "--eval-steps", "2", "--training-eval", "1", "--held-out", "2", "--window", "0,1", "--draws", "1",
+             "--out", str(out)]
+    assert script().main(["--algorithm", "grpo", *small, "--iterations", "2", "--budget-s", "0",
+                          "--run-dir", str(tmp_path / "grpo")]) == 0
+    assert script().main(["--algorithm", "nft", *small, "--iterations", "1", "--run-dir", str(tmp_path / "nft")]) == 0
     doc = json.loads(out.read_text())
-    assert code == 0 and {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"} <= set(doc)
-    result = doc["results"][0]
-    assert result["verify_ok"] and result["runs"] == 1 and result["held_out_clips"] == 2
-    assert result["on_policy"]["count"] > 0 and result["on_policy"]["exact"] == result["on_policy"]["count"]
-    assert doc["curve"][0]["iteration"] == 0 and 0 <= doc["curve"][0]["reward_mean"] <= 1
-    assert (tmp_path / "sealed" / "run" / "manifest.json").is_file()
+    assert {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"} <= set(doc)
+    assert doc["name"] == "rl_shapes_quick" and [r["algorithm"] for r in doc["results"]] == ["grpo", "nft"]
+    for result in doc["results"]:
+        assert result["verify_ok"] and result["runs"] == 1 and result["held_out_clips"] == 2  # budget 0: one
+        assert result["on_policy"]["count"] > 0 and result["on_policy"]["exact"] == result["on_policy"]["count"]
+        curve = doc["runs_by_algorithm"][result["algorithm"]]["curve"]
+        assert curve[0]["iteration"] == 0 and 0 <= curve[0]["reward_mean"] <= 1
+    assert (tmp_path / "grpo" / "run" / "manifest.json").is_file() and (tmp_path / "nft" / "run").is_dir()
