@@ -213,10 +213,8 @@ def grpo_job_from_args(args: argparse.Namespace):
 
 def nft_job_from_args(args: argparse.Namespace):
     """The checked `NftJob` of the flags (every check before any model loads)."""
-    from .training import Objective
+    from .training import Objective, TrainingError
     from .training.nft import NftConfig, NftJob
-
-    from .training.objective import TrainingError
 
     try:
         config = NftConfig(kind=args.stepper, level=args.level, group=args.group, beta=args.nft_beta,

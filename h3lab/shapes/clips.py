@@ -15,8 +15,9 @@ Contract
   left gain cos(pan pi/2), right gain sin(pan pi/2)), interpolated per sample along the same path as the video.
 - `prompt(spec)` says it: "a red circle moves left, a high tone"; `read_prompt(text)` reads such a prompt back to its
   (colour, shape, direction) (surrounding blanks, a final "." and letter case aside, the words must be the template's
-  and the tone the shape's; anything else is a one-line `ValidationError` naming the prompt). `partial_prompt(spec, keep)` says only the
-  attributes in `keep` (a subset of `ATTRIBUTES`), the rest left generic ("a circle moves", "a red shape moves left");
+  and the tone the shape's; anything else is a one-line `ValidationError` naming the prompt).
+  `partial_prompt(spec, keep)` says only the attributes in `keep` (a subset of `ATTRIBUTES`), the rest left generic
+  ("a circle moves", "a red shape moves left");
   the shape carries its tone. Training on partial prompts (scripts/train_shapes.py `--partial-variants`) lets each
   word be learned on its own, so a held-out mix of words is a mix of what each word means.
 - `first_last(spec)` are the clip's first and last frames (FL2VA anchors); `reference_image(colour, shape)` is a still

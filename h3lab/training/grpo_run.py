@@ -55,7 +55,8 @@ class GrpoRun(rl_run.RlRun):
         meta, tensors = [], {}
         for passes in batch.transitions:
             for t in passes:
-                entry, named = rl_run.sealed_entry(f"{k:04d}.{t.request:04d}.{t.pass_index:04d}.", t.tensors(), t.meta())
+                prefix = f"{k:04d}.{t.request:04d}.{t.pass_index:04d}."
+                entry, named = rl_run.sealed_entry(prefix, t.tensors(), t.meta())
                 meta.append(entry)
                 tensors.update(named)
         return meta, tensors

@@ -95,7 +95,8 @@ def post(url: str, body: bytes, timeout: float, retries: int, backoff: float,
                 raise RewardError(f"reward server {url}: HTTP {err.code}{detail}") from None
         except _NETWORK_ERRORS as err:
             if last:
-                raise RewardError(f"reward server {url}: no answer after {retries + 1} tries ({_reason(err)})") from None
+                raise RewardError(f"reward server {url}: no answer after {retries + 1} tries "
+                                  f"({_reason(err)})") from None
         sleep(backoff * 2 ** attempt)
     raise AssertionError("unreachable")  # pragma: no cover
 

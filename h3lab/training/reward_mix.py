@@ -2,11 +2,12 @@
 
 Contract
 --------
-- Spelling: `PART[,PART...]`, `PART = SPEC:WEIGHT`, where SPEC is a shipped reward NAME or `package.module:function`
-  (`rewards.resolve_reward`, which passes itself in; the weight is what follows the *last* colon) and WEIGHT a finite, non-zero number
-  (negative weights subtract; one weight a part). Blanks around parts are ignored; an empty part, a part without a weight, a SPEC that
-  does not resolve, a non-finite or zero weight, the same SPEC twice, or a reward server URL inside a sum is refused
-  in one line naming the flag (`--reward`), the spec and the rule.
+- Spelling: `PART[,PART...]`, `PART = SPEC:WEIGHT`, where SPEC is a shipped reward NAME or
+  `package.module:function` (`rewards.resolve_reward`, which passes itself in; the weight is what follows the *last*
+  colon) and WEIGHT a finite, non-zero number (negative weights subtract; one weight a part). Blanks around parts are
+  ignored; an empty part, a part without a weight, a SPEC that does not resolve, a non-finite or zero weight, the
+  same SPEC twice, or a reward server URL inside a sum is refused in one line naming the flag (`--reward`), the spec
+  and the rule.
 - The result is a `Reward` named by the canonical spelling (`NAME:repr(weight)` joined by `,`), batched, whose
   `parts` are the (Reward, weight) pairs in the given order and whose `needs` is "decoded" when any part needs decoded
   media ("latents" otherwise: every sample carries its latents either way). Its value per request is

@@ -61,7 +61,8 @@ def test_bad_arguments_fail_fast_with_one_line(files, monkeypatch, capsys):
 
 
 def nft_argv(files, out, *extra):
-    return ["nft", "--prompts", str(files / "prompts.txt"), "--group", "2", "--reward", "prompt_match:1.0,brightness:0.5",
+    return ["nft", "--prompts", str(files / "prompts.txt"), "--group", "2",
+            "--reward", "prompt_match:1.0,brightness:0.5",
             "--out", str(out), "--iterations", "2", "--steps", "2", "--width", "64", "--height", "64", "--frames",
             "22", "--mode", "off", "--rank", "2", "--lr", "1e-2", "--draws", "2", "--device", "cpu", *extra]
 
