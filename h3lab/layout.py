@@ -244,6 +244,14 @@ _LEAVE_BEHIND_FIELD = {
 }
 
 
+def timesteps_of_kinds(kinds: torch.Tensor, video_t: float | torch.Tensor, audio_t: float | torch.Tensor):
+    """`PackedLayout.row_timesteps` from per-row timestep kinds (S,) int64 (`TIME_VIDEO` .. `TIME_REFERENCE_AUDIO`)."""
+    video_t, audio_t = float(video_t), float(audio_t)
+    # Each value is a python float rounded once to float32, as Diffusers writes them into its float32 row tensor.
+    values = torch.tensor([video_t, audio_t, max(video_t, CONDITION_VIDEO_T), REFERENCE_AUDIO_T], dtype=torch.float32)
+    return torch.unique(values[kinds], sorted=True, return_inverse=True)
+
+
 @dataclass(frozen=True, eq=False)
 class PackedLayout:
     """One packed sequence of S rows. Model inputs: `position_ids` (S, 3) float64, `token_tags` (S,) int64,
@@ -344,12 +352,7 @@ class PackedLayout:
     def row_timesteps(self, video_t: float | torch.Tensor, audio_t: float | torch.Tensor):
         """(unique_t (T,) float32 sorted, timestep_indices (S,) int64) for one pass: every row's timestep from its
         kind (see module docstring), reduced with `torch.unique(sorted=True, return_inverse=True)`."""
-        video_t, audio_t = float(video_t), float(audio_t)
-        # Each value is a python float rounded once to float32, as Diffusers writes them into its float32 row tensor.
-        values = torch.tensor(
-            [video_t, audio_t, max(video_t, CONDITION_VIDEO_T), REFERENCE_AUDIO_T], dtype=torch.float32
-        )
-        return torch.unique(values[self.row_time_kinds], sorted=True, return_inverse=True)
+        return timesteps_of_kinds(self.row_time_kinds, video_t, audio_t)
 
     def timestep_plan(self, video_timesteps: torch.Tensor, audio_timesteps: torch.Tensor) -> list:
         """`row_timesteps` for every pass of a `DualSchedule` (its `video.timesteps`, `audio.timesteps`)."""

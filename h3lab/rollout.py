@@ -4,12 +4,15 @@ sealed in the trajectories. `Session.rollout` is this module's `rollout(session,
 Contract
 --------
 `rollout(session, prompts, group=4, stepper="flow_sde", level=0.7, seed=0, window=None, decode=False,
-batched=True, keep=("latents",), **overrides) -> Rollout`
+batched=True, keep=("latents",), needs_density=True, **overrides) -> Rollout`
 
 - `prompts`: a non-empty list of non-blank prompts; `overrides`: generation settings shared by every request
   (width, height, frames, steps, mode, ...; a per-request `seed` is refused: the rollout derives them). `stepper`:
   one of `stochastic.SDE_KINDS`; `level` a number or {"video": x, "audio": y}; `window` null or
-  {"start": s, "size": w} (MixGRPO). Everything is validated before any model loads (one-line `H3Error`).
+  {"start": s, "size": w} (MixGRPO). With `needs_density=False` (forward-process RL, DiffusionNFT, which needs no
+  log-density) `stepper` may also be "euler", the released deterministic step: `level` and `window` are then unused
+  and the members of a group differ by their initial noise only. Everything is validated before any model loads
+  (one-line `H3Error`).
 - Requests, in this fixed order: prompt p = 0..P-1, member g = 0..G-1, request id r = p * G + g. Request r's
   initial noise is the released draw (`pipeline.draw_inputs`) from the request seed
 
@@ -97,7 +100,7 @@ def adapters_of(session, model) -> tuple:
     return () if entry is None else (entry,)
 
 
-def _check(session, prompts, group, stepper, level, seed, window, overrides):
+def _check(session, prompts, group, stepper, level, seed, window, overrides, needs_density=True):
     from .stochastic import SDE_KINDS
     from .stochastic.steppers import check_params
 
@@ -105,12 +108,15 @@ def _check(session, prompts, group, stepper, level, seed, window, overrides):
         raise ValidationError(f"prompts={prompts!r}: must be a non-empty list of prompts")
     if isinstance(group, bool) or not isinstance(group, numbers.Integral) or not 1 <= group <= MAX_GROUP:
         raise ValidationError(f"group={group!r}: must be an integer in [1, {MAX_GROUP}]")
-    if stepper not in SDE_KINDS:
+    ode = stepper == "euler" and not needs_density
+    if stepper not in SDE_KINDS and not ode:
         raise ValidationError(f"stepper={stepper!r}: a rollout needs a stochastic stepper, one of "
-                              f"{', '.join(SDE_KINDS)}")
+                              f"{', '.join(SDE_KINDS)} (or euler with needs_density=False)")
     if "seed" in overrides:
         raise ValidationError("seed: a rollout derives every request's seed from its own seed= (request_seed)")
-    params = check_params(stepper, {"level": level, "seed": seed, "window": window})
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise ValidationError(f"seed={seed!r}: must be an integer in [0, 2**63)")
+    params = None if ode else check_params(stepper, {"level": level, "seed": seed, "window": window})
     settings = []
     for prompt in prompts:
         s = session.settings(check_prompt(prompt), **overrides).checked_paths()
@@ -127,13 +133,13 @@ def _check(session, prompts, group, stepper, level, seed, window, overrides):
 def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "flow_sde",
             level: float | Mapping[str, float] = 0.7, seed: int = 0, window: Mapping[str, int] | None = None,
             decode: bool = False, batched: bool = True, keep: Sequence[str] = ("latents",),
-            **overrides: Any) -> Rollout:
+            needs_density: bool = True, **overrides: Any) -> Rollout:
     """Run the rollout (module docstring); the caller holds the session lock."""
     from . import trajectory as T
     from .run import denoise
     from .sampler import DualSchedule
 
-    settings, params = _check(session, prompts, group, stepper, level, seed, window, overrides)
+    settings, params = _check(session, prompts, group, stepper, level, seed, window, overrides, needs_density)
     keep = tuple(dict.fromkeys(("latents",) + tuple(keep)))
     T.TrajectoryRecorder(keep=keep)  # refuses an unknown keep entry before any work
     media = [session._load_media(s) for s in settings]
@@ -141,7 +147,7 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
     session._phase_done("text_encoder")
     conds = [pipeline.encode_conditions(m, session._cond_cache, session._load)[0] for m in media]
     session._phase_done("vae", "audio_vae")
-    out = Rollout(prompts=[s.prompt for s in settings], group=int(group), stepper=stepper, params=dict(params))
+    out = Rollout(prompts=[s.prompt for s in settings], group=int(group), stepper=stepper, params=dict(params or {}))
     finals = []
     for p, (s, m, text, cond) in enumerate(zip(settings, media, texts, conds)):
         schedule = DualSchedule.from_passes(s.steps, session.video_shift, session.audio_shift)
@@ -162,7 +168,8 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
                 seeds={**first.seeds, "request": [seeds[g] for g in members], "rollout": int(seed)})
             spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=adapters,
                                        execution=session.store.plan)
-            spec = spec.replace(stepper=stepper, stepper_params={**params, "requests": [ids[g] for g in members]})
+            spec = spec.replace(stepper=stepper, stepper_params={} if params is None else {
+                **params, "requests": [ids[g] for g in members]})
             recorder = T.TrajectoryRecorder(keep=keep, meta={"settings": pipeline.settings_meta(s), "rollout": {
                 "seed": int(seed), "group": int(group), "prompt_index": p, "members": members}})
             video, audio = denoise(spec, model, recorder, models=session.store.models_for(variant, model))

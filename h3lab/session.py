@@ -340,14 +340,16 @@ class Session:
 
     # -------------------------------------------------------------------------------------- RL rollouts
     def rollout(self, prompts, *, group: int = 4, stepper: str = "flow_sde", level=0.7, seed: int = 0,
-                window=None, decode: bool = False, batched: bool = True, keep=("latents",), **overrides: Any):
+                window=None, decode: bool = False, batched: bool = True, keep=("latents",),
+                needs_density: bool = True, **overrides: Any):
         """G stochastic requests per prompt on an SDE stepper, their per-pass log-densities sealed in the
-        trajectories (`h3lab.rollout`: request order, seed derivation, what comes back)."""
+        trajectories (`h3lab.rollout`: request order, seed derivation, what comes back; `needs_density=False` also
+        takes the released `euler` step, for DiffusionNFT)."""
         from .rollout import rollout
 
         with self._lock:
             return rollout(self, prompts, group=group, stepper=stepper, level=level, seed=seed, window=window,
-                           decode=decode, batched=batched, keep=keep, **overrides)
+                           decode=decode, batched=batched, keep=keep, needs_density=needs_density, **overrides)
 
     def rollout_report(self, prompt: str, *, group: int, reward: str, settings: GenerationSettings) -> list[str]:
         """`!rollout`: G stochastic rollouts of `prompt`, each request's reward, and the on-policy ratio of every

@@ -8,8 +8,12 @@ update over sealed rollouts, with a progress bar, periodic atomic checkpoints an
     torchrun --nproc-per-node 4 -m h3lab train ... --tp 2 --dp 2 --batch-size 2 --device cpu    # TP2, two replicas
     h3lab train grpo --prompts prompts.txt --group 4 --reward brightness --out runs/grpo --iterations 10
     h3lab train grpo ... --reward mypkg.rewards:score --beta 0.04 --inner-epochs 2 --passes fraction:0.6
+    h3lab train grpo ... --reward prompt_match:1.0,brightness:0.1    # a weighted sum, each part in the records
+    h3lab train grpo ... --reward-server http://127.0.0.1:8000/score  # scripts/reward_server.py, or any such server
+    h3lab train nft --prompts prompts.txt --group 4 --reward prompt_match --out runs/nft --iterations 10
 
-A front end: it parses, checks and prints; the job is `h3lab.training.job` (`TrainJob.check`, `run_job`). Every bad
+A front end: it parses, checks and prints; the job is `h3lab.training.job` (`TrainJob.check`, `run_job`;
+`grpo_job` for `grpo`, `nft.job` for `nft`, DiffusionNFT with `train grpo`'s flags where they mean the same). Every bad
 argument, path or data file fails before any model loads with one line on stderr and exit status 2; Ctrl-C stops
 after the running step (exit 130), keeping the newest checkpoint. Output: see `h3lab.training.job`.
 
@@ -101,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="h3lab train", formatter_class=_Help,
                 description="LoRA fine-tune or reward-weighted update of the MiniMax-H3 DiT (strict, sealed, "
-                "resumable).\nRL on rollouts of the current policy: h3lab train grpo --help.\nA finished job "
+                "resumable).\nRL on rollouts of the current policy: h3lab train grpo --help, h3lab train nft --help.\nA finished job "
                 "verifies with h3lab verify OUT.")
     p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoints, final adapter, sealed run")
     p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
@@ -138,49 +142,108 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_grpo_parser() -> argparse.ArgumentParser:
     from .stochastic import SDE_KINDS
-    from .training.lora import PROJECTIONS
 
     p = _Parser(prog="h3lab train grpo", formatter_class=_Help,
                 description="GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA policy on a prompt file, a "
                 "reward per request, the clipped GRPO step (strict, sealed, resumable).\nA finished job verifies "
                 "with h3lab verify OUT.")
+    _rollout_flags(p)
+    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition (default flow_sde)")
+    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a, dance_sde eta (0.7)")
+    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range (default 1e-4)")
+    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip (default 5)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference (default 0)")
+    p.add_argument("--importance-cap", type=float, default=None, metavar="C",
+                   help="truncated importance weights min(ratio, C) (default off)")
+    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser passes over each iteration's rollouts")
+    p.add_argument("--passes", default="all", metavar="all|fraction:F|window:S,W",
+                   help="which SDE passes train (default all; DanceGRPO fraction:0.6; MixGRPO window:0,4)")
+    _policy_flags(p, "rollout noise, pass selection")
+    return p
+
+
+def build_nft_parser() -> argparse.ArgumentParser:
+    from .training.nft.objective import KINDS, OLD_BATCHES
+
+    p = _Parser(prog="h3lab train nft", formatter_class=_Help,
+                description="DiffusionNFT on the MiniMax-H3 DiT: rollouts of a LoRA policy (any sampler, the "
+                "released Euler step by default; no CFG) on a prompt file, a reward per request, flow matching on "
+                "forward-noised final latents split into implicit positive and negative policies around the frozen "
+                "previous policy (strict, sealed, resumable).\nA finished job verifies with h3lab verify OUT.")
+    _rollout_flags(p)
+    p.add_argument("--stepper", choices=KINDS, default="euler", help="rollout sampler (default euler: the released "
+                   "deterministic step)")
+    p.add_argument("--level", type=float, default=None, help="noise level of an SDE --stepper (default 0.7)")
+    p.add_argument("--nft-beta", type=float, default=1.0, help="DiffusionNFT's beta: how far the implicit policies "
+                   "sit from the previous one (default 1)")
+    p.add_argument("--ref-kl", type=float, default=1e-4, help="weight of |v - v_ref|^2 to the adapter-off reference "
+                   "(default 1e-4)")
+    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage that maps to optimality 0 / 1 (default 5)")
+    p.add_argument("--draws", type=int, default=1, help="forward noisings per request per iteration (default 1)")
+    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser steps per iteration (default 1)")
+    p.add_argument("--old-batch", choices=OLD_BATCHES, default="group",
+                   help="previous-policy forwards per prompt group or per request (byte-equal in strict)")
+    p.add_argument("--video-weight", type=float, default=1.0, help="weight of the video rows' loss")
+    p.add_argument("--audio-weight", type=float, default=1.0, help="weight of the audio rows' loss")
+    _policy_flags(p, "rollout noise, forward noisings")
+    return p
+
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `train grpo` and `train nft` share before the algorithm's own: prompts, reward, folder, canvas."""
     p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt a line ('#' lines are comments)")
-    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt")
-    p.add_argument("--reward", required=True, metavar="NAME|module:function",
-                   help="brightness, redness, colour, pitch, anchor_match, latent_mean, or package.module:function")
+    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt (default 4)")
+    _reward_flags(p)
     p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoint, final adapter, sealed run")
-    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations")
+    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations (default 1)")
     p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
                    help="snapshot (default: the embedded h3-shapes snapshot)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout")
+    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout (default 4)")
     p.add_argument("--width", type=int, default=None, help="rollout canvas width (default: the snapshot's native)")
     p.add_argument("--height", type=int, default=None, help="rollout canvas height (default: the snapshot's native)")
     p.add_argument("--frames", type=int, default=None, help="rollout frames (default: the snapshot's native)")
-    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition of the rollout")
-    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a (cps: <= 1), dance_sde eta")
-    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range")
-    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip")
-    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference")
-    p.add_argument("--importance-cap", type=float, default=None, metavar="C",
-                   help="truncated importance weights min(ratio, C) (None: off)")
-    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser passes over each iteration's rollouts")
-    p.add_argument("--passes", default="all", metavar="all|fraction:F|window:S,W",
-                   help="which SDE passes train (DanceGRPO fraction:0.6; MixGRPO window:0,4)")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: = rank)")
+
+
+def _policy_flags(p: argparse.ArgumentParser, seeds: str) -> None:
+    """The flags `train grpo` and `train nft` share after the algorithm's own: the LoRA, AdamW, seed, mode, resume."""
+    from .training.lora import PROJECTIONS
+
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default = rank)")
     p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
     p.add_argument("--lora-seed", type=int, default=0, help="seed of the adapter's initial A factors")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--seed", type=int, default=0, help="run seed (rollout noise, pass selection)")
-    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step")
+    p.add_argument("--seed", type=int, default=0, help=f"run seed ({seeds})")
+    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step (default strict)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each block in the backward (byte-neutral; less memory)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help=GPU_MEMORY_HELP)
     p.add_argument("--resume", action="store_true",
                    help="continue the job in --out from its checkpoint (from iteration 0 when it has none)")
-    return p
+
+
+def _reward_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reward", default=None, metavar="NAME|NAME:W,...|module:function",
+                   help="prompt_match (and its parts colour_match, ...), brightness, redness, colour, pitch, "
+                        "anchor_match, latent_mean, a weighted sum NAME:W,NAME:W, or package.module:function")
+    p.add_argument("--reward-server", default=None, metavar="URL",
+                   help="score with a reward server instead (http://HOST:PORT/PATH; scripts/reward_server.py)")
+    p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward-server call (default 60)")
+    p.add_argument("--reward-retries", type=int, default=2, help="retries of a failed reward-server call (default 2)")
+
+
+def _reward_of(args: argparse.Namespace) -> dict:
+    """The job's reward fields from --reward / --reward-server (exactly one of them)."""
+    if (args.reward is None) == (args.reward_server is None):
+        raise TrainArgError("--reward NAME or --reward-server URL: give exactly one")
+    if args.reward_server is not None:
+        from .training.reward_client import check_url
+
+        return {"reward": check_url(args.reward_server), "reward_timeout": args.reward_timeout,
+                "reward_retries": args.reward_retries}
+    return {"reward": args.reward}
 
 
 def _selection(text: str):
@@ -203,12 +266,14 @@ def _selection(text: str):
 
 
 @contextlib.contextmanager
-def flags_named(parser: argparse.ArgumentParser):
-    """Inside: a `SettingError` of a setting that has a flag in `parser` becomes a `TrainArgError` naming the flag
-    (`--group 1: must be an integer >= 2`), not the config class that checked it."""
+def flags_named(parser: argparse.ArgumentParser, aliases: dict[str, str] | None = None):
+    """Inside: a `SettingError` of a setting that has a flag in `parser` (or in `aliases`: config field -> flag)
+    becomes a `TrainArgError` naming the flag (`--group 1: must be an integer >= 2`), not the config class that
+    checked it."""
     from .training.objective import SettingError
 
     flags = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    flags.update(aliases or {})
     try:
         yield
     except SettingError as err:
@@ -223,47 +288,88 @@ def grpo_job_from_args(args: argparse.Namespace):
     from .training.grpo_job import GrpoJob
     from .training.grpo_step import GrpoConfig
 
-    with flags_named(build_grpo_parser()):
+    with flags_named(build_grpo_parser(), {"kind": "--stepper"}):
         config = GrpoConfig(kind=args.stepper, level=args.level, group=args.group, clip_range=args.clip_range,
                             adv_clip=args.adv_clip, beta=args.beta, importance_cap=args.importance_cap,
                             inner_epochs=args.inner_epochs, selection=_selection(args.passes), seed=args.seed,
                             mode=args.mode, gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
                             weight_decay=args.weight_decay)
-        job = GrpoJob(out=args.out, prompts=args.prompts, reward=args.reward, config=config,
-                      iterations=args.iterations, steps=args.steps, width=args.width, height=args.height,
-                      frames=args.frames, snapshot=args.snapshot, device=args.device, rank=args.rank,
-                      alpha=args.alpha, targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
-        return job.check(resume=args.resume)
+        return GrpoJob(config=config, **_job_fields(args)).check(resume=args.resume)
+
+
+def nft_job_from_args(args: argparse.Namespace):
+    """The checked `NftJob` of the flags (every check before any model loads)."""
+    from .training import Objective
+    from .training.nft import NftConfig, NftJob
+
+    with flags_named(build_nft_parser(), {"kind": "--stepper", "beta": "--nft-beta"}):
+        config = NftConfig(kind=args.stepper, level=args.level, group=args.group, beta=args.nft_beta,
+                           ref_kl=args.ref_kl, adv_clip=args.adv_clip, draws=args.draws,
+                           inner_epochs=args.inner_epochs, old_batch=args.old_batch, seed=args.seed, mode=args.mode,
+                           gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
+                           weight_decay=args.weight_decay,
+                           objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
+        return NftJob(config=config, **_job_fields(args)).check(resume=args.resume)
+
+
+def _job_fields(args: argparse.Namespace) -> dict:
+    """The `GrpoJob` fields of the shared flags (`_rollout_flags`, `_policy_flags`)."""
+    return dict(out=args.out, prompts=args.prompts, **_reward_of(args), iterations=args.iterations, steps=args.steps,
+                width=args.width, height=args.height, frames=args.frames, snapshot=args.snapshot, device=args.device,
+                rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
 
 
 def grpo_main(argv: Sequence[str]) -> int:
     """`h3lab train grpo ...` (module docstring)."""
+    def ratio_text(summary: dict) -> str:
+        ratio = summary["ratio"]
+        return (f"on-policy ratio - 1 in [{ratio['min']:.3g}, {ratio['max']:.3g}] ({ratio['exactly_one']}/"
+                f"{ratio['count']} exactly 1)")
+
+    return _rl_main("grpo", "GRPO", argv, build_grpo_parser, grpo_job_from_args, GrpoProgress(), ratio_text)
+
+
+def nft_main(argv: Sequence[str]) -> int:
+    """`h3lab train nft ...` (module docstring)."""
+    def gap_text(summary: dict) -> str:
+        gap = summary["on_policy"]
+        return (f"first training forward vs the previous policy: {gap['exactly_equal']}/{gap['count']} byte-equal, "
+                f"max |dv| {gap['max_abs']:.3g}")
+
+    return _rl_main("nft", "DiffusionNFT", argv, build_nft_parser, nft_job_from_args, NftProgress(), gap_text)
+
+
+def _rl_main(command: str, label: str, argv: Sequence[str], parser: Callable, job_of: Callable, progress: Callable,
+             statistic: Callable[[dict], str]) -> int:
+    """One RL front end: parse, check, train through `grpo_job.run_grpo_job` (the job's hooks pick the algorithm),
+    print three lines."""
     def work() -> dict:
-        args = build_grpo_parser().parse_args(argv)
-        job = grpo_job_from_args(args)
+        args = parser().parse_args(argv)
+        job = job_of(args)
         gib = check_gpu_memory_flag(args)
         from .session import Session
         from .training.grpo_job import run_grpo_job
 
         session = Session(job.snapshot, device=job.device, **({} if gib is None else
                                                               {"residency": "streamed", "gpu_memory": gib}))
-        return run_grpo_job(job, session, resume=args.resume, progress=GrpoProgress())
+        return run_grpo_job(job, session, resume=args.resume, progress=progress)
 
-    code, summary = _guarded("h3lab train grpo", work)
+    code, summary = _guarded(f"h3lab train {command}", work)
     if code:
         return code
-    ratio = summary["ratio"]
-    print(f"trained {summary['iterations']} GRPO iterations, last mean reward {summary['reward_mean']:.6g}; "
-          f"on-policy ratio - 1 in [{ratio['min']:.3g}, {ratio['max']:.3g}] ({ratio['exactly_one']}/"
-          f"{ratio['count']} exactly 1); run digest {summary['digest']}")
+    print(f"trained {summary['iterations']} {label} iterations, last mean reward {summary['reward_mean']:.6g}; "
+          f"{statistic(summary)}; run digest {summary['digest']}")
     print(f"adapter {summary['adapter_sha256']} in {summary['adapter']}")
     print(f"sealed run in {summary['run']}")
     return 0
 
 
 class GrpoProgress:
-    """One line per iteration on stderr: mean reward and the first epoch's ratio statistics; on a terminal also the
-    phase the running iteration is in (rollout, reward, training step) and its seconds so far, redrawn."""
+    """One line per iteration on stderr: mean reward (a sum's parts) and the first epoch's ratio statistics; on a
+    terminal also the phase the running iteration is in (rollout, reward, training step) and its seconds so far,
+    redrawn."""
+
+    label = "grpo"
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
@@ -272,16 +378,38 @@ class GrpoProgress:
 
     def phase(self, k: int, total: int, text: str) -> None:
         if self.live:
-            self.stream.write(f"\rgrpo {k + 1}/{total}: {text} ({time.perf_counter() - self.t0:.0f} s)\033[K")
+            self.stream.write(f"\r{self.label} {k + 1}/{total}: {text} ({time.perf_counter() - self.t0:.0f} s)\033[K")
             self.stream.flush()
 
-    def __call__(self, k: int, total: int, record: dict) -> None:
-        rewards, ratio = record["rewards"], record["epochs"][0]["ratio"]
+    def line(self, k: int, total: int, record: dict, statistics: str) -> None:
+        rewards = record["rewards"]
         self.stream.write(("\r\033[K" if self.live else "") +
-                          f"grpo {k}/{total}: mean reward {sum(rewards) / len(rewards):.6g}, ratio - 1 "
-                          f"[{ratio['min']:.3g}, {ratio['max']:.3g}], clipped {record['epochs'][-1]['clipped']}, "
-                          f"{time.perf_counter() - self.t0:.1f} s\n")
+                          f"{self.label} {k}/{total}: mean reward {sum(rewards) / len(rewards):.6g}"
+                          f"{parts_text(record)}, {statistics}, {time.perf_counter() - self.t0:.1f} s\n")
         self.stream.flush()
+
+    def __call__(self, k: int, total: int, record: dict) -> None:
+        ratio = record["epochs"][0]["ratio"]
+        self.line(k, total, record, f"ratio - 1 [{ratio['min']:.3g}, {ratio['max']:.3g}], clipped "
+                                    f"{record['epochs'][-1]['clipped']}")
+
+
+class NftProgress(GrpoProgress):
+    """One line per iteration on stderr: mean reward (a sum's parts), the first epoch's loss and on-policy gap."""
+
+    label = "nft"
+
+    def __call__(self, k: int, total: int, record: dict) -> None:
+        first = record["epochs"][0]
+        gap = first["on_policy"]
+        self.line(k, total, record, f"loss {first['loss']:.4g}, v_old gap {gap['exactly_equal']}/{gap['count']} "
+                                    "byte-equal")
+
+
+def parts_text(record: dict) -> str:
+    """` (name mean, ...)` of a weighted-sum reward's parts; "" for one reward."""
+    parts = [f"{p['name']} {p['mean']:.4g}" for p in record.get("reward_parts") or []]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _float(text: str, what: str) -> float:
@@ -400,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grpo"]:
         return grpo_main(argv[1:])
+    if argv[:1] == ["nft"]:
+        return nft_main(argv[1:])
     lead = [True]
 
     def work() -> dict:

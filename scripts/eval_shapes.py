@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h3lab.shapes import ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
+from h3lab.shapes import READS, ClipSpec, held_out_combos, matches, measure, prompt, training_combos  # noqa: E402
 from h3lab.shapes.clips import first_last  # noqa: E402
 from h3lab.io_utils import atomic_write  # noqa: E402
 
@@ -52,14 +52,24 @@ def strip(frames: np.ndarray, scale: int = 3) -> np.ndarray:
     return np.concatenate([x for t in tiles for x in (t, gap)][:-1], axis=1)
 
 
-ATTRIBUTE_READS = ("colour", "direction", "tone", "pan")
+def clip_row(session, split: str, combo: tuple[str, str, str], seed: int, steps: int, mode: str = "off") -> dict:
+    """One clip of the protocol: the triple's prompt generated (t2va, `GEN`'s canvas) under `seed`, measured and
+    compared with the prompt; its row (prompt, seed, split, per-attribute match, all four, measurement, seconds)."""
+    colour, shape, direction = combo
+    spec = ClipSpec(colour, shape, direction)
+    t = time.time()
+    res = session.generate(prompt(spec), seed=seed, steps=steps, **{**GEN, "mode": mode})
+    m = measure(res.frames, res.audio.numpy(), res.sample_rate)
+    ok = matches(m, colour, shape, direction)
+    return {"prompt": prompt(spec), "seed": seed, "task": "t2va", "split": split, "match": ok, "all": all(ok.values()),
+            "measured": m.to_dict(), "seconds": round(time.time() - t, 2)}
 
 
-def _fractions(rows: list[dict], prefix: str) -> dict:
+def fractions(rows: list[dict], prefix: str = "") -> dict:
     """{prefix + "fraction_<attribute>" / "fraction_all_four": share of `rows` that match}, {} for no rows."""
     if not rows:
         return {}
-    out = {f"{prefix}fraction_{k}": round(sum(r["match"][k] for r in rows) / len(rows), 4) for k in ATTRIBUTE_READS}
+    out = {f"{prefix}fraction_{k}": round(sum(r["match"][k] for r in rows) / len(rows), 4) for k in READS}
     return {f"{prefix}runs": len(rows), f"{prefix}fraction_all_four": round(sum(r["all"] for r in rows) / len(rows), 4),
             **out}
 
@@ -90,16 +100,11 @@ def main(argv=None) -> int:
     picks = [train[k] for k in np.linspace(0, len(train) - 1, args.training).round().astype(int)] if args.training else []
     jobs = [("held_out", combo, seed) for combo in held_out_combos() for seed in args.seeds]
     jobs += [("training", combo, args.seeds[0]) for combo in picks]
-    for split, (colour, shape, direction), seed in jobs:
-        spec = ClipSpec(colour, shape, direction)
-        t = time.time()
-        res = session.generate(prompt(spec), seed=seed, steps=args.steps, **GEN)
-        m = measure(res.frames, res.audio.numpy(), res.sample_rate)
-        ok = matches(m, colour, shape, direction)
-        rows.append({"prompt": prompt(spec), "seed": seed, "task": "t2va", "split": split, "match": ok,
-                     "all": all(ok.values()), "measured": m.to_dict(), "seconds": round(time.time() - t, 2)})
-        print(f"[{split}] {prompt(spec)!r} seed {seed}: {ok} {m.colour} {m.direction} {m.tone} {m.pan_direction}",
-              flush=True)
+    for split, combo, seed in jobs:
+        rows.append(clip_row(session, split, combo, seed, args.steps))
+        m = rows[-1]["measured"]
+        print(f"[{split}] {rows[-1]['prompt']!r} seed {seed}: {rows[-1]['match']} {m['colour']} {m['direction']} "
+              f"{m['tone']} {m['pan_direction']}", flush=True)
     if args.strip:
         res = session.generate(prompt(DEMO[0]), seed=DEMO[1], steps=args.steps, **GEN)
         atomic_write(args.strip, lambda tmp: Image.fromarray(strip(res.frames)).save(tmp, format="PNG"))
@@ -120,8 +125,8 @@ def main(argv=None) -> int:
     held = [r for r in rows if r["split"] == "held_out"]
     summary = {
         "shape": "64x64x22f", "impl": "h3lab-off", "held_out_prompts": len(held_out_combos()),
-        "seeds": args.seeds, "steps": args.steps, **_fractions(held, ""),
-        **_fractions([r for r in rows if r["split"] == "training"], "training_"),
+        "seeds": args.seeds, "steps": args.steps, **fractions(held, ""),
+        **fractions([r for r in rows if r["split"] == "training"], "training_"),
         "fl2va_psnr_first_db_mean": round(float(np.mean([r["psnr_first_db"] for r in fl])), 2),
         "fl2va_psnr_last_db_mean": round(float(np.mean([r["psnr_last_db"] for r in fl])), 2),
         "median_s": round(float(np.median([r["seconds"] for r in rows])), 2), "peak_mem_gib": None,

@@ -13,8 +13,11 @@ Contract
   shape (`TONES`: circle high 880 Hz, square middle 440 Hz, triangle low 220 Hz) at amplitude `AMPLITUDE`, seeded
   phase, 5 ms fades; equal-power pan that follows the shape's horizontal position x (pan = x / W clipped to [0, 1]:
   left gain cos(pan pi/2), right gain sin(pan pi/2)), interpolated per sample along the same path as the video.
-- `prompt(spec)` says it: "a red circle moves left, a high tone". `partial_prompt(spec, keep)` says only the
-  attributes in `keep` (a subset of `ATTRIBUTES`), the rest left generic ("a circle moves", "a red shape moves left");
+- `prompt(spec)` says it: "a red circle moves left, a high tone"; `read_prompt(text)` reads such a prompt back to its
+  (colour, shape, direction) (surrounding blanks, a final "." and letter case aside, the words must be the template's
+  and the tone the shape's; anything else is a one-line `ValidationError` naming the prompt).
+  `partial_prompt(spec, keep)` says only the attributes in `keep` (a subset of `ATTRIBUTES`), the rest left generic
+  ("a circle moves", "a red shape moves left");
   the shape carries its tone. Training on partial prompts (scripts/train_shapes.py `--partial-variants`) lets each
   word be learned on its own, so a held-out mix of words is a mix of what each word means.
 - `first_last(spec)` are the clip's first and last frames (FL2VA anchors); `reference_image(colour, shape)` is a still
@@ -27,6 +30,7 @@ Contract
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +120,24 @@ PROMPT_EXAMPLE = "a blue square moves right, a middle tone"
 
 def prompt(spec: ClipSpec) -> str:
     return f"a {spec.colour} {spec.shape} moves {spec.direction}, a {spec.tone} tone"
+
+
+def read_prompt(text: str) -> tuple[str, str, str]:
+    """(colour, shape, direction) of a `prompt(spec)` text (module docstring)."""
+    words = " ".join(str(text).strip().rstrip(".").lower().split())
+    found = _PROMPT.fullmatch(words)
+    rule = ("must read 'a COLOUR SHAPE moves DIRECTION, a TONE tone' with a colour of " + ", ".join(COLOURS) +
+            ", a shape of " + ", ".join(SHAPES) + ", a direction of " + ", ".join(DIRECTIONS))
+    if found is None or found["colour"] not in COLOURS or found["shape"] not in SHAPES or (
+            found["direction"] not in DIRECTIONS):
+        raise ValidationError(f"prompt {text!r}: not a shapes prompt: {rule}")
+    if found["tone"] != TONES[found["shape"]][0]:
+        raise ValidationError(f"prompt {text!r}: a {found['shape']} sounds a {TONES[found['shape']][0]} tone, not "
+                              f"{found['tone']}")
+    return found["colour"], found["shape"], found["direction"]
+
+
+_PROMPT = re.compile(r"a (?P<colour>[a-z]+) (?P<shape>[a-z]+) moves (?P<direction>[a-z]+), a (?P<tone>[a-z]+) tone")
 
 
 def partial_prompt(spec: ClipSpec, keep) -> str:

@@ -14,8 +14,9 @@ Contract (`measure(frames, audio, sample_rate)`; frames uint8 (F, H, W, 3), audi
 - `pan_start`, `pan_end`: equal-power pan atan2(rms_R, rms_L) / (pi / 2) in [0, 1] (0 left, 1 right) over the
   first and last fifth of the track; `pan_direction`: "right" / "left" when pan_end - pan_start exceeds
   +/- `PAN_STILL`, else "still".
-- `matches(m, colour, shape, direction)`: per attribute, whether the measurement says what a prompt says: colour,
-  direction, tone (the shape's pitch word) and pan (left / right for horizontal motion, still for vertical).
+- `matches(m, colour, shape, direction)`: per attribute (`READS`, in that order), whether the measurement says what a
+  prompt says: colour, direction, tone (the shape's pitch word) and pan (left / right for horizontal motion, still
+  for vertical).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ MIN_FG_PIXELS = 4
 STILL_FRACTION = 0.1
 SILENCE_RMS = 1e-3
 PAN_STILL = 0.1
+READS = ("colour", "direction", "tone", "pan")  # the attributes `matches` compares, in its order
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,11 @@ verifiable training runs.
 - `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
 - `lora_scale.py`     the `RunSpec.lora_scale` provider: the adapter's delta scaled per block and per modality of the
                       output rows (`LayerScale` on each LoRA layer for the run)
-- `rewards.py`        RL rewards: `Reward`, `RewardSample`, `score`, `resolve_reward` (NAME, module:function)
+- `rewards.py`        RL rewards: `Reward`, `RewardSample`, `score`, `resolve_reward` (NAME, module:function, a
+                      weighted sum, a reward server URL); the shipped examples, `prompt_match` (h3-shapes)
+- `reward_base.py`    the reward types (`Reward`, `RewardSample`, `score`, `score_parts`)
+- `reward_mix.py`     weighted sums `NAME:W,NAME:W` (parts logged in the run records)
+- `reward_protocol.py`, `reward_client.py`, `reward_server.py`   rewards from another process over HTTP
 - `grpo.py`           GRPO pieces as pure functions: `group_advantages`, `clipped_surrogate`, `truncated_weight`,
                       `reference_kl`, `PassSelection`
 - `grpo_step.py`      `GrpoConfig`, `Transition`, `RolloutBatch` (from SDE trajectories / `Session.rollout`),
@@ -26,6 +30,9 @@ verifiable training runs.
 - `grpo_run.py`       sealed GRPO runs: `grpo_train` (resume), `load`, `verify`
 - `grpo_job.py`       `h3lab train grpo` jobs (`GrpoJob.check`, `run_grpo_job`)
 - `grpo_report.py`    the REPL's `!rollout` report (`rollout_report`), `reward_samples` of a `Session.rollout`
+- `rl_run.py`         the sealed-run loop GRPO and DiffusionNFT share (train, resume, manifest, load, verify)
+- `nft/`              DiffusionNFT (`h3lab.training.nft`: `NftConfig`, `nft_iteration`, `nft_train`, `verify`,
+                      `NftJob` of `h3lab train nft`)
 """
 
 from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider

@@ -4,17 +4,23 @@ prompt file -> reward -> `grpo_step.grpo_iteration`), checkpointed after every i
 Contract
 --------
 `GrpoJob` (frozen) is everything a job varies: the prompt file (one prompt a line; blank lines and lines starting
-with `#` are skipped), the group G, the reward (`rewards.resolve_reward`: NAME or module:function), the iteration
+with `#` are skipped), the group G, the reward (`rewards.resolve_reward`: NAME, a weighted sum NAME:W,NAME:W or
+module:function; or a reward server URL with its `reward_timeout` and `reward_retries`, `reward_client`), the iteration
 count, the rollout (SDE `GrpoConfig.kind`, `level`, `steps` passes, canvas `width` x `height` x `frames`), the LoRA
 (rank, alpha, targets, init seed), the `GrpoConfig` (every GRPO knob), snapshot, device, `out`. `check()` validates
 every value, the prompts (`settings.check_prompt`), the reward (imported, not called), the output folder and the LoRA
-targets against the snapshot's transformer config -- before any model loads -- raising one-line `H3Error`s.
+targets against the snapshot's transformer config -- before any model loads -- raising one-line `H3Error`s; a
+reward server is asked once (`reward_client.probe`) so a dead one fails then too.
 
 Iteration k rolls out with `Session.rollout(prompts, group=G, stepper=kind, level=level, seed=rollout_seed(seed, k),
 decode=reward.needs == "decoded", steps=, width=, height=, frames=, mode=)` on the session's transformer, which
 carries the job's LoRA adapter in place (so the rollout runs the current policy), scores every request with the
-reward (`rewards.score`; `grpo_report.reward_samples`), builds the `RolloutBatch` (`grpo_step.batch_from_rollout`) and
-trains one iteration. The output folder `out`:
+reward (`rewards.score_parts`: a sum's parts go into the records; `grpo_report.reward_samples`), builds the
+`RolloutBatch` (`grpo_step.batch_from_rollout`) and trains one iteration. A reward that fails (a reward server that
+does not answer) fails the iteration before its update: the checkpoint of the iteration before stays, `--resume`
+continues from it. The same folder, checks and resume serve `h3lab train nft` (`nft/job.py`: `NftJob` subclasses
+`GrpoJob` and overrides the hooks `rollout_options`, `make_batch`, `train_run`, `load_checkpoint`, `summary`).
+The output folder `out`:
     job.json              the job (`--resume` must name the same job)
     initial/              the adapter before iteration 0 (PEFT format)
     checkpoint/           after every iteration but the last, atomically: the sealed run so far (`grpo_run`), whose
@@ -39,7 +45,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from ..hashing import key_seed
 from ..io_utils import atomic_write_json
@@ -50,7 +56,7 @@ from .grpo_step import GrpoConfig, batch_from_rollout
 from .job_folder import JOB, check_job_folder
 from .lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
 from .objective import TrainingError
-from .rewards import resolve_reward, score
+from .rewards import Reward, resolve_reward, score_parts
 
 CHECKPOINT = "checkpoint"
 
@@ -83,6 +89,8 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
 class GrpoJob:
     """One `h3lab train grpo` job (module docstring). `snapshot=None` is the embedded tiny snapshot."""
 
+    ALGORITHM: ClassVar[str] = "GRPO"
+
     out: str
     prompts: str
     reward: str
@@ -99,12 +107,50 @@ class GrpoJob:
     targets: tuple[str, ...] = PROJECTIONS
     lora_seed: int = 0
     prompt_list: tuple[str, ...] = field(default=(), compare=False, repr=False)  # filled by check()
+    reward_timeout: float = 60.0
+    reward_retries: int = 2
+
+    @property
+    def reward_server(self) -> bool:
+        return self.reward.startswith(("http://", "https://")) and "," not in self.reward
 
     def to_dict(self) -> dict[str, Any]:
+        server = {"reward_timeout": self.reward_timeout, "reward_retries": self.reward_retries}
         return {"prompts": self.prompts, "prompt_list": list(self.prompt_list), "reward": self.reward,
                 "config": self.config.to_dict(), "iterations": self.iterations, "steps": self.steps,
                 "width": self.width, "height": self.height, "frames": self.frames, "snapshot": self.snapshot,
-                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "lora_seed": self.lora_seed}
+                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "lora_seed": self.lora_seed,
+                **(server if self.reward_server else {})}
+
+    def scorer(self, probe: bool = False) -> Reward:
+        """The job's reward (module docstring); a reward server with the job's timeout and retries, asked once when
+        `probe`."""
+        if not self.reward_server:
+            return resolve_reward(self.reward)
+        from .reward_client import probe as ask, remote_reward
+
+        reward = remote_reward(self.reward, self.reward_timeout, self.reward_retries)
+        if probe:
+            ask(self.reward, min(self.reward_timeout, 10.0))
+        return reward
+
+    # ---------------------------------------------------------------- the algorithm's hooks (`NftJob` overrides)
+    def rollout_options(self) -> dict[str, Any]:
+        """`Session.rollout` keywords of the algorithm: the stepper and its level."""
+        return {"stepper": self.config.kind, "level": self.config.level}
+
+    def make_batch(self, rollout: Any, rewards: Any, parts: list) -> Any:
+        return batch_from_rollout(rollout, rewards, parts)
+
+    def train_run(self, model: Any, rollout: Callable, **kwargs: Any) -> Any:
+        return grpo_train(model, rollout, self.config, self.iterations, **kwargs)
+
+    def load_checkpoint(self, path: Path) -> Any:
+        return load_run(path)
+
+    def summary(self, last: dict) -> dict[str, Any]:
+        """The on-policy statistics of the last iteration's first epoch, for the front end's last line."""
+        return {"ratio": last["epochs"][0]["ratio"]}
 
     def generation(self) -> dict[str, Any]:
         """The generation settings every rollout request shares."""
@@ -121,11 +167,13 @@ class GrpoJob:
 
         iterations = checked_int("--iterations", self.iterations, 1)
         steps = checked_int("--steps", self.steps, 1)
-        self.config.selection.check_passes([True] * steps)  # every rollout pass is an SDE pass (no window)
+        selection = getattr(self.config, "selection", None)  # GRPO trains SDE passes; NFT trains final latents
+        if selection is not None:
+            selection.check_passes([True] * steps)  # every rollout pass is an SDE pass (no window)
         rank = checked_int("--rank", self.rank, 1)
         lora_seed = checked_int("--lora-seed", self.lora_seed, 0)
         check_alpha(self.alpha)
-        resolve_reward(self.reward)
+        self.scorer()
         prompts = read_prompts(self.prompts)
         GenerationSettings(prompt=prompts[0], **self.generation())  # the canvas / frames / steps rules
         device = resolve_device(self.device)
@@ -133,10 +181,12 @@ class GrpoJob:
             raise TrainingError("--mode strict on the cpu: strict kernels run there only under TRITON_INTERPRET=1 "
                                 "(export it before starting), or use --mode off")
         targets = parse_targets(self.targets)
-        out = check_job_folder(Path(self.out).expanduser(), resume, "GRPO",
+        out = check_job_folder(Path(self.out).expanduser(), resume, self.ALGORITHM,
                                lambda folder: (folder / CHECKPOINT).is_dir())
         snapshot = self._snapshot()
         _check_targets(targets, _snapshot_config(snapshot, "transformer"))
+        if self.reward_server:
+            self.scorer(probe=True)
         return dataclasses.replace(self, out=str(out.resolve()), prompts=str(Path(self.prompts).resolve()),
                                    iterations=iterations, steps=steps, rank=rank, lora_seed=lora_seed,
                                    targets=targets, snapshot=str(snapshot), prompt_list=tuple(prompts))
@@ -171,14 +221,14 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
                                 "resume with the same arguments")
     else:
         atomic_write_json(out / JOB, job.to_dict())
-    reward = resolve_reward(job.reward)
+    reward = job.scorer()
     decoded = reward.needs == "decoded"
     model = session.transformer("transformer")
     handle = add_lora(model, job.rank, job.alpha, job.targets, seed=job.lora_seed)
     try:
         previous = None
         if resume and (out / CHECKPOINT).is_dir():
-            previous = load_run(out / CHECKPOINT)
+            previous = job.load_checkpoint(out / CHECKPOINT)
         else:  # a new job, or one stopped before its first checkpoint: (re)start from iteration 0
             save_adapter(model, out / "initial")
 
@@ -187,11 +237,10 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
 
         def rollout(k: int, _model: Any):
             phase(k, job.iterations, f"rollout of {requests} requests x {job.steps} passes")
-            ro = session.rollout(list(job.prompt_list), group=job.config.group, stepper=job.config.kind,
-                                 level=job.config.level, seed=rollout_seed(job.config.seed, k), decode=decoded,
-                                 **job.generation())
+            ro = session.rollout(list(job.prompt_list), group=job.config.group, **job.rollout_options(),
+                                 seed=rollout_seed(job.config.seed, k), decode=decoded, **job.generation())
             phase(k, job.iterations, f"reward {job.reward}")
-            batch = batch_from_rollout(ro, score(reward, reward_samples(ro, decoded)))
+            batch = job.make_batch(ro, *score_parts(reward, reward_samples(ro, decoded)))
             phase(k, job.iterations, "training step")
             return batch
 
@@ -204,14 +253,14 @@ def run_grpo_job(job: GrpoJob, session: Any, *, resume: bool = False,
         meta: dict[str, Any] = {"job": job.to_dict()}
         if getattr(session, "residency", "resident") != "resident":  # where the weights lived: beside the digest
             meta["residency"] = {"policy": session.residency, "gpu_memory_gib": session.gpu_memory}
-        run = grpo_train(model, rollout, job.config, job.iterations, reward=job.reward, meta=meta,
-                         on_iteration=on_iteration, resume=previous)
+        run = job.train_run(model, rollout, reward=job.reward, meta=meta, on_iteration=on_iteration,
+                            resume=previous)
         adapter_path, sha = save_adapter(model, out / "adapter")
         run_path = run.seal(out / "run")
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # superseded by run/ (module docstring)
         last = run.iterations[-1]
         return {"iterations": len(run.iterations), "reward_mean": sum(last["rewards"]) / len(last["rewards"]),
-                "ratio": last["epochs"][0]["ratio"], "adapter": str(adapter_path), "adapter_sha256": sha,
+                **job.summary(last), "adapter": str(adapter_path), "adapter_sha256": sha,
                 "run": str(run_path), "digest": run.digest}
     finally:
         remove_lora(model, handle)

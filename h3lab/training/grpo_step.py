@@ -31,7 +31,8 @@ Contract
   fixed tree of the items' gradients / n (`combine.py`), then one `StrictAdamW.step`. So a strict rollout of G
   requests batched, replayed one request at a time, gives r = 1.0 exactly at epoch 0 (the velocities are byte-equal,
   H-C1/H-C2, and the log-density's reduction is per request); `off` gives the measured deviation.
-- Record (JSON floats are exact float32 values): per epoch and item, per modality logp, r, clipped, KL, w, the item
+- Record (JSON floats are exact float32 values): a weighted-sum reward's parts per request and their means
+  (`reward_parts`, only for a sum); per epoch and item, per modality logp, r, clipped, KL, w, the item
   loss and gradient digest; per epoch the batch loss, every parameter's gradient and weight digest, the optimiser
   digest, and the ratio statistics (`grpo.ratio_stats`).
 """
@@ -48,7 +49,6 @@ import torch
 from torch import nn
 
 from .. import runtime
-from ..hashing import tensor_digest
 from ..stochastic import SDE_KINDS, transition_logprob, transition_mean_std
 from ..stochastic.transitions import TransitionError, check_level
 from ..trajectory import TraceSummary
@@ -65,8 +65,9 @@ from .grpo import (
 from .lora import adapter_disabled, has_lora
 from .objective import MODALITIES, Objective, SettingError, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
+from .rl_run import step_record
 from .run import _scheme
-from .step import _TrainContext, model_device, request_gradient, split_flat, trainable_parameters
+from .step import _TrainContext, model_device, request_gradient, trainable_parameters
 
 
 def _opt_real(name: str, value, positive: bool = True) -> float | None:
@@ -77,6 +78,21 @@ def _opt_real(name: str, value, positive: bool = True) -> float | None:
         raise SettingError("GrpoConfig", name, value, f"must be a finite number{' > 0' if positive else ''}")
     return float(value)
 
+
+
+def check_training_knobs(config: Any, algorithm: str) -> None:
+    """The rules an RL config shares (`mode`, `objective`, AdamW's `lr`, `betas`, `eps`, `weight_decay`), one-line
+    `TrainingError`s naming `<Config class>.<field>`; normalises `betas` to a tuple."""
+    owner = type(config).__name__
+    if config.mode not in runtime.MODES:
+        raise TrainingError(f"{owner}.mode={config.mode!r}: must be one of {', '.join(runtime.MODES)}")
+    if config.mode == "fast":  # runtime.require_not_fast's rule, as a training error
+        raise TrainingError(f"{owner}.mode='fast': {algorithm} needs the strict contract (fast's FP8 projections "
+                            "are neither strict nor batch-invariant); use mode strict")
+    if not isinstance(config.objective, Objective):
+        raise TrainingError(f"{owner}.objective is a {type(config.objective).__name__}: must be an Objective")
+    object.__setattr__(config, "betas", tuple(config.betas))
+    StrictAdamW.check_hyperparameters(config.lr, config.betas, config.eps, config.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -125,15 +141,7 @@ class GrpoConfig:
         object.__setattr__(self, "seed", checked_int("GrpoConfig.seed", self.seed, 0))
         if not isinstance(self.selection, PassSelection):
             raise TrainingError(f"GrpoConfig.selection is a {type(self.selection).__name__}: must be a PassSelection")
-        if self.mode not in runtime.MODES:
-            raise TrainingError(f"GrpoConfig.mode={self.mode!r}: must be one of {', '.join(runtime.MODES)}")
-        if self.mode == "fast":  # runtime.require_not_fast's rule, as a training error
-            raise TrainingError("GrpoConfig.mode='fast': GRPO needs the strict contract (fast's FP8 projections are "
-                                "neither strict nor batch-invariant); use mode strict")
-        if not isinstance(self.objective, Objective):
-            raise TrainingError(f"GrpoConfig.objective is a {type(self.objective).__name__}: must be an Objective")
-        object.__setattr__(self, "betas", tuple(self.betas))
-        StrictAdamW.check_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay)
+        check_training_knobs(self, "GRPO")
 
     def optimizer(self, params: Sequence[tuple[str, nn.Parameter]]) -> StrictAdamW:
         return StrictAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
@@ -259,12 +267,14 @@ def trajectory_transitions(trajectory: Any) -> list[tuple[int, list[Transition],
 class RolloutBatch:
     """One iteration's rollouts: `transitions[r]` every SDE pass of request r (pass order), `sde[r]` per pass of
     the rollout whether it was an SDE pass, `rewards` (R,) float64 in request order (prompt-major), the
-    trajectories' digests for the record."""
+    trajectories' digests for the record, and a weighted-sum reward's parts (`rewards.score_parts`; [] for one
+    reward), recorded as the iteration's `reward_parts`."""
 
     transitions: list[list[Transition]]
     sde: list[list[bool]]
     rewards: torch.Tensor
     origin: dict = field(default_factory=dict)
+    parts: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.transitions)
@@ -273,9 +283,10 @@ class RolloutBatch:
                                 f"{len(self.sde)} pass plans: must be one of each per request")
 
 
-def batch_from_trajectories(trajectories: Sequence[Any], kind: str, rewards: torch.Tensor) -> RolloutBatch:
+def batch_from_trajectories(trajectories: Sequence[Any], kind: str, rewards: torch.Tensor,
+                            parts: list | None = None) -> RolloutBatch:
     """The `RolloutBatch` of sealed SDE trajectories stepped with `kind` (every request id 0..R-1 exactly once,
-    across them) and the rewards of the requests in request order."""
+    across them), the rewards of the requests in request order and the reward's parts (`rewards.score_parts`)."""
     found: dict[int, tuple[list[Transition], list[bool]]] = {}
     for trajectory in trajectories:
         for request, passes, sde in trajectory_transitions(trajectory):
@@ -287,12 +298,12 @@ def batch_from_trajectories(trajectories: Sequence[Any], kind: str, rewards: tor
     order = range(len(found))
     origin = {"kind": kind, "trajectories": [t.digest for t in trajectories]}
     return RolloutBatch([found[r][0] for r in order], [found[r][1] for r in order],
-                        torch.as_tensor(rewards, dtype=torch.float64), origin)
+                        torch.as_tensor(rewards, dtype=torch.float64), origin, list(parts or []))
 
 
-def batch_from_rollout(rollout: Any, rewards: torch.Tensor) -> RolloutBatch:
+def batch_from_rollout(rollout: Any, rewards: torch.Tensor, parts: list | None = None) -> RolloutBatch:
     """`batch_from_trajectories` of an `h3lab.rollout.Rollout` (its trajectories and stepper)."""
-    return batch_from_trajectories(rollout.trajectories, rollout.stepper, rewards)
+    return batch_from_trajectories(rollout.trajectories, rollout.stepper, rewards, parts)
 
 
 # ============================================================================================ one item
@@ -405,19 +416,14 @@ def grpo_iteration(model: nn.Module, batch: RolloutBatch, config: GrpoConfig, op
                     **{m: {**{k2: v2 for k2, v2 in info[m].items() if k2 not in ("logp", "ratio")},
                            "logp": float(info[m]["logp"]), "ratio": float(info[m]["ratio"])} for m in t.modalities},
                 })
-            n = len(items)
-            gradient = grads.result() / n
-            optimizer.step(gradient)
             epochs.append({
-                "epoch": epoch, "items": records, "loss": float(losses.result() / n),
-                "gradient": {k: tensor_digest(g, scheme) for k, g in split_flat(gradient, params).items()},
-                "weights": {name: tensor_digest(p.detach(), scheme) for name, p in params},
-                "optimizer": optimizer.state_digest(),
+                "epoch": epoch, "items": records, **step_record(grads, losses, len(items), params, optimizer, scheme),
                 "ratio": ratio_stats(ratios),
                 "clipped": sum(r[m]["clipped"] for r in records for m in MODALITIES if m in r),
                 "kl": None if config.beta == 0 else [r[m]["kl"] for r in records for m in MODALITIES if m in r],
             })
     return {"iteration": iteration, "rewards": [float(r) for r in batch.rewards],
+            **({"reward_parts": [dict(p) for p in batch.parts]} if batch.parts else {}),
             "advantages": [float(a) for a in advantages], "origin": dict(batch.origin),
             "sde": [[bool(s) for s in plan] for plan in batch.sde],
             "items": [[t.request, t.pass_index] for t in items], "epochs": epochs}

@@ -112,7 +112,8 @@ class Objective:
                 raise TrainingError(f"Objective.{name}={value!r}: must be > 0")
             object.__setattr__(self, name, value)
         if self.video_weight == 0 and self.audio_weight == 0:
-            raise TrainingError("Objective video_weight = audio_weight = 0: at least one modality must be weighted")
+            raise SettingError("Objective", "video_weight", self.video_weight, "with an audio weight of 0 too: at least "
+                               "one modality must be weighted")
 
     def to_dict(self) -> dict[str, float]:
         return {"video_weight": self.video_weight, "audio_weight": self.audio_weight,

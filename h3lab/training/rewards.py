@@ -15,7 +15,12 @@ Contract
 - Resolution (`resolve_reward`): a `Reward` as it is; a registered NAME (`REWARDS`); `"package.module:function"`
   imported with importlib (the attribute is a `Reward`, or a callable taken as a per-sample decoded reward unless it
   carries `needs` / `batched` attributes, as `@reward(...)` sets them); any other callable the same way. An unknown
-  name, an unimportable module or a missing / non-callable attribute is a one-line `RewardError`.
+  name, an unimportable module or a missing / non-callable attribute is a one-line `RewardError`. Two more spellings
+  of a text spec: a weighted sum `"NAME:WEIGHT,NAME:WEIGHT"` (`reward_mix.py`; any spec whose last `:` part is a
+  number, e.g. `"prompt_match:1.0"`) and a reward server `"http://HOST:PORT/PATH"` (`reward_client.py`; no comma
+  in the URL: a comma makes a sum, and a server is not a part of one).
+- Parts: a weighted sum is a `Reward` whose `parts` are its (part, weight) pairs; `score_parts(reward, samples)`
+  returns the total and each part's values (`[]` for a plain reward), for the run records.
 - The shipped rewards (all deterministic numpy on the CPU, float64):
     brightness     mean Rec. 601 luma of every frame, in [0, 1]
     redness        mean(R - (G + B) / 2) / 255 over every pixel, in [-1, 1]
@@ -25,6 +30,12 @@ Contract
     anchor_match   1 - mean |frame 0 - anchor| / 255, the anchor image stretched onto the frame (PIL LANCZOS, as the
                    pipeline stretches a first-frame anchor); a request without a first-frame anchor is refused
     latent_mean    mean of the final target video latents (needs="latents": no decode; a cheap test reward)
+    prompt_match   for the h3-shapes model: the fraction of the attributes colour, direction, tone and pan (`READS`)
+                   on which the decoded clip, read with `h3lab.shapes.measure`, says what the request's prompt says
+                   (`h3lab.shapes.read_prompt` + `matches`), in {0, 1/4, ..., 1}; a prompt the reader cannot parse is
+                   refused naming it. `prompt_match(attributes=...)` scores a subset; registered subsets:
+                   prompt_match_video (colour, direction), prompt_match_audio (tone, pan) and one per attribute,
+                   colour_match, direction_match, tone_match, pan_match (each 0 or 1)
 """
 
 from __future__ import annotations
@@ -33,102 +44,23 @@ import importlib
 import inspect
 import math
 import numbers
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import H3Error
-
-NEEDS = ("decoded", "latents")
-
-
-class RewardError(H3Error):
-    """A reward cannot be resolved, or returned something other than one finite float per request."""
-
-
-@dataclass(frozen=True, eq=False)
-class RewardSample:
-    """One request of a rollout as a reward sees it (module docstring)."""
-
-    prompt: str
-    seed: int
-    index: int
-    frames: np.ndarray | None = None  # uint8 (F, H, W, 3)
-    audio: torch.Tensor | None = None  # float32 (2, S) in [-1, 1]
-    sample_rate: int = 32000
-    latents: torch.Tensor | None = None  # final target video latents (C, T, h, w) float32
-    audio_latents: torch.Tensor | None = None  # final target audio rows (2A, C_audio) float32
-    first: str | None = None  # first-frame anchor path
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_result(cls, result: Any, index: int = 0, decoded: bool = True) -> "RewardSample":
-        """From a `GenerationResult` (frames, audio, latents, settings)."""
-        s = result.settings
-        return cls(prompt=s.prompt, seed=int(result.seed), index=index,
-                   frames=result.frames if decoded else None, audio=result.audio if decoded else None,
-                   sample_rate=int(result.sample_rate), latents=result.latents, audio_latents=result.audio_latents,
-                   first=s.first)
-
-
-@dataclass(frozen=True)
-class Reward:
-    """A named reward: `fn` per sample (or per batch with `batched`), on decoded media or on latents (`needs`)."""
-
-    name: str
-    fn: Callable[..., Any]
-    needs: str = "decoded"
-    batched: bool = False
-
-    def __post_init__(self) -> None:
-        if not callable(self.fn):
-            raise RewardError(f"reward {self.name!r}: {self.fn!r} is not callable")
-        if self.needs not in NEEDS:
-            raise RewardError(f"reward {self.name!r} needs={self.needs!r}: must be one of {', '.join(NEEDS)}")
-
-
-def reward(name: str | None = None, needs: str = "decoded", batched: bool = False):
-    """Decorator marking a function as a reward: `@reward(needs="latents")`; `resolve_reward` reads the marks."""
-    def mark(fn):
-        fn.needs, fn.batched = needs, batched
-        if name is not None:
-            fn.reward_name = name
-        return fn
-    return mark
-
-
-# ================================================================================================ checks
-def _value(name: str, index: int, value: Any) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (np.ndarray, np.generic)) and (
-            np.size(value) == 1):
-        value = value.item()  # a one-element tensor or array, a numpy scalar
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise RewardError(f"reward {name!r} returned {value!r} for request {index}: must be a real number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise RewardError(f"reward {name!r} returned {value} for request {index}: must be finite (not NaN or inf)")
-    return value
-
-
-def score(reward_: Reward, samples: Sequence[RewardSample]) -> torch.Tensor:
-    """(B,) float64: one checked value per sample, in order (module docstring)."""
-    samples = list(samples)
-    if reward_.batched:
-        out = reward_.fn(samples)
-        try:
-            values = list(out)
-        except TypeError:
-            raise RewardError(f"reward {reward_.name!r} returned {type(out).__name__}: a batched reward returns "
-                              f"one value per request ({len(samples)})") from None
-        if len(values) != len(samples):
-            raise RewardError(f"reward {reward_.name!r} returned {len(values)} values for {len(samples)} requests: "
-                              "must return one per request")
-    else:
-        values = [reward_.fn(s) for s in samples]
-    return torch.tensor([_value(reward_.name, i, v) for i, v in enumerate(values)], dtype=torch.float64)
-
+from ..errors import ValidationError
+from ..shapes import READS, matches, measure, read_prompt
+from .reward_base import (  # noqa: F401 - the reward API's names live here for callers
+    NEEDS,
+    Reward,
+    RewardError,
+    RewardSample,
+    is_weight,
+    reward,
+    score,
+    score_parts,
+)
 
 # ============================================================================================ the examples
 def _frames(sample: RewardSample, name: str) -> np.ndarray:
@@ -209,6 +141,31 @@ def latent_mean(sample: RewardSample) -> float:
     return float(sample.latents.to(torch.float64).mean())
 
 
+def prompt_match(attributes: Sequence[str] = READS, name: str | None = None) -> Reward:
+    """The prompt-following reward of the h3-shapes model on `attributes` (module docstring)."""
+    attributes = tuple(attributes)
+    bad = [a for a in attributes if a not in READS]
+    if not attributes or bad or len(set(attributes)) != len(attributes):
+        raise RewardError(f"prompt_match attributes={attributes!r}: must be distinct names among {', '.join(READS)}")
+    name = name or ("prompt_match" if attributes == READS else f"prompt_match({','.join(attributes)})")
+
+    def fn(sample: RewardSample) -> float:
+        try:
+            colour_, shape, direction = read_prompt(sample.prompt)
+        except ValidationError as err:
+            raise RewardError(f"reward {name!r}, request {sample.index}: {err}") from None
+        frames = sample.frames
+        audio = sample.audio
+        if frames is None or audio is None and any(a in ("tone", "pan") for a in attributes):
+            raise RewardError(f"reward {name!r}: request {sample.index} has no decoded "
+                              f"{'frames' if frames is None else 'audio'} (the rollout must decode)")
+        audio = np.zeros((2, 16), np.float32) if audio is None else np.asarray(audio, dtype=np.float32)
+        said = matches(measure(frames, audio, sample.sample_rate), colour_, shape, direction)
+        return sum(bool(said[a]) for a in attributes) / len(attributes)
+
+    return Reward(name, fn)
+
+
 REWARDS: dict[str, Reward] = {
     "brightness": Reward("brightness", brightness),
     "redness": Reward("redness", redness),
@@ -216,6 +173,10 @@ REWARDS: dict[str, Reward] = {
     "pitch": Reward("pitch", pitch_near(440.0).fn),
     "anchor_match": Reward("anchor_match", anchor_match),
     "latent_mean": Reward("latent_mean", latent_mean, needs="latents"),
+    "prompt_match": prompt_match(),
+    "prompt_match_video": prompt_match(("colour", "direction"), "prompt_match_video"),
+    "prompt_match_audio": prompt_match(("tone", "pan"), "prompt_match_audio"),
+    **{f"{a}_match": prompt_match((a,), f"{a}_match") for a in READS},
 }
 
 
@@ -252,6 +213,15 @@ def resolve_reward(spec: str | Callable | Reward) -> Reward:
         return _wrap(getattr(spec, "__name__", type(spec).__name__), spec)
     if spec in REWARDS:
         return REWARDS[spec]
+    url = spec.startswith(("http://", "https://"))
+    if "," in spec or not url and is_weight(spec.rpartition(":")[2]):
+        from .reward_mix import mixed_reward
+
+        return mixed_reward(spec, resolve_reward)
+    if url:
+        from .reward_client import remote_reward
+
+        return remote_reward(spec)
     if ":" not in spec:
         raise RewardError(f"reward {spec!r}: not a shipped reward ({', '.join(REWARDS)}) nor module:function")
     module_name, _, attr = spec.partition(":")

@@ -168,3 +168,25 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(resumed.weights[k], whole.weights[k]) for k in whole.weights)
     with pytest.raises(TrainingError, match="nothing to resume"):
         grpo_train(fresh(), rollout, cfg, 1, resume=load(tmp_path / "ckpt"))
+
+
+def test_a_weighted_sum_logs_its_parts_per_request_and_iteration(tmp_path):
+    layout, schedule, inputs = small_setup(group=2, passes=1, seed=10)
+    model = build_model(SMALL, "released", 11)
+    add_lora(model, 2, 4.0, seed=3)
+    parts = [{"name": "a", "weight": 1.0, "values": [0.5, 0.25], "mean": 0.375},
+             {"name": "b", "weight": 0.1, "values": [1.0, 2.0], "mean": 1.5}]
+
+    def rollout(k, m):
+        batch = rollout_batch(sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]),
+                              [0.6, 0.45])
+        return type(batch)(batch.transitions, batch.sde, batch.rewards, batch.origin, parts)
+
+    run = grpo_train(model, rollout, GrpoConfig(group=2, mode="off", lr=1e-2), 1, reward="a:1.0,b:0.1")
+    assert run.iterations[0]["reward_parts"] == parts
+    loaded = load(run.seal(tmp_path / "run"))
+    assert loaded.batches[0].parts == parts and verify(loaded, model).ok
+    plain = grpo_train(model, lambda k, m: rollout_batch(
+        sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]), [0.6, 0.45]),
+        GrpoConfig(group=2, mode="off", lr=1e-2), 1)
+    assert "reward_parts" not in plain.iterations[0]  # one reward: the record is as it always was

@@ -203,7 +203,7 @@ def test_bad_inputs_raise(trajectory):
     with pytest.raises(TrainingError, match="consistent PackedLayout"):
         ClipRequest(layout.permute(torch.arange(layout.sequence_length), leave_behind="token_tags"),
                     good.text, good.video, good.audio)
-    with pytest.raises(TrainingError, match="audio_weight = 0"):
+    with pytest.raises(TrainingError, match="with an audio weight of 0 too: at least one modality"):
         Objective(video_weight=0.0, audio_weight=0.0)
     with pytest.raises(TrainingError, match="video_shift"):
         Objective(video_shift=0.0)
