@@ -85,30 +85,43 @@ def verify(session: Any, path: str | os.PathLike):
 
 
 
-def text_labels(session: Any, result: Any) -> list[str] | None:
-    """One label per text row of `result`: the prompt's tokens on the last rows, "ctx" before them; None when the
-    tokenizer cannot say (then the rows are numbered only)."""
-    from .components.text_encoder import token_strings
+def text_labels(session: Any, result: Any, text: str = "word") -> tuple[list[str] | None, list[int] | None]:
+    """One label per text row of `result` -- the prompt's tokens on the last rows ("ctx" before them, one word) --
+    and, with `text="word"`, the word index of each row so a word the tokenizer split is one region (`text="token"`:
+    None, a region per row); (None, None) when the tokenizer cannot say (then the rows are numbered only)."""
+    from .components.text_encoder import prompt_words, token_strings
 
+    if text not in ("word", "token"):
+        raise ValidationError(f"text={text!r}: must be 'word' (a region per word) or 'token' (a region per text row)")
     rows = result.layout.num_text_tokens
     try:
-        tokens = token_strings(session.path, result.settings.prompt)
+        if text == "token":
+            tokens, words = token_strings(session.path, result.settings.prompt), None
+        else:
+            tokens, words = prompt_words(session.path, result.settings.prompt)
     except H3Error:
-        return None
-    return None if len(tokens) > rows else ["ctx"] * (rows - len(tokens)) + tokens
+        return None, None
+    if len(tokens) > rows:
+        return None, None
+    ctx = rows - len(tokens)
+    labels = ["ctx"] * ctx + tokens
+    if words is None:
+        return labels, None
+    return labels, [0] * ctx + [w + (1 if ctx else 0) for w in words]
 
 
-def attention(session: Any, result: Any, block: int, **options: Any):
-    """The attention view of `result` at `block` (see the module docstring); options: step, heads, query, audio_bin,
-    chunk."""
+def attention(session: Any, result: Any, block: int, text: str = "word", **options: Any):
+    """The attention view of `result` at `block` (see the module docstring); `text` "word" (a region per prompt word)
+    or "token" (a region per text row); options: step, heads, query, audio_bin, chunk."""
     from .presets import needed_blocks
     from .views.attention_probe import attention_view
 
     spec = result.trajectory.spec
+    labels, words = text_labels(session, result, text)
     with session._lock:
         model = session.store.dit(spec.variant, *needed_blocks([spec.preset]))
         models = session.store.models_for(spec.variant, model)
-        return attention_view(spec, model, block, text_labels=text_labels(session, result), models=models, **options)
+        return attention_view(spec, model, block, text_labels=labels, text_words=words, models=models, **options)
 
 
 def _side_label(side: Any, fallback: str) -> str:

@@ -411,17 +411,18 @@ class Session:
 
     # ---------------------------------------------------------------------------------------- research views
     def attention(self, result: GenerationResult | None = None, block: int = 0, *, step: int | None = None,
-                  heads=None, query=None, audio_bin: int = 1, chunk: int | None = None):
+                  heads=None, query=None, audio_bin: int = 1, chunk: int | None = None, text: str = "word"):
         """The attention view of `result` (default: the last generation) at `block`: its sealed `RunSpec` re-run with
         a probe hook at the block's RoPE'd Q and K, exact float64 probabilities summed over the layout's regions
         (`h3lab.views`, through `h3lab.reruns.attention`). `step` is the pass (default the last with a forward),
         `heads` a list of head indices (default all), `query` region words ("text", "video", "frame3", ...) whose rows
-        are the queries (default every region)."""
+        are the queries (default every region), `text` "word" (a region per prompt word, the rows of a word the
+        tokenizer split summed) or "token" (a region per text row)."""
         if result is None:
             result = self.last_result
         if result is None:
             raise ValidationError("attention: no generation yet (generate first, or pass a result)")
-        return reruns.attention(self, result, block, step=step, heads=heads, query=query, audio_bin=audio_bin,
+        return reruns.attention(self, result, block, text, step=step, heads=heads, query=query, audio_bin=audio_bin,
                                 chunk=chunk)
 
     def compare(self, a, b, settings: GenerationSettings | str | None = None, *, labels=None, drift: bool = True):

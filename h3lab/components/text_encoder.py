@@ -155,6 +155,52 @@ def token_strings(snapshot: str | Path, text: str) -> list[str]:
     return [tok.decode([i]).strip() or repr(tok.decode([i])) for i in ids]
 
 
+def word_groups(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
+    """The word each token of `text` belongs to, from the tokens' character `offsets` (start, end): a token opens a
+    word when it is the first, when its characters begin with whitespace, or when it or the token before it is
+    punctuation only (no letter or digit); otherwise it continues the word before ("Ġ", "y", "ellow" -> one word)."""
+    groups: list[int] = []
+    word, prev_punct = -1, True
+    for start, end in offsets:
+        piece = text[start:end]
+        core = piece.strip()
+        punct = bool(core) and not any(c.isalnum() for c in core)
+        if word < 0 or piece[:1].isspace() or punct or prev_punct:
+            word += 1
+        groups.append(word)
+        prev_punct = punct
+    return groups
+
+
+def prompt_words(snapshot: str | Path, text: str) -> tuple[list[str], list[int]]:
+    """The words of `text` as the pipeline's tokenizer splits it: one label per token (the whole word its token
+    belongs to, stripped) and the word index of each token (`word_groups`); a slow tokenizer that gives no character
+    offsets makes each token its own word."""
+    folder = Path(snapshot) / "tokenizer"
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
+            raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
+        offsets = list(fast.encode(text, add_special_tokens=False).offsets)
+    else:
+        tokens = token_strings(snapshot, text)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if not getattr(tok, "is_fast", False):
+            return tokens, list(range(len(tokens)))
+        offsets = list(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
+    groups = word_groups(text, offsets)
+    spans: dict[int, tuple[int, int]] = {}
+    for g, (start, end) in zip(groups, offsets):
+        spans[g] = (spans[g][0], end) if g in spans else (start, end)
+    words = {g: text[s:e].strip() or repr(text[s:e]) for g, (s, e) in spans.items()}
+    return [words[g] for g in groups], groups
+
+
 # ------------------------------------------------------------------------------------------------ video frames
 def sample_video_frames(num_frames: int, fps: float = FPS, sample_fps: float = TEXT_SAMPLE_FPS,
                         temporal_patch: int = TEMPORAL_PATCH) -> tuple[list[int], list[float]]:

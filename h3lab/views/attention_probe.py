@@ -10,8 +10,8 @@ Contract
   model runs the unfused pre-norm while any hook is registered; the strict kernels give the fused kernel's bytes
   there, and the test compares the trajectory digests with and without the probe). It reads nothing during a
   gradient-checkpoint replay (`model.recomputing`) and nothing after it has its map.
-- `attention_view(spec, model, block, step=None, heads=None, query=None, text_labels=None, audio_bin=1,
-  batch_item=0, models=None, chunk=None, stop=True) -> AttentionMap` re-runs `spec` with the probe (the spec itself
+- `attention_view(spec, model, block, step=None, heads=None, query=None, text_labels=None, text_words=None,
+  audio_bin=1, batch_item=0, models=None, chunk=None, stop=True) -> AttentionMap` re-runs `spec` with the probe (the spec itself
   is unchanged: it stays sealable and its result hash is the same) and returns the map. `step` None is the last pass
   that runs a forward; a pass that reuses an earlier velocity (`spec.reuse`) runs no forward and is refused, as are
   a block the model does not have, a spec without a layout and a run whose blocks see other rows than the layout
@@ -86,14 +86,15 @@ def evaluated_step(spec: RunSpec, step: int | None) -> int:
 
 def attention_view(spec: RunSpec, model: Any, block: int, *, step: int | None = None,
                    heads: Sequence[int] | None = None, query: str | Sequence[str] | None = None,
-                   text_labels: Sequence[str] | None = None, audio_bin: int = 1, batch_item: int = 0,
+                   text_labels: Sequence[str] | None = None, text_words: Sequence[int] | None = None,
+                   audio_bin: int = 1, batch_item: int = 0,
                    models: Any = None, chunk: int | None = None, stop: bool = True) -> AttentionMap:
     """The `AttentionMap` of `spec` re-run on `model` with the probe (module docstring)."""
     if spec.layout is None:
         raise AttentionViewError("the run spec carries no layout: an attention view needs the packed layout's regions")
     _check_block(model, block)
     step = evaluated_step(spec, step)
-    regions = layout_regions(spec.layout, text_labels, audio_bin)
+    regions = layout_regions(spec.layout, text_labels, audio_bin, text_words)
     probe = AttentionProbe(model, block, step, regions, query=select(regions, query), heads=heads,
                            key_order=spec.layout.key_order(), batch_item=batch_item, chunk=chunk)
     device = next(model.parameters()).device

@@ -2,11 +2,13 @@
 
 Contract
 --------
-`layout_regions(layout, text_labels=None, audio_bin=1) -> Regions` names every packed row's region, in the layout's
-current packed order (the order the model's hook points see):
+`layout_regions(layout, text_labels=None, audio_bin=1, text_words=None) -> Regions` names every packed row's region,
+in the layout's current packed order (the order the model's hook points see):
 
   text      one region per text row (a token), labelled "t<i>" or "t<i>:<label>" with `text_labels` (one string per
-            text row, e.g. the decoded tokens), kind "text"
+            text row, e.g. the decoded tokens), kind "text"; with `text_words` (one word index per text row,
+            non-decreasing, e.g. `components.text_encoder.prompt_words`) one region per word instead: the rows of a
+            word a sub-word tokenizer split ("tri", "angle") sum into one region "t<w>:<label of its first row>"
   anchors,  one region per conditioning or reference block, labelled with the block's label ("anchor0:first",
   references  "ref1:video", "ref1:soundtrack", "ref0:audio"), kind "cond" or "ref"
   video     one region per latent frame of the target video, "frame<k>", kind "video"
@@ -72,11 +74,21 @@ class Regions:
                 "counts": self.counts.tolist()}
 
 
-def _text_label(i: int, labels: Sequence[str] | None) -> str:
-    return f"t{i}" if labels is None else f"t{i}:{labels[i]}"
+def _word_starts(text_words: Sequence[int] | None, rows: int) -> list[int]:
+    """The text rows that open a region: every row, or the first row of each word of `text_words`."""
+    if text_words is None:
+        return list(range(rows))
+    words = list(text_words)
+    if len(words) != rows:
+        raise RegionError(f"{len(words)} text word indices for {rows} text rows: give one word index per text row")
+    if any(isinstance(w, bool) or not isinstance(w, int) for w in words) or any(
+            b < a for a, b in zip(words, words[1:])):
+        raise RegionError(f"text_words={words}: must be integers, non-decreasing (a word's rows are consecutive)")
+    return [i for i in range(rows) if i == 0 or words[i] != words[i - 1]]
 
 
-def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: int = 1) -> Regions:
+def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: int = 1,
+                   text_words: Sequence[int] | None = None) -> Regions:
     """The region table of `layout` (a `PackedLayout`; module docstring)."""
     if isinstance(audio_bin, bool) or not isinstance(audio_bin, int) or audio_bin < 1:
         raise RegionError(f"audio_bin={audio_bin!r}: must be an integer >= 1 (audio latents per region)")
@@ -85,6 +97,9 @@ def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: 
     L = layout.num_text_tokens
     if text_labels is not None and len(text_labels) != L:
         raise RegionError(f"{len(text_labels)} text labels for {L} text rows: give one label per text row")
+    starts = _word_starts(text_words, L)
+    row_region = torch.tensor(starts, dtype=torch.long)  # the first row of each text region
+    text_region_of_row = torch.searchsorted(row_region, torch.arange(L), right=True) - 1
     labels: list[str] = []
     kinds: list[str] = []
     # Per block: the region id of the block's first row and how a row offset maps to a region.
@@ -92,8 +107,8 @@ def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: 
     for b in layout.blocks:
         first = len(labels)
         if b.role == "text":
-            labels += [_text_label(i, text_labels) for i in range(b.num_rows)]
-            kinds += ["text"] * b.num_rows
+            labels += [f"t{g}" if text_labels is None else f"t{g}:{text_labels[i]}" for g, i in enumerate(starts)]
+            kinds += ["text"] * len(starts)
             block_region.append((first, "row", 1))
         elif b.role in ("cond", "ref"):
             labels.append(b.label)
@@ -114,7 +129,8 @@ def layout_regions(layout, text_labels: Sequence[str] | None = None, audio_bin: 
     off = layout.row_offsets
     kind_of_row = torch.tensor([("row", "block", "frame", "audio").index(h) for h in how],
                                dtype=torch.long)[layout.row_blocks]
-    step = torch.where(kind_of_row == 0, off, torch.zeros_like(off))
+    text_step = text_region_of_row[off.clamp(max=max(L - 1, 0))] if L else torch.zeros_like(off)
+    step = torch.where(kind_of_row == 0, text_step, torch.zeros_like(off))
     step = torch.where(kind_of_row == 2, off // per, step)
     step = torch.where(kind_of_row == 3, (off % per) // audio_bin, step)  # channel-major: latent = off % A
     index = first + step

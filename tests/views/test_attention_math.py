@@ -115,3 +115,41 @@ def test_bad_requests_are_one_line():
     with pytest.raises(AttentionViewError, match="token reduction"):
         attention_map(q[:-1], k[:-1], regions, block=0, step=0)
     assert gamma(1) > 0
+
+
+def test_word_regions_sum_the_rows_of_a_split_word():
+    layout = _layout()  # 5 text rows: words 0, 1 1 1, 2 (a word the tokenizer split into three rows)
+    S = layout.sequence_length
+    q, k = _qk(S, 2, 16, torch.randint(0, 2**31 - 1, ()).item())
+    labels = ["a", "yellowish", "yellowish", "yellowish", "square"]
+    by_token = layout_regions(layout, labels)
+    by_word = layout_regions(layout, labels, text_words=[0, 1, 1, 1, 2])
+    assert by_word.labels[:3] == ("t0:a", "t1:yellowish", "t2:square") and by_word.counts[:3].tolist() == [1, 3, 1]
+    assert by_word.labels[3:] == by_token.labels[5:] and by_word.num_regions == by_token.num_regions - 2
+    word = attention_map(q, k, by_word, block=0, step=0, query=select(by_word, "video"))
+    token = attention_map(q, k, by_token, block=0, step=0, query=select(by_token, "video"))
+    # The word's column is the sum of its rows' columns (float64 adds regrouped: a few ulps).
+    summed = token.weights[..., 1:4].sum(-1)
+    assert torch.allclose(word.weights[..., 1], summed, rtol=0, atol=16 * U64)
+    assert torch.allclose(word.weights[..., 3:], token.weights[..., 5:], rtol=0, atol=16 * U64)
+    from h3lab.views.regions import RegionError
+
+    for bad, why in (([0, 1, 1], "3 text word indices for 5"), ([0, 2, 1, 1, 3], "non-decreasing"),
+                     ([0, 1, 1, 1, 2.0], "integers")):
+        with pytest.raises(RegionError, match=why):
+            layout_regions(layout, labels, text_words=bad)
+
+
+def test_words_of_a_prompt_group_the_tokens_a_tokenizer_split():
+    from h3lab.components.text_encoder import prompt_words, token_strings, word_groups
+    from h3lab.checkpoint.tiny import default_snapshot as embedded_snapshot
+
+    assert word_groups("a big, red-ish cat", [(0, 1), (1, 5), (5, 6), (6, 10), (10, 11), (11, 14), (14, 18)]) == [
+        0, 1, 2, 3, 4, 5, 6]  # punctuation is a word of its own; "ish" after "-" opens one
+    assert word_groups("yellowish", [(0, 3), (3, 6), (6, 9)]) == [0, 0, 0]
+    snapshot = embedded_snapshot()
+    prompt = "a yellowish triangle moves down"
+    labels, words = prompt_words(snapshot, prompt)
+    assert len(labels) == len(words) == len(token_strings(snapshot, prompt)) > 5  # the tiny vocabulary splits it
+    assert sorted(set(labels)) == sorted(prompt.split()) and words == sorted(words)
+    assert [labels[words.index(w)] for w in sorted(set(words))] == prompt.split()

@@ -100,3 +100,12 @@ def test_block_map_and_blocks_figures_are_readable(session, pair):
     assert_readable(plots.attention_blocks(views, "text -> video"))
     with pytest.raises(H3Error, match="fractions"):
         plots.block_map_figure([{"label": "x", "fractions": {}}], ("colour",))
+
+
+def test_attention_text_regions_by_word_or_by_token(session, pair):
+    by_word = session.attention(pair[0], 1, step=0, query="text")
+    by_token = session.attention(pair[0], 1, step=0, query="text", text="token")
+    # This prompt's words are single tokens of the embedded vocabulary: the two tables are the same regions.
+    assert by_word.query_labels == by_token.query_labels
+    with pytest.raises(H3Error, match="text='letters'"):
+        session.attention(pair[0], 1, text="letters")
