@@ -44,11 +44,15 @@ def check_preset(store: Any, s: Any) -> None:
         return
     if s.token_reduction:
         refuse_row_cut(store.plan.placement_value())  # a CP / SP mesh: before any model loads
-    variant = variant_for(s.task)
+    check_depth(s, model_depth(store, variant_for(s.task)))
+
+
+def model_depth(store: Any, variant: str = "transformer") -> int:
+    """The DiT's number of blocks: the injected model's, else the snapshot's config (50, the default, when it does
+    not say) -- no model loads."""
     model = store.injected.get(variant)
     config = {} if model is not None else store.component_config(variant)
-    depth = len(model.transformer_blocks) if model is not None else config.get("num_layers", 50)  # 50: the default
-    check_depth(s, int(depth))
+    return int(len(model.transformer_blocks) if model is not None else config.get("num_layers", 50))
 
 
 def ablation_factors() -> dict[str, str]:

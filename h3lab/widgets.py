@@ -85,6 +85,20 @@ def _factors() -> tuple[dict[str, str], str]:
         return {}, _one_line(err)
 
 
+def _depth(session: Any) -> int | None:
+    """The DiT's number of blocks (the LoRA sliders' count), from the session's store without loading a model; None
+    where the session cannot say (a stand-in session)."""
+    store = getattr(session, "store", None)
+    if store is None:
+        return None
+    from .request_checks import model_depth
+
+    try:
+        return model_depth(store)
+    except (H3Error, AttributeError):
+        return None
+
+
 class Workbench:
     """The panel (see the module docstring). `settings` are initial `GenerationSettings` values (prompt, seed,
     width, height, frames or seconds, steps, mode, ablations, ...). `out_dir` receives the numbered MP4s (default: a
@@ -117,7 +131,7 @@ class Workbench:
         native = getattr(session, "native", None)
         hint = f"e.g. {native.example} ({native.prompt_form})" if native is not None else "Describe the clip"
         self.view = PanelLayout(self.state.settings, str(getattr(session, "model_name", "")), factors, why_none,
-                                preview=preview, drift=drift, prompt_hint=hint)
+                                preview=preview, drift=drift, prompt_hint=hint, num_blocks=_depth(session))
         self.media = MediaView(self.view, session, strip_rows)
         self.runner = RunWorker(self.view, self.state, self.media, on_done=self._refresh_strict)
         self.controls = self.view.controls

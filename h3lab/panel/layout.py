@@ -1,12 +1,14 @@
 """`PanelLayout`: every widget of the notebook panel and where it sits -- no handlers, no model.
 
 Contract
-- `PanelLayout(settings, model_name, factors, why_none, preview=False, drift=True)` builds, from the initial
-  `GenerationSettings`: the prompt; the declared settings' controls (`controls.setting_controls`, also attributes by
-  name) placed by their `row` ("canvas", "run", "presets", then one row per other name); the random-seed button, the
-  length in frames or seconds with its note, the strict set-up line and button; one toggle per ablation factor
-  (`factors`: name -> "factor: description"; none: `why_none` is shown instead); the anchor and reference uploads and
-  the reference list; Generate / Cancel, "live preview" and "drift vs previous run"; the progress bar and the status,
+- `PanelLayout(settings, model_name, factors, why_none, preview=False, drift=True, prompt_hint=..., num_blocks=None)`
+  builds, from the initial `GenerationSettings`: the prompt; the declared settings' controls
+  (`controls.setting_controls`, also attributes by name) placed by their `row` ("canvas", "run", "presets", then one
+  row per other name); with `num_blocks` (the DiT's depth) the LoRA-strength sliders under the "lora" row
+  (`lora_sliders.LoraScaleSliders`, attribute `lora_sliders`, else None); the random-seed button, the length in
+  frames or seconds with its note, the strict set-up line and button; one toggle per ablation factor (`factors`:
+  name -> "factor: description"; none: `why_none` is shown instead); the anchor and reference uploads and the
+  reference list; Generate / Cancel, "live preview" and "drift vs previous run"; the progress bar and the status,
   error, "what ran" and timing lines; and the result's boxes (live preview, video, latent strip and drift heatmap,
   summary). `panel` is the whole `VBox` (CSS class `h3lab-workbench`).
 - Text lines: `say(text)` sets the status, `show_error(message)` the error line; `status_text`, `error_text`,
@@ -25,6 +27,7 @@ import ipywidgets as W
 
 from ..settings import GenerationSettings
 from .controls import FIXED_ROWS, control_rows, setting_controls
+from .lora_sliders import LoraScaleSliders
 
 REFERENCE_UPLOAD_KINDS = ("image", "video", "silent-video", "audio")
 STYLE = {"description_width": "70px"}
@@ -34,7 +37,8 @@ class PanelLayout:
     """The panel's widgets (see the module docstring)."""
 
     def __init__(self, s: GenerationSettings, model_name: str, factors: dict[str, str], why_none: str,
-                 preview: bool = False, drift: bool = True, prompt_hint: str = "Describe the clip"):
+                 preview: bool = False, drift: bool = True, prompt_hint: str = "Describe the clip",
+                 num_blocks: int | None = None):
         self.prompt = W.Textarea(value=s.prompt, description="prompt", placeholder=prompt_hint,
                                  layout=W.Layout(width="98%", height="60px"), style=STYLE)
         self._settings_widgets(s)
@@ -42,12 +46,15 @@ class PanelLayout:
         self._conditioning_widgets()
         self._run_widgets(s, preview, drift)
         self._result_widgets()
-        self._fixed = set(vars(self)) | set(dir(type(self))) | {"_fixed", "controls", "panel"}
+        self._fixed = set(vars(self)) | set(dir(type(self))) | {"_fixed", "controls", "panel", "lora_sliders"}
         # The declared settings' controls (h3lab.schema; `.seed`, `.steps`, `.layers`, ...), by panel row.
         self.controls = setting_controls(s, STYLE)
         for name, control in self.controls.items():
             if name not in self._fixed:
                 setattr(self, name, control)
+        # Sliders over the LoRA-strength text (per modality, per block) where the DiT's depth is known.
+        text = self.controls.get("lora_scale")
+        self.lora_sliders = LoraScaleSliders(text, num_blocks) if text is not None and num_blocks is not None else None
         self.panel = self._arrange(model_name)
         self.panel.add_class("h3lab-workbench")
 
@@ -135,7 +142,9 @@ class PanelLayout:
             self._row("run", {"mode": [self.strict_button]}),
             self.strict_line,
             self._row("presets"),  # speed presets: validated by the settings (the DiT's depth by the session)
-            *[self._row(row) for row in control_rows(self.controls) if row not in FIXED_ROWS],
+            *[part for row in control_rows(self.controls) if row not in FIXED_ROWS
+              for part in ([self._row(row), self.lora_sliders.box] if row == "lora" and self.lora_sliders
+                           else [self._row(row)])],
             ablation_row,
             self.ablation_note,
             W.HBox([self.first_upload, self.first_label, self.first_clear]),

@@ -137,6 +137,22 @@ def describe(value: Mapping[str, Any] | None) -> str:
     return ", ".join(items)
 
 
+def from_scales(blocks: Mapping[int, float], groups: Mapping[str, float]) -> dict[str, Any]:
+    """The normal form of per-block scales (block -> scale) and group scales (refiner / video / audio / text ->
+    scale); a scale of 1 is left out (the panel's sliders write their values through this)."""
+    return normalise({"blocks": [[int(b), int(b), float(v)] for b, v in sorted(blocks.items())],
+                      **{g: float(v) for g, v in groups.items()}})
+
+
+def scales_of(value: Mapping[str, Any] | None, num_blocks: int) -> tuple[list[float], dict[str, float]]:
+    """Every block's scale (blocks 0..num_blocks-1) and every group's (`GROUPS`) of a normal form (None: all 1)."""
+    blocks = [1.0] * num_blocks
+    for a, b, s in (value or {}).get("blocks", []):
+        for k in range(a, min(b, num_blocks - 1) + 1):
+            blocks[k] = float(s)
+    return blocks, {g: float((value or {}).get(g, 1.0)) for g in GROUPS}
+
+
 def deepest_block(value: Mapping[str, Any]) -> int:
     """The highest block index the value names (-1 for none)."""
     return max((b for _, b, _ in value.get("blocks", [])), default=-1)
