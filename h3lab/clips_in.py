@@ -185,11 +185,11 @@ def encode_clip(session: Any, video: str | os.PathLike, prompt: Any, width: Any 
     s = plan.settings
     pixels, waveform = read_clip(plan)
     empty = pipeline.Media([], [])
-    text, _ = pipeline.encode_text(s, empty, session._text_cache, session._load)
-    session._phase_done("text_encoder")
-    latents = session._load("vae").encode_condition(pixels)  # (C, T, h, w) float32 CPU
-    rows = session._load("audio_vae").encode(waveform)  # (2A, C) float32 CPU
-    session._phase_done("vae", "audio_vae")
+    text, _ = session.encode_text(s, empty)
+    session.phase_done("text_encoder")
+    latents = session.component("vae").encode_condition(pixels)  # (C, T, h, w) float32 CPU
+    rows = session.component("audio_vae").encode(waveform)  # (2A, C) float32 CPU
+    session.phase_done("vae", "audio_vae")
     if latents.shape[1] != s.num_latent_frames or rows.shape[0] != 2 * s.num_audio_latents:
         raise ValidationError(f"video {str(plan.path)!r}: encoded to {latents.shape[1]} latent frames and "
                               f"{rows.shape[0] // 2} audio latents; {s.num_frames} frames need "

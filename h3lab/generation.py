@@ -52,18 +52,18 @@ def run_generation(session: Any, s, media, progress, cancel, preview, outputs: d
     text, cond, cached = _encode(session, s, media, timings)
     with PhaseTimer(session, timings, "denoise"):
         loop = _denoise(session, s, schedule, media, text, cond, progress, cancel, preview)
-    session._phase_done("transformer", "transformer_ref")
+    session.phase_done("transformer", "transformer_ref")
     if cancel is not None and cancel.is_set():  # set during the last pass: stop before decoding and writing
         raise GenerationCancelled(
             f"cancelled after pass {schedule.num_passes} of {schedule.num_passes}, before decoding; the session "
             "is unchanged"
         )
     with PhaseTimer(session, timings, "decode_video"):
-        frames = pipeline.decode_video(session._load("vae"), loop["latents"], s)
-    session._phase_done("vae")
+        frames = pipeline.decode_video(session.component("vae"), loop["latents"], s)
+    session.phase_done("vae")
     with PhaseTimer(session, timings, "decode_audio"):
-        audio = session._load("audio_vae").decode(loop["audio_rows"])
-    session._phase_done("audio_vae")
+        audio = session.component("audio_vae").decode(loop["audio_rows"])
+    session.phase_done("audio_vae")
     peak = torch.cuda.max_memory_allocated(session.device) if cuda else _peak_rss()
     trajectory = loop["trajectory"]
     result = GenerationResult(
@@ -94,14 +94,14 @@ def run_generation(session: Any, s, media, progress, cancel, preview, outputs: d
 def _encode(session: Any, s, media, timings: dict[str, float]) -> tuple[Any, Any, dict[str, bool]]:
     """The text and condition phases through the session's caches; returns (text, conditions, what was cached)."""
     with PhaseTimer(session, timings, "text_encode"):
-        text, text_cached = pipeline.encode_text(s, media, session._text_cache, session._load)
+        text, text_cached = session.encode_text(s, media)
     _book_cache_hit(timings, "text_encode", text_cached)
-    session._phase_done("text_encoder")
+    session.phase_done("text_encoder")
 
     with PhaseTimer(session, timings, "condition_encode"):
-        cond, cond_cached = pipeline.encode_conditions(media, session._cond_cache, session._load)
+        cond, cond_cached = session.encode_conditions(media)
     _book_cache_hit(timings, "condition_encode", cond_cached)
-    session._phase_done("vae", "audio_vae")
+    session.phase_done("vae", "audio_vae")
     return text, cond, {"text": text_cached, "conditions": cond_cached}
 
 

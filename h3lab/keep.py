@@ -25,7 +25,7 @@ def kept_trajectory(session: Any, result: Any, keep: tuple[str, ...]) -> tuple[A
     if set(keep) <= set(T.kept_kinds(old)):
         return old, False
     spec = old.spec
-    with session._lock:
+    with session.lock:
         model = session.store.dit(spec.variant, *needed_blocks([spec.preset]))
         new = T.record(spec, model, keep=keep, meta=old.manifest.get("meta"),
                        models=session.store.models_for(spec.variant, model))

@@ -45,7 +45,7 @@ def drift(session: Any, a: Any, b: Any):
             f"drift between a {a.settings.task} and a {b.settings.task} run: they use different transformers "
             f"({', '.join(sorted(variants))}); compare two runs of one variant"
         )
-    with session._lock:
+    with session.lock:
         variant = variants.pop()
         model = session.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
         models = session.store.models_for(variant, model)
@@ -78,7 +78,7 @@ def verify(session: Any, path: str | os.PathLike):
     if variant not in VARIANTS:
         raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
                               f"{', '.join(VARIANTS)}")
-    with session._lock:
+    with session.lock:
         model = session.store.dit(variant, *needed_blocks([traj.spec.preset]))
         return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model),
                         execution={**session.store.plan.spec_fields(), "adapters": list(session.adapters)})
@@ -105,7 +105,7 @@ def attention(session: Any, result: Any, block: int, **options: Any):
     from .views.attention_probe import attention_view
 
     spec = result.trajectory.spec
-    with session._lock:
+    with session.lock:
         model = session.store.dit(spec.variant, *needed_blocks([spec.preset]))
         models = session.store.models_for(spec.variant, model)
         return attention_view(spec, model, block, text_labels=text_labels(session, result), models=models, **options)

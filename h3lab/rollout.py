@@ -142,11 +142,11 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
     settings, params = _check(session, prompts, group, stepper, level, seed, window, overrides, needs_density)
     keep = tuple(dict.fromkeys(("latents",) + tuple(keep)))
     T.TrajectoryRecorder(keep=keep)  # refuses an unknown keep entry before any work
-    media = [session._load_media(s) for s in settings]
-    texts = [pipeline.encode_text(s, m, session._text_cache, session._load)[0] for s, m in zip(settings, media)]
-    session._phase_done("text_encoder")
-    conds = [pipeline.encode_conditions(m, session._cond_cache, session._load)[0] for m in media]
-    session._phase_done("vae", "audio_vae")
+    media = [session.read_media(s) for s in settings]
+    texts = [session.encode_text(s, m)[0] for s, m in zip(settings, media)]
+    session.phase_done("text_encoder")
+    conds = [session.encode_conditions(m)[0] for m in media]
+    session.phase_done("vae", "audio_vae")
     out = Rollout(prompts=[s.prompt for s in settings], group=int(group), stepper=stepper, params=dict(params or {}))
     finals = []
     for p, (s, m, text, cond) in enumerate(zip(settings, media, texts, conds)):
@@ -180,12 +180,12 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
                                                              patch)
                 out.requests.append(RolloutRequest(p, g, ids[g], seeds[g], traj, item, latents, audio_rows))
                 finals.append(s)
-    session._phase_done("transformer", "transformer_ref")
+    session.phase_done("transformer", "transformer_ref")
     if decode:
         for req, s in zip(out.requests, finals):
-            req.frames = pipeline.decode_video(session._load("vae"), req.latents, s)
-        session._phase_done("vae")
+            req.frames = pipeline.decode_video(session.component("vae"), req.latents, s)
+        session.phase_done("vae")
         for req in out.requests:
-            req.audio = session._load("audio_vae").decode(req.audio_rows)
-        session._phase_done("audio_vae")
+            req.audio = session.component("audio_vae").decode(req.audio_rows)
+        session.phase_done("audio_vae")
     return out
