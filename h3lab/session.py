@@ -7,8 +7,10 @@ the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` holds t
 serialises requests; beside it, one job each: `h3lab.generation` (one request phase by phase, its timings and peak
 memory), `h3lab.results` (`GenerationResult`, `StepInfo`, `PHASES`, `GenerationCancelled`), `h3lab.request_checks`
 (output paths, preset depth, ablation factors), `h3lab.reruns` (drift and verify of sealed specs),
-`h3lab.caches` (the conditioning LRUs) and `h3lab.rollout` (RL rollouts). The names they define that callers import
-from `h3lab.session` stay importable from here.
+`h3lab.caches` (the conditioning LRUs) and `h3lab.rollout` (RL rollouts). Generation and rollout share their steps:
+`h3lab.phases` (encode, denoise, decode, each timed) and `h3lab.prepared` (`PreparedRequest`: a checked request's
+schedule, DiT, layout and adapters, from which its noise and `RunSpec` are built). The names they define that callers
+import from `h3lab.session` stay importable from here.
 
 Collaborator interface -- what those modules (and `h3lab.clips_in`, `h3lab.keep`) use of a session; none reaches
 into its private members:
