@@ -1,6 +1,6 @@
-"""The phases of checked requests, shared by `h3lab.generation` (one request) and `h3lab.rollout` (many): encode
-(every text, then every condition), denoise (one prepared request's spec through the one loop), decode (every video,
-then every waveform). Each goes through the session's collaborator interface (`Session.encode_text`,
+"""The phases of checked requests, shared by `h3lab.generation` (one request) and `h3lab.rollout` (many), the encode
+phase also by `h3lab.clips_in.encode_clip` (a clip's prompt): encode (every text, then every condition), denoise (one
+prepared request's spec through the one loop), decode (every video, then every waveform). Each goes through the session's collaborator interface (`Session.encode_text`,
 `encode_conditions`, `component`, `phase_done`, `store`) and releases its components after it under phased residency.
 
 Contract
