@@ -9,7 +9,8 @@ Contract
 - `encode_clip(session, video, prompt, ...) -> ClipRequest` (what `Session.encode_clip` runs): `check_clip`, then
   the decode and the three encoders, each through the session's components (loaded on first use, released after
   their phase under phased residency):
-  text   the prompt as a t2va generation encodes it (`pipeline.encode_text`, cached in the session by content);
+  text   the prompt as a t2va generation encodes it (its encode phase, `phases.encode`, cached in the session by
+         content);
   video  `VideoVAE.encode_condition`: the released conditioning encode (posterior sampled under its own seed 42,
          fp16-rounded, normalised), so a clip's rows are the bytes an anchor of the same frames would get; patchified
          with the snapshot transformer's patch;
@@ -177,7 +178,7 @@ def encode_clip(session: Any, video: str | os.PathLike, prompt: Any, width: Any 
                 plan: ClipPlan | None = None):
     """One encoded t2va `ClipRequest` of `video` and `prompt` (module docstring). `plan`: a `check_clip` result
     for the same arguments (the CLI checks every file first), else it is made here."""
-    from . import pipeline
+    from . import phases, pipeline
     from .components.video_vae import patchify
     from .training import ClipRequest
 
@@ -185,17 +186,16 @@ def encode_clip(session: Any, video: str | os.PathLike, prompt: Any, width: Any 
     s = plan.settings
     pixels, waveform = read_clip(plan)
     empty = pipeline.Media([], [])
-    text, _ = pipeline.encode_text(s, empty, session._text_cache, session._load)
-    session._phase_done("text_encoder")
-    latents = session._load("vae").encode_condition(pixels)  # (C, T, h, w) float32 CPU
-    rows = session._load("audio_vae").encode(waveform)  # (2A, C) float32 CPU
-    session._phase_done("vae", "audio_vae")
+    encoded = phases.encode(session, [(s, empty)])[0]  # the text phase of a generation (no conditions to encode)
+    latents = session.component("vae").encode_condition(pixels)  # (C, T, h, w) float32 CPU
+    rows = session.component("audio_vae").encode(waveform)  # (2A, C) float32 CPU
+    session.phase_done("vae", "audio_vae")
     if latents.shape[1] != s.num_latent_frames or rows.shape[0] != 2 * s.num_audio_latents:
         raise ValidationError(f"video {str(plan.path)!r}: encoded to {latents.shape[1]} latent frames and "
                               f"{rows.shape[0] // 2} audio latents; {s.num_frames} frames need "
                               f"{s.num_latent_frames} and {s.num_audio_latents}")
     config = session.store.component_config(pipeline.variant_for(s.task))
     patch = tuple(config.get("patch_size", (1, 2, 2)))
-    layout = pipeline.build_layout(s, empty, text, pipeline.CondSet([], []), patch)
-    return ClipRequest(layout, text=text.embeds.detach().cpu(), video=patchify(latents, patch)[None],
+    layout = pipeline.build_layout(s, empty, encoded.text, encoded.cond, patch)
+    return ClipRequest(layout, text=encoded.text.embeds.detach().cpu(), video=patchify(latents, patch)[None],
                        audio=rows[None].contiguous(), seed=seed, weight=weight)

@@ -4,13 +4,15 @@ write -- each timed, the component loading it triggers booked under "load" (see 
 Contract
 - `run_generation(session, s, media, progress, cancel, preview, outputs) -> GenerationResult`: `Session.generate`
   calls it under the session lock once every check passed (`s` validated settings, `media` the decoded inputs,
-  `outputs` the checked paths of `session.check_outputs`). It calls the pipeline functions in order with the
-  session's store, caches, device, adapters and mesh, runs the one loop (`h3lab.run.denoise`) with a trajectory
-  recorder, and writes the outputs as one set (`io_utils.atomic_write_all`). A cancel seen after the last pass stops
-  before decoding (`GenerationCancelled`).
-- `PhaseTimer(session, timings, phase)`: the wall time of one phase, CUDA-synchronised, minus the component loading
-  it triggered (`session.load_seconds`), which goes to "load". A text / condition phase served entirely from the
-  cache reports 0 and its key hashing goes to "cache_lookup".
+  `outputs` the checked paths of `session.check_outputs`). The steps a rollout shares are not here: the encode,
+  denoise and decode phases are `h3lab.phases`', the request's DiT, layout, noise and `RunSpec` its
+  `h3lab.prepared.PreparedRequest`. This module adds what one generation alone has: the schedule check before any
+  encode (steps whose shifted grid collapses are refused), the progress and preview callbacks, the cancel, the peak
+  memory, the `GenerationResult` and its outputs, written as one set (`io_utils.atomic_write_all`). A cancel seen
+  after the last pass stops before decoding (`GenerationCancelled`).
+- Timings: `phases.PhaseTimer` per phase (CUDA-synchronised, component loading booked under "load"; a text /
+  condition phase served entirely from the cache reports 0 and its key hashing goes to "cache_lookup"); the
+  "denoise" phase covers preparing the request and the loop.
 - Peak memory: `torch.cuda.max_memory_allocated` on CUDA (reset per request), else the process peak RSS (`VmHWM`,
   reset per request through /proc/self/clear_refs where the kernel allows it, else the process lifetime peak).
 - The progress callback gets a `StepInfo` after every pass; the preview callback the decoded preview frame of every
@@ -26,9 +28,11 @@ from typing import Any
 
 import torch
 
-from . import pipeline
+from . import phases, pipeline
 from .components import streaming
 from .errors import ValidationError
+from .phases import PhaseTimer
+from .prepared import prepare
 from .results import PHASES, GenerationCancelled, GenerationResult, StepInfo
 from .settings import AUDIO_SAMPLE_RATE, FPS
 
@@ -36,34 +40,24 @@ from .settings import AUDIO_SAMPLE_RATE, FPS
 def run_generation(session: Any, s, media, progress, cancel, preview, outputs: dict[str, Path | None]
                    ) -> GenerationResult:
     """The phases of one checked request (see the module docstring)."""
-    from .sampler import DualSchedule
-
     timings = {phase: 0.0 for phase in ("load",) + PHASES}
     cuda = session.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(session.device)
     else:
         _reset_peak_rss()
-    schedule = DualSchedule.from_passes(s.steps, session.video_shift, session.audio_shift)
-    if schedule.num_passes != s.steps:
-        raise ValidationError(
-            f"steps={s.steps}: the shifted sigma grid collapses to {schedule.num_passes} distinct passes"
-        )
-    text, cond, cached = _encode(session, s, media, timings)
+    schedule = _schedule(session, s)
+    encoded = phases.encode(session, [(s, media)], timings)[0]
     with PhaseTimer(session, timings, "denoise"):
-        loop = _denoise(session, s, schedule, media, text, cond, progress, cancel, preview)
-    session._phase_done("transformer", "transformer_ref")
+        prepared = prepare(session, s, media, encoded, schedule=schedule)
+        loop = _denoise(session, prepared, progress, cancel, preview)
+    session.phase_done("transformer", "transformer_ref")
     if cancel is not None and cancel.is_set():  # set during the last pass: stop before decoding and writing
         raise GenerationCancelled(
             f"cancelled after pass {schedule.num_passes} of {schedule.num_passes}, before decoding; the session "
             "is unchanged"
         )
-    with PhaseTimer(session, timings, "decode_video"):
-        frames = pipeline.decode_video(session._load("vae"), loop["latents"], s)
-    session._phase_done("vae")
-    with PhaseTimer(session, timings, "decode_audio"):
-        audio = session._load("audio_vae").decode(loop["audio_rows"])
-    session._phase_done("audio_vae")
+    (frames,), (audio,) = phases.decode(session, [(s, loop["latents"], loop["audio_rows"])], timings)
     peak = torch.cuda.max_memory_allocated(session.device) if cuda else _peak_rss()
     trajectory = loop["trajectory"]
     result = GenerationResult(
@@ -72,18 +66,18 @@ def run_generation(session: Any, s, media, progress, cancel, preview, outputs: d
         frames=frames,
         audio=audio,
         sample_rate=AUDIO_SAMPLE_RATE,
-        layout=loop["layout"],
+        layout=prepared.layout,
         latents=loop["latents"],
         audio_latents=loop["audio_rows"],
         trajectory=trajectory,
         trajectory_hash=trajectory.digest,
         timings=timings,
-        cached=cached,
+        cached=encoded.cached,
         peak_memory=int(peak),
         memory_kind="cuda max allocated" if cuda else "process peak RSS",
         trace=loop["trace"],
         evaluations=loop["evaluations"],
-        arm=loop["arm"],
+        arm=trajectory.spec,
         streaming=loop["streaming"],
     )
     with PhaseTimer(session, timings, "write"):
@@ -91,54 +85,42 @@ def run_generation(session: Any, s, media, progress, cancel, preview, outputs: d
     return result
 
 
-def _encode(session: Any, s, media, timings: dict[str, float]) -> tuple[Any, Any, dict[str, bool]]:
-    """The text and condition phases through the session's caches; returns (text, conditions, what was cached)."""
-    with PhaseTimer(session, timings, "text_encode"):
-        text, text_cached = pipeline.encode_text(s, media, session._text_cache, session._load)
-    _book_cache_hit(timings, "text_encode", text_cached)
-    session._phase_done("text_encoder")
+def _schedule(session: Any, s):
+    """The request's dual schedule; steps whose shifted grid collapses are refused before anything is encoded."""
+    from .sampler import DualSchedule
 
-    with PhaseTimer(session, timings, "condition_encode"):
-        cond, cond_cached = pipeline.encode_conditions(media, session._cond_cache, session._load)
-    _book_cache_hit(timings, "condition_encode", cond_cached)
-    session._phase_done("vae", "audio_vae")
-    return text, cond, {"text": text_cached, "conditions": cond_cached}
+    schedule = DualSchedule.from_passes(s.steps, session.video_shift, session.audio_shift)
+    if schedule.num_passes != s.steps:
+        raise ValidationError(
+            f"steps={s.steps}: the shifted sigma grid collapses to {schedule.num_passes} distinct passes"
+        )
+    return schedule
 
 
-def _denoise(session: Any, s, schedule, media, text, cond, progress, cancel, preview) -> dict[str, Any]:
-    """Layout, the request's noise in the released order, its `RunSpec`, and the one loop (`h3lab.run.denoise`)
-    with a trajectory recorder; the pipeline functions do the work, this wires the callbacks."""
+def _denoise(session: Any, prepared, progress, cancel, preview) -> dict[str, Any]:
+    """The prepared request's noise and `RunSpec` through the shared denoise phase with a trajectory recorder; this
+    wires the callbacks."""
     from . import trajectory as T
-    from .run import DenoiseCancelled, denoise
+    from .run import DenoiseCancelled
 
-    variant = session.variant_for(s.task)
-    model = session.store.dit(variant, layers=s.layers)
-    cfg = model.config
-    patch = tuple(cfg.patch_size)
-    layout = pipeline.build_layout(s, media, text, cond, patch)
-    inputs = pipeline.draw_inputs(s, layout, schedule, text, cond, cfg, session.device)
-    spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=session.adapters,
-                               execution=session.store.plan)
-    if "blocks" in spec.preset:  # a pinned model stays whole
-        session.store.release_blocks(variant, model, spec.preset["blocks"])
+    s = prepared.settings
+    inputs = prepared.draw()
+    spec = prepared.spec(inputs)
     recorder = T.TrajectoryRecorder(keep=session.keep, meta={"settings": pipeline.settings_meta(s)})
-    callback, state = _pass_callback(session, s, schedule, inputs, patch, progress, preview)
+    callback, state = _pass_callback(session, s, prepared.schedule, inputs, prepared.patch, progress, preview)
     try:
-        video, audio = denoise(spec, model, recorder, callback, cancel,
-                               models=session.store.models_for(variant, model))
+        video, audio = phases.denoise(session, prepared, spec, recorder, callback, cancel)
     except DenoiseCancelled as err:
         raise GenerationCancelled(f"{err}; the session is unchanged") from None
-    latents, audio_rows = pipeline.final_latents(s, inputs, video, audio, patch)
+    latents, audio_rows = prepared.final(inputs, video, audio)
     trajectory = recorder.finish()
     streamed = streaming.last_stats() if spec.residency.get("policy") == "streamed" else None
     return {
-        "layout": layout,
         "latents": latents,
         "audio_rows": audio_rows,
         "trajectory": trajectory,
         "trace": state["trace"],
         "evaluations": state["evaluations"],
-        "arm": trajectory.spec,
         "streaming": streamed,
     }
 
@@ -185,38 +167,6 @@ def _write(result: GenerationResult, output, wav, frames_dir) -> list[Path]:
         items += media_io.png_frame_writers(frames_dir, result.frames)
     atomic_write_all(items)
     return [Path(p).resolve() for p in (output, wav, frames_dir) if p]
-
-
-class PhaseTimer:
-    """Wall time of one phase, CUDA-synchronised, minus the component loading it triggered (booked as "load")."""
-
-    def __init__(self, session: Any, timings: dict[str, float], phase: str):
-        self.device, self.session, self.timings, self.phase = session.device, session, timings, phase
-
-    def __enter__(self):
-        self._sync()
-        self.t0 = time.perf_counter()
-        self.load0 = self.session.load_seconds
-        return self
-
-    def __exit__(self, *exc):
-        self._sync()
-        loading = self.session.load_seconds - self.load0
-        self.timings[self.phase] = self.timings.get(self.phase, 0.0) + time.perf_counter() - self.t0 - loading
-        self.timings["load"] = self.timings.get("load", 0.0) + loading
-        return False
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def _book_cache_hit(timings: dict[str, float], phase: str, cached: bool | None) -> None:
-    """A phase served entirely from the cache encoded nothing: it reports 0, and the key hashing it took is booked
-    under "cache_lookup"."""
-    if cached:
-        timings["cache_lookup"] = timings.get("cache_lookup", 0.0) + timings[phase]
-        timings[phase] = 0.0
 
 
 def _reset_peak_rss() -> bool:

@@ -18,7 +18,8 @@ Contract
   not set another seed) -- with "lora": PATH (or None: no adapter) for that side only, the session's adapter put back
   afterwards. With `drift`, the first drift between the two runs (`drift` above; skipped, with a note, when the two
   ran on different transformers).
-The session's lock is held by the caller (`Session.drift`, `Session.verify`) around the model work.
+Each re-run takes the session's `lock` around its model work and gets the DiT a sealed spec needs (the blocks its
+preset runs) and its `models` lookup from the one step they share, `prepared.sealed_dit`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ KEEP_ADAPTER = object()  # a compare side without a "lora" key runs with the ses
 def drift(session: Any, a: Any, b: Any):
     """First drift between two `GenerationResult`s of `session` (see the module docstring)."""
     from . import drift as D
-    from .presets import needed_blocks
+    from .prepared import sealed_dit
 
     specs = [r.trajectory.spec for r in (a, b)]
     variants = {spec.variant for spec in specs}
@@ -45,10 +46,9 @@ def drift(session: Any, a: Any, b: Any):
             f"drift between a {a.settings.task} and a {b.settings.task} run: they use different transformers "
             f"({', '.join(sorted(variants))}); compare two runs of one variant"
         )
-    with session._lock:
+    with session.lock:
         variant = variants.pop()
-        model = session.store.dit(variant, *needed_blocks([spec.preset for spec in specs]))
-        models = session.store.models_for(variant, model)
+        model, models = sealed_dit(session, variant, [spec.preset for spec in specs])
         arms = [D.Execution(spec, model, label=f"{spec.tag}{'+lora' if spec.adapters else ''}:"
                                                  f"{r.trajectory_hash[:12]}", models=models)
                 for spec, r in zip(specs, (a, b))]
@@ -71,16 +71,16 @@ def drift_lines(report) -> list[str]:
 def verify(session: Any, path: str | os.PathLike):
     """Replay the sealed trajectory at `path` with `session`'s DiT of its variant (see the module docstring)."""
     from . import trajectory as T
-    from .presets import needed_blocks
+    from .prepared import sealed_dit
 
     traj = T.load(path)
     variant = traj.spec.variant
     if variant not in VARIANTS:
         raise ValidationError(f"trajectory {str(path)!r} ran on model {variant!r}: the session serves "
                               f"{', '.join(VARIANTS)}")
-    with session._lock:
-        model = session.store.dit(variant, *needed_blocks([traj.spec.preset]))
-        return T.verify(traj, model, device=session.device, models=session.store.models_for(variant, model),
+    with session.lock:
+        model, models = sealed_dit(session, variant, [traj.spec.preset])
+        return T.verify(traj, model, device=session.device, models=models,
                         execution={**session.store.plan.spec_fields(), "adapters": list(session.adapters)})
 
 
@@ -113,14 +113,13 @@ def text_labels(session: Any, result: Any, text: str = "word") -> tuple[list[str
 def attention(session: Any, result: Any, block: int, text: str = "word", **options: Any):
     """The attention view of `result` at `block` (see the module docstring); `text` "word" (a region per prompt word)
     or "token" (a region per text row); options: step, heads, query, audio_bin, chunk."""
-    from .presets import needed_blocks
+    from .prepared import sealed_dit
     from .views.attention_probe import attention_view
 
     spec = result.trajectory.spec
     labels, words = text_labels(session, result, text)
-    with session._lock:
-        model = session.store.dit(spec.variant, *needed_blocks([spec.preset]))
-        models = session.store.models_for(spec.variant, model)
+    with session.lock:
+        model, models = sealed_dit(session, spec.variant, [spec.preset])
         return attention_view(spec, model, block, text_labels=labels, text_words=words, models=models, **options)
 
 

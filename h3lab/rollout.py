@@ -29,8 +29,15 @@ batched=True, keep=("latents",), needs_density=True, **overrides) -> Rollout`
   its batch `item` there, its final video latents (C, T, h, w) and audio rows (2A, C) float32 CPU, and with
   `decode=True` its frames (uint8 (T, H, W, 3)) and waveform. `Rollout.trajectories` are in run order.
 - Every spec records what ran: the base checkpoint's fingerprint and the adapter -- the session's, or the one injected
-  in the model (a GRPO job's current policy) by the sha256 of its content at that moment (`adapters_of`), so
-  `trajectory.verify` of a rollout re-runs it on the model carrying that adapter and refuses another one.
+  in the model (a GRPO job's current policy) by the sha256 of its content at that moment
+  (`prepared.prepare(..., policy_adapter=True)`, hashed once per prompt), so `trajectory.verify` of a rollout re-runs
+  it on the model carrying that adapter and refuses another one.
+- The steps a generation runs are shared, not repeated: every prompt's text, then every prompt's conditions
+  (`phases.encode`); per prompt one `prepared.PreparedRequest` (schedule, DiT, layout, adapters), whose `draw` makes
+  each member's inputs and `spec` the batch's `RunSpec` (the stepper and the request ids replaced); the denoise phase
+  (`phases.denoise`, which also frees the blocks a thinned spec does not run); with `decode=True` every video, then
+  every waveform (`phases.decode`). What is the rollout's own: the checks, the request seeds, the batching of a
+  group's draws and the trajectory manifest's "rollout" entry.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import pipeline, runtime
+from . import phases, pipeline, runtime
 from .errors import ValidationError
+from .prepared import prepare
 from .settings import check_prompt
 
 ROLLOUT_SCHEME = "h3lab-rollout/1"
@@ -89,17 +97,6 @@ class Rollout:
         return [r for r in self.requests if r.prompt_index == prompt_index]
 
 
-def adapters_of(session, model) -> tuple:
-    """The adapter entries a rollout's spec records: the session's (`Session.load_lora`), else the adapter injected in
-    the model itself (a GRPO policy: `training.adapters.in_place_entry`, by content sha256), else none."""
-    from .training.adapters import in_place_entry
-
-    if session.adapters:
-        return tuple(session.adapters)
-    entry = in_place_entry(model)
-    return () if entry is None else (entry,)
-
-
 def _check(session, prompts, group, stepper, level, seed, window, overrides, needs_density=True):
     from .stochastic import SDE_KINDS
     from .stochastic.steppers import check_params
@@ -136,56 +133,47 @@ def rollout(session, prompts: Sequence[str], *, group: int = 4, stepper: str = "
             needs_density: bool = True, **overrides: Any) -> Rollout:
     """Run the rollout (module docstring); the caller holds the session lock."""
     from . import trajectory as T
-    from .run import denoise
-    from .sampler import DualSchedule
 
     settings, params = _check(session, prompts, group, stepper, level, seed, window, overrides, needs_density)
     keep = tuple(dict.fromkeys(("latents",) + tuple(keep)))
     T.TrajectoryRecorder(keep=keep)  # refuses an unknown keep entry before any work
-    media = [session._load_media(s) for s in settings]
-    texts = [pipeline.encode_text(s, m, session._text_cache, session._load)[0] for s, m in zip(settings, media)]
-    session._phase_done("text_encoder")
-    conds = [pipeline.encode_conditions(m, session._cond_cache, session._load)[0] for m in media]
-    session._phase_done("vae", "audio_vae")
+    media = [session.read_media(s) for s in settings]
+    encoded = phases.encode(session, list(zip(settings, media)))
     out = Rollout(prompts=[s.prompt for s in settings], group=int(group), stepper=stepper, params=dict(params or {}))
-    finals = []
-    for p, (s, m, text, cond) in enumerate(zip(settings, media, texts, conds)):
-        schedule = DualSchedule.from_passes(s.steps, session.video_shift, session.audio_shift)
-        variant = pipeline.variant_for(s.task)
-        model = session.store.dit(variant, layers=s.layers)
-        adapters = adapters_of(session, model)  # what ran: hashed once per prompt (the policy is fixed in a rollout)
-        patch = tuple(model.config.patch_size)
-        layout = pipeline.build_layout(s, m, text, cond, patch)
-        ids = [p * group + g for g in range(group)]
-        seeds = [request_seed(seed, r) for r in ids]
-        drawn = [pipeline.draw_inputs(s.replace(seed=rs), layout, schedule, text, cond, model.config,
-                                      session.device) for rs in seeds]
-        for members in ([list(range(group))] if batched else [[g] for g in range(group)]):
-            first = drawn[members[0]]
-            inputs = first.replace(
-                text=torch.cat([drawn[g].text for g in members]), video=torch.cat([drawn[g].video for g in members]),
-                audio=torch.cat([drawn[g].audio for g in members]),
-                seeds={**first.seeds, "request": [seeds[g] for g in members], "rollout": int(seed)})
-            spec = pipeline.build_spec(s, model, layout, schedule, inputs, adapters=adapters,
-                                       execution=session.store.plan)
-            spec = spec.replace(stepper=stepper, stepper_params={} if params is None else {
-                **params, "requests": [ids[g] for g in members]})
-            recorder = T.TrajectoryRecorder(keep=keep, meta={"settings": pipeline.settings_meta(s), "rollout": {
-                "seed": int(seed), "group": int(group), "prompt_index": p, "members": members}})
-            video, audio = denoise(spec, model, recorder, models=session.store.models_for(variant, model))
-            traj = recorder.finish()
-            out.trajectories.append(traj)
-            for item, g in enumerate(members):
-                latents, audio_rows = pipeline.final_latents(s, inputs, video[item:item + 1], audio[item:item + 1],
-                                                             patch)
-                out.requests.append(RolloutRequest(p, g, ids[g], seeds[g], traj, item, latents, audio_rows))
-                finals.append(s)
-    session._phase_done("transformer", "transformer_ref")
+    for p, (s, m, enc) in enumerate(zip(settings, media, encoded)):
+        prepared = prepare(session, s, m, enc, policy_adapter=True)  # the policy is fixed in a rollout
+        _run_prompt(session, out, prepared, p, seed, params, batched, keep)
+    session.phase_done("transformer", "transformer_ref")
     if decode:
-        for req, s in zip(out.requests, finals):
-            req.frames = pipeline.decode_video(session._load("vae"), req.latents, s)
-        session._phase_done("vae")
-        for req in out.requests:
-            req.audio = session._load("audio_vae").decode(req.audio_rows)
-        session._phase_done("audio_vae")
+        frames, waveforms = phases.decode(session, [(settings[r.prompt_index], r.latents, r.audio_rows)
+                                                    for r in out.requests])
+        for req, f, w in zip(out.requests, frames, waveforms):
+            req.frames, req.audio = f, w
     return out
+
+
+def _run_prompt(session, out: Rollout, prepared, p: int, seed: int, params, batched: bool, keep) -> None:
+    """Prompt `p`'s G requests: their released draws from the request seeds, run as one batch or one by one on the
+    shared denoise phase, appended to `out`."""
+    from . import trajectory as T
+
+    s, group = prepared.settings, out.group
+    ids = [p * group + g for g in range(group)]
+    seeds = [request_seed(seed, r) for r in ids]
+    drawn = [prepared.draw(rs) for rs in seeds]
+    for members in ([list(range(group))] if batched else [[g] for g in range(group)]):
+        first = drawn[members[0]]
+        inputs = first.replace(
+            text=torch.cat([drawn[g].text for g in members]), video=torch.cat([drawn[g].video for g in members]),
+            audio=torch.cat([drawn[g].audio for g in members]),
+            seeds={**first.seeds, "request": [seeds[g] for g in members], "rollout": int(seed)})
+        spec = prepared.spec(inputs, stepper=out.stepper, stepper_params={} if params is None else {
+            **params, "requests": [ids[g] for g in members]})
+        recorder = T.TrajectoryRecorder(keep=keep, meta={"settings": pipeline.settings_meta(s), "rollout": {
+            "seed": int(seed), "group": int(group), "prompt_index": p, "members": members}})
+        video, audio = phases.denoise(session, prepared, spec, recorder)
+        traj = recorder.finish()
+        out.trajectories.append(traj)
+        for item, g in enumerate(members):
+            latents, audio_rows = prepared.final(inputs, video[item:item + 1], audio[item:item + 1])
+            out.requests.append(RolloutRequest(p, g, ids[g], seeds[g], traj, item, latents, audio_rows))

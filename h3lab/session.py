@@ -7,8 +7,21 @@ the `RunSpec`, decode) and `h3lab.run.denoise` (the one loop). `Session` holds t
 serialises requests; beside it, one job each: `h3lab.generation` (one request phase by phase, its timings and peak
 memory), `h3lab.results` (`GenerationResult`, `StepInfo`, `PHASES`, `GenerationCancelled`), `h3lab.request_checks`
 (output paths, preset depth, ablation factors), `h3lab.reruns` (drift and verify of sealed specs),
-`h3lab.caches` (the conditioning LRUs) and `h3lab.rollout` (RL rollouts). The names they define that callers import
-from `h3lab.session` stay importable from here.
+`h3lab.caches` (the conditioning LRUs) and `h3lab.rollout` (RL rollouts). Generation and rollout share their steps:
+`h3lab.phases` (encode, denoise, decode, each timed) and `h3lab.prepared` (`PreparedRequest`: a checked request's
+schedule, DiT, layout and adapters, from which its noise and `RunSpec` are built). The names they define that callers
+import from `h3lab.session` stay importable from here.
+
+Collaborator interface -- what those modules (and `h3lab.clips_in`, `h3lab.keep`) use of a session; none reaches
+into its private members:
+- `lock`: the session's `threading.RLock`; one request at a time, held around every use of the models.
+- `component(name)`: a component loaded on first use (the one loading seam of the encoders and decoders);
+  `phase_done(*names)`: a phase that used them ended (phased residency releases them); `store`: the
+  `ComponentStore` (`dit`, `models_for`, `release_blocks`, `plan`, `component_config`).
+- `read_media(settings)`: every input file decoded and checked; `encode_text(settings, media)` and
+  `encode_conditions(media)`: the encoders through the session's caches, each returning (value, served from cache).
+- `device`, `video_shift`, `audio_shift`, `keep`, `adapters`, `load_seconds`, `preview_frame`, `settings`,
+  `check_prompt_length`, `check_preset`: as documented below.
 
 Contract
 - `Session(path=None, device=None, residency="resident", gpu_memory=None)`. `path=None` is the embedded default,
@@ -32,7 +45,7 @@ Contract
   the snapshot's interface -- `text_dim` = the text encoder's hidden width, `in_channels` = the video VAE's latent
   channels, `audio_in_channels` = the audio VAE's, `patch_size` = the snapshot variant's when it has one -- and must
   live on the session device with the session's dtype policy (one-line `ValidationError`; an unreadable snapshot
-  config is a `CheckpointError`). It is served by the normal loading path (`_load`, booked under "load" at ~0 s).
+  config is a `CheckpointError`). It is served by the normal loading path (`component`, booked under "load" at ~0 s).
   An injected model is **pinned**: `release`, phased residency and a variant switch keep it resident, because
   dropping the session's reference frees nothing while the caller holds the model and a reload would silently swap
   in the snapshot's weights. `set_transformer(None, variant)` unpins it; the snapshot's weights load on next use. A
@@ -120,7 +133,7 @@ class Session:
         self.keep = check_keep(keep, "keep")  # per-pass trajectory tensors to keep ("latents", "velocities", "noise")
         self.adapters: tuple[dict, ...] = ()  # the LoRA adapter every run spec carries (`load_lora`)
         self.last_result: GenerationResult | None = None  # what `attention` views when given no result
-        self._lock = threading.RLock()  # one generation at a time
+        self.lock = threading.RLock()  # one request at a time: its collaborators hold it around model work
         self._text_cache = LRU(self.CACHE_LIMIT)
         self._cond_cache = LRU(4 * self.CACHE_LIMIT)
         self._prompt_bound = None  # components.text_encoder.PromptBound, loaded on the first prompt check
@@ -151,7 +164,7 @@ class Session:
         """Switch the residency ("resident", "phased", "streamed"; `gpu_memory` only with streamed; `adaln`
         "resident" | "tables", None keeps it) and re-place the loaded DiT in place; returns what it does now. A
         refusal changes nothing."""
-        with self._lock:
+        with self.lock:
             return self.store.set_residency(residency, gpu_memory, adaln)
 
     @property
@@ -168,10 +181,13 @@ class Session:
         """Variants served by a model given with `set_transformer` (pinned)."""
         return sorted(self.store.injected)
 
-    def _load(self, name: str) -> Any:
+    def component(self, name: str) -> Any:
+        """Component `name` ("text_encoder", "transformer", "transformer_ref", "vae", "audio_vae"), loaded on first
+        use (the one loading seam of the phases: a request's text encoder and VAEs come through here)."""
         return self.store.load(name)
 
-    def _phase_done(self, *names: str) -> None:
+    def phase_done(self, *names: str) -> None:
+        """A phase that used `names` ended: phased residency releases them."""
         self.store.phase_done(*names)
 
     def release(self, *names: str) -> None:
@@ -183,7 +199,7 @@ class Session:
         """Serve `variant` ("transformer" or "transformer_ref") with `model`, an `H3Transformer` on the session
         device, instead of the snapshot's weights; `model=None` goes back to the snapshot's. Checked against the
         snapshot's interface before anything changes; the model is pinned (module docstring)."""
-        with self._lock:
+        with self.lock:
             self.store.set_transformer(model, variant)
 
     def check_preset(self, s: GenerationSettings) -> None:
@@ -264,7 +280,7 @@ class Session:
         self.check_preset(settings)
         if not is_blank(settings.prompt):
             self.check_prompt_length(settings.prompt)
-        self._load_media(settings)
+        self.read_media(settings)
         return settings
 
     def check_prompt_length(self, prompt: str) -> int:
@@ -277,8 +293,20 @@ class Session:
             self._prompt_bound = PromptBound.from_pretrained(self.path)
         return self._prompt_bound.check(prompt)
 
-    def _load_media(self, s: GenerationSettings) -> pipeline.Media:
+    # -------------------------------------------------------------------------------------- encoders (cached)
+    def read_media(self, s: GenerationSettings) -> pipeline.Media:
+        """Every input file of `s` decoded, checked and normalised (`pipeline.read_media`); nothing encoded."""
         return pipeline.read_media(s, self.pipeline_config)
+
+    def encode_text(self, s: GenerationSettings, media: pipeline.Media) -> tuple[pipeline.TextEntry, bool]:
+        """(the prompt's and presented media's text conditioning, served from the cache) through the session's
+        text cache (`pipeline.encode_text`)."""
+        return pipeline.encode_text(s, media, self._text_cache, self.component)
+
+    def encode_conditions(self, media: pipeline.Media) -> tuple[pipeline.CondSet, bool | None]:
+        """(the anchors' and references' VAE latents, served entirely from the cache or None without conditioning)
+        through the session's conditioning cache (`pipeline.encode_conditions`)."""
+        return pipeline.encode_conditions(media, self._cond_cache, self.component)
 
     # -------------------------------------------------------------------------------------- generate
     def generate(
@@ -307,8 +335,8 @@ class Session:
         check_lora_scale(self.store, s, self.adapters)
         check_ablations(s.ablations)  # fail before any work
         self.check_memory(s)
-        with self._lock:
-            media = self._load_media(s)  # every input decoded and validated before anything is encoded
+        with self.lock:
+            media = self.read_media(s)  # every input decoded and validated before anything is encoded
             self.last_result = run_generation(self, s, media, progress, cancel, preview, outputs)
             return self.last_result
 
@@ -335,7 +363,7 @@ class Session:
         encoder; every rule checked first -- rate, length, size, audio track: `h3lab.clips_in`)."""
         from .clips_in import encode_clip
 
-        with self._lock:
+        with self.lock:
             return encode_clip(self, video, prompt, **options)
 
     # -------------------------------------------------------------------------------------- RL rollouts
@@ -347,7 +375,7 @@ class Session:
         takes the released `euler` step, for DiffusionNFT)."""
         from .rollout import rollout
 
-        with self._lock:
+        with self.lock:
             return rollout(self, prompts, group=group, stepper=stepper, level=level, seed=seed, window=window,
                            decode=decode, batched=batched, keep=keep, needs_density=needs_density, **overrides)
 
@@ -356,7 +384,7 @@ class Session:
         pass replayed alone (`h3lab.training.grpo_report.rollout_report`)."""
         from .training.grpo_report import rollout_report
 
-        with self._lock:
+        with self.lock:
             return rollout_report(self, prompt, group=group, reward=reward, settings=settings)
 
     # -------------------------------------------------------------------------------------- adapters
@@ -377,7 +405,7 @@ class Session:
     def preview_frame(self, latents: torch.Tensor) -> np.ndarray:
         """The preview of a latent clip (C, T, h, w): the middle frame of the smallest decodable window of middle
         latent frames, uint8 (H, W, 3) at the render canvas (`pipeline.preview_frame`)."""
-        return pipeline.preview_frame(self._load("vae"), latents)
+        return pipeline.preview_frame(self.component("vae"), latents)
 
     # ---------------------------------------------------------------------------------------- save
     def save(self, result: GenerationResult, path: str | os.PathLike) -> Path:

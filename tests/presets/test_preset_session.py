@@ -60,9 +60,9 @@ def test_repl_commands_validate_before_anything_loads(deep_snapshot):
     loads = []
 
     class Watched(Session):
-        def _load(self, name):
+        def component(self, name):
             loads.append(name)
-            return super()._load(name)
+            return super().component(name)
 
     state = commands.SessionState(session=lambda: Watched(deep_snapshot, device="cpu"))
     run = lambda line: commands.run_line(state, line)  # noqa: E731

@@ -2,7 +2,7 @@
 names the offending value and the rule (no traceback, no exception class name), nothing written anywhere under the
 working folder or the media folder, no model loaded and no REPL started, and the time before the error (< 5 s).
 
-Most cases run in-process (`cli.main` with captured output, `Session._load` and the REPL replaced by tripwires);
+Most cases run in-process (`cli.main` with captured output, `Session.component` and the REPL replaced by tripwires);
 the ones that need an environment variable or the console script's exit status run as subprocesses."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def no_work(monkeypatch):
     def repl(*args, **kwargs):
         raise Tripwire("the REPL started")
 
-    monkeypatch.setattr(Session, "_load", load)
+    monkeypatch.setattr(Session, "component", load)
     import h3lab.repl
 
     monkeypatch.setattr(h3lab.repl, "run_repl", repl)

@@ -53,19 +53,19 @@ def test_encode_clip_rows_are_the_components_outputs(session, clips, tmp_path):
     from h3lab.components.video_vae import patchify
 
     cropped = np.stack([_cover_crop(f, 64, 64) for f in on_grid])
-    latents = session._load("vae").encode_condition(cropped)
+    latents = session.component("vae").encode_condition(cropped)
     assert torch.equal(request.video[0], patchify(latents, (1, 2, 2)))
     # The audio rows: the track cut at A*800 samples, channel-major (left rows first, then right).
     need = s.num_audio_latents * HOP
     track = media.read_audio(path)[:, :need]
     assert track.shape == (2, need)
-    rows = session._load("audio_vae").encode(track)
+    rows = session.component("audio_vae").encode(track)
     assert torch.equal(request.audio[0], rows)
-    left = session._load("audio_vae").encode(np.repeat(track[:1], 2, axis=0))
+    left = session.component("audio_vae").encode(np.repeat(track[:1], 2, axis=0))
     assert torch.equal(request.audio[0, : s.num_audio_latents], left[: s.num_audio_latents])
     assert not torch.equal(request.audio[0, s.num_audio_latents:], left[s.num_audio_latents:])  # 880 Hz on the right
     # The text rows: what a generation of that prompt encodes.
-    assert torch.equal(request.text[0], session._load("text_encoder").encode("a red fox").embeds[0].cpu())
+    assert torch.equal(request.text[0], session.component("text_encoder").encode("a red fox").embeds[0].cpu())
     # Ready for save_dataset: sealed, reloaded byte-equal, fits the snapshot's transformer.
     out = save_dataset(tmp_path / "ds", [request])
     (back,), _ = load_dataset(out)
@@ -93,7 +93,7 @@ def test_silent_clip_encodes_silence_only_when_allowed(session, clips):
     ("png", {}, "not a regular file"),
 ])
 def test_clip_rules_refuse_before_encoding(session, clips, name, options, message, monkeypatch):
-    monkeypatch.setattr(session, "_load", lambda name: pytest.fail(f"{name} loaded for a refused clip"))
+    monkeypatch.setattr(session, "component", lambda name: pytest.fail(f"{name} loaded for a refused clip"))
     with pytest.raises(ValidationError) as err:
         encode_clip(session, clips / name, "a fox", **options)
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -149,7 +149,7 @@ def test_bad_adapters_fail_before_any_model_loads(tiny_snapshot, tmp_path, monke
     def tripwire(*args, **kwargs):
         raise Tripwire("a model was loaded")
 
-    monkeypatch.setattr(Session, "_load", tripwire)
+    monkeypatch.setattr(Session, "component", tripwire)
     good, _ = tiny_adapter(tmp_path / "good")
     session.load_lora(good)
     before = session.adapters

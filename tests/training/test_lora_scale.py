@@ -144,7 +144,7 @@ def test_a_bad_value_fails_before_any_model_loads(tiny_snapshot, tmp_path, monke
     def tripwire(*args, **kwargs):
         raise Tripwire("a model was loaded")
 
-    monkeypatch.setattr(Session, "_load", tripwire)
+    monkeypatch.setattr(Session, "component", tripwire)
     out = tmp_path / "x.mp4"
     code = cli.main(["-p", "a fox", "-d", str(tiny_snapshot), "--lora-scale", "blocks 0-x:0", "-o", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
