@@ -10,7 +10,9 @@ inserts (a LoRA layer, a tensor-parallel wrapper) — reads it with `current_ops
 mode, overrides and trace as the model's own. Outside any forward `current_ops()` is a fresh table of the current
 mode and overrides that records nothing (a module called on its own still runs strict when strict is asked).
 
-Modes (`use_mode(...)`, a context manager over a context variable, so threads and notebooks stay independent):
+Modes (`use_mode(...)`, a context manager over the execution context `h3lab.context`, one frozen value in one
+context variable, so threads and notebooks stay independent; overrides, placement and precomputed results below are
+fields of it too):
 
 - ``off``     the reference torch arithmetic; the oracle strict is measured against.
 - ``strict``  only the deterministic, batch-invariant kernels of `h3kernels` (the `kernels/` folder). An op with no

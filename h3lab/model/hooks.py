@@ -35,8 +35,9 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
   of the module call — what the next op consumes — so a hook sees a wrapper's output. A `HookSite` is a plain
   callable, not an `nn.Module`, so `named_modules()` stays Diffusers' module tree (parallel plans, LoRA target
   lists and offload maps see exactly the Diffusers paths). The registry it fires is the one `use_hooks` made current
-  for the running forward (`H3Transformer.forward` enters it, with None when no hook is registered): with no hook
-  registered a point costs one context-variable read and one `is None`.
+  for the running forward (the `hooks` field of the execution context, `h3lab.context`; `H3Transformer.forward`
+  enters it, with None when no hook is registered): with no hook registered a point costs one context read and one
+  `is None`.
 - Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
   (fully or up to torch's early stop), so a perturbation shapes the gradients exactly as it shaped the forward.
   `model.recomputing` is True during such a replay, for observers that must count each forward once.
