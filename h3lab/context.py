@@ -23,7 +23,8 @@ binds it.
   ineligible for graphs anyway (`graphs.shared_refusal`); their encoding only keeps the digest a function of the
   fields.
 - `bind(...)` values are the process's own: the model field holds ids and data pointers (a graph is a process's
-  own too).
+  own too). A context's own fields are encoded once per context value (the value is frozen; `bind` hands them to
+  the bound context), so a call's digest encodes only what it binds.
 
 Not execution state, kept in their own context variables: what a forward *recorded* (`runtime.last_trace`, the graph
 fronts' `last_path`, `step_graph.last_path`, streaming's `last_stats`, the collective log of the running forward),
@@ -79,21 +80,54 @@ class ExecutionContext:
     def bind(self, **call: Any) -> "ExecutionContext":
         """This context bound to one call (`front`, `kernel_tables`, `adapter_state`, `model`, `inputs`): its digest
         is the call's graph signature."""
-        return self.replace(**call)
+        other = sorted(set(call) - set(BOUND))
+        if other:
+            raise TypeError(f"bind field(s) {other}: a call binds only {', '.join(BOUND)}")
+        bound = self.replace(**call)
+        object.__setattr__(bound, "_own", self._own_state())  # the same unbound fields: their bytes are fed once
+        return bound
 
     def graphs_on(self, front: str) -> bool:
         return front in self.graphs
 
     def digest(self) -> str:
-        """SHA-256 (hex) of the fields' stable bytes (module contract)."""
-        h = hashlib.sha256()
-        for f in dataclasses.fields(self):
-            h.update(f.name.encode())
-            h.update(b"=")
-            _encode(getattr(self, f.name), h.update)
+        """SHA-256 (hex) of the fields' stable bytes (module contract): the context's own fields, then the bound
+        ones."""
+        h = self._own_state().copy()
+        for name in BOUND:
+            _feed(h, name, getattr(self, name))
         return h.hexdigest()
 
+    def _own_state(self):
+        """The hash state after the unbound fields, computed once per context value (its fields are frozen)."""
+        state = self.__dict__.get("_own")
+        if state is None:
+            state = hashlib.sha256()
+            for name in _OWN:
+                _feed(state, name, getattr(self, name))
+            object.__setattr__(self, "_own", state)
+        return state
 
+
+def _feed(h, name: str, value: Any) -> None:
+    h.update(name.encode() + b"=")
+    if name == "kernel_tables":  # the same tables every call: their bytes are kept by value (a few entries)
+        raw = _TABLES.get(value)
+        if raw is None:
+            parts: list = []
+            _encode(value, parts.append)
+            raw = b"".join(parts)
+            if len(_TABLES) >= 8:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[value] = raw
+        h.update(raw)
+    else:
+        _encode(value, h.update)
+
+
+_TABLES: dict = {}
+BOUND = ("front", "kernel_tables", "adapter_state", "model", "inputs")
+_OWN = tuple(f.name for f in dataclasses.fields(ExecutionContext) if f.name not in BOUND)
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ExecutionContext))
 DEFAULT = ExecutionContext()
 _CONTEXT: contextvars.ContextVar[ExecutionContext] = contextvars.ContextVar("h3lab_execution_context", default=DEFAULT)

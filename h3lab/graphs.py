@@ -349,8 +349,8 @@ def argument_key(a: Any) -> tuple | None:
     """One argument's shape, dtype, strides and device; an integer tensor's bytes too (the layout)."""
     if a is None:
         return None
-    meta = (tuple(a.shape), str(a.dtype), a.stride(), str(a.device))
-    return meta if a.is_floating_point() else (*meta, runtime.host_bytes(a))
+    meta = repr((tuple(a.shape), str(a.dtype), a.stride(), str(a.device)))  # ints and names: stable bytes
+    return (meta,) if a.is_floating_point() else (meta, runtime.host_bytes(a))
 
 
 _VERSION = operator.attrgetter("_version")

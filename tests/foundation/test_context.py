@@ -83,6 +83,17 @@ def test_values_not_identities_make_the_digest():
     assert context.ExecutionContext(model=(1, 2)).digest() != context.ExecutionContext(model=((1, 2),)).digest()
 
 
+def test_a_bound_context_digests_as_the_same_fields_built_directly():
+    base = context.ExecutionContext(mode="strict", fp8_attention="off")
+    base.digest()  # its own fields' state is kept and handed to what it binds
+    call = dict(front="strict", kernel_tables=((1, 2),), adapter_state=(), model=(1, "fp"), inputs=(("meta",),))
+    bound = base.bind(**call)
+    assert bound.digest() == context.ExecutionContext(mode="strict", fp8_attention="off", **call).digest()
+    assert bound.bind(front="fast").digest() != bound.digest()
+    with pytest.raises(TypeError, match=r"bind field\(s\) \['mode'\]"):
+        base.bind(mode="off")
+
+
 _CHILD = """
 import torch
 from h3lab import context, runtime
