@@ -340,8 +340,8 @@ def model_key(model: torch.nn.Module, tree: module_tree.Tree, trainable: frozens
     module_ids, tensors, tensor_ids, _, _ = tree
     versions = map(_VERSION, tensors) if not trainable else (
         -1 if i in trainable else t._version for i, t in zip(tensor_ids, tensors))
-    return (id(model), getattr(model, "fingerprint", ""), array.array("Q", module_ids), array.array("Q", tensor_ids),
-            array.array("Q", map(torch.Tensor.data_ptr, tensors)), ",".join(map(_dtype_name, tensors)),
+    return (id(model), getattr(model, "fingerprint", ""), _ids(module_ids), _ids(tensor_ids),
+            array.array("Q", map(torch.Tensor.data_ptr, tensors)), ",".join(map(str, map(_DTYPE, tensors))),
             array.array("q", versions))
 
 
@@ -353,17 +353,20 @@ def argument_key(a: Any) -> tuple | None:
     return (meta,) if a.is_floating_point() else (meta, runtime.host_bytes(a))
 
 
-_VERSION = operator.attrgetter("_version")
-_DTYPE_NAMES: dict = {}
+_IDS: dict = {}  # id(tuple) -> (the tuple, its array): a cached walk hands the same id tuples every call
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        name = _DTYPE_NAMES[t.dtype] = str(t.dtype)
-    return name
+def _ids(ids: tuple) -> array.array:
+    hit = _IDS.get(id(ids))
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    if len(_IDS) >= 16:
+        _IDS.clear()
+    _IDS[id(ids)] = (ids, array.array("Q", ids))  # the tuple is held, so its id names it
+    return _IDS[id(ids)][1]
 
 
+_DTYPE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("_version")
 CACHES = {mode: GraphCache(policy) for mode, policy in POLICIES.items()}
 
 
