@@ -30,7 +30,9 @@ Not execution state, kept in their own context variables: what a forward *record
 fronts' `last_path`, `step_graph.last_path`, streaming's `last_stats`, the collective log of the running forward),
 the op table of the running forward (`runtime.current_ops`: a recorder made from this context at a forward's start,
 re-entered by a checkpoint replay), and the index caches' `frozen()` pin list (`h3kernels._index_cache`: a graph
-capture's bookkeeping, per thread, below the h3lab rooms).
+capture's bookkeeping, per thread, below the h3lab rooms). The strict kernels' tile tables stay module globals of
+`h3kernels` (below every h3lab room; the benchmarks swap them) and the adapters' state stays on peft's layers: a
+bound context reads both when a signature is taken, so a graph never replays over a table or adapter it did not see.
 """
 
 from __future__ import annotations
