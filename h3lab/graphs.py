@@ -8,8 +8,9 @@ layouts. A replayed graph launches the same kernels on the same buffers without 
 Contract
 --------
 `run(model, args, body)` is what `H3Transformer.forward` calls with its checked inputs: the execution context
-(`h3lab.context`) picks the policy -- `POLICIES[mode]` when the context's graph policy has that front on
-(`ExecutionContext.graphs`, set with `use_graphs(mode, enabled)`), else `body(*args)`, the eager forward. The model
+(`h3lab.context`) picks the front -- a forward in a mode with a front (`POLICIES`: strict, fast) goes to that front's
+cache, which captures it where the context's graph policy has the front on (`ExecutionContext.graphs`, set with
+`use_graphs(mode, enabled)`) and the call is eligible; any other mode is `body(*args)`, the eager forward. The model
 never chooses between strict and fast graphs. `GraphCache(policy).run(model, args, body)`: `body(*args)` is one
 traced forward (a fresh op table, `H3Transformer._run_ops`) of the checked inputs `args` (tensors, or None for an
 absent `key_order`), returning a tuple of tensors. A `Policy` names the graph front (the runtime mode it serves) and
