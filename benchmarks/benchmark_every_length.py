@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import fast, fast_graph, runtime, strict_graph
+    from h3lab import fast, graphs, runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -160,13 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"built in {t1 - t0:.1f}s; fast.prepare quantised {prepared} weights in {time.time() - t1:.1f}s", flush=True)
 
     def h3(model, mode, inputs):
-        """mode: off | strict (eager: no CUDA graphs) | strict-graph (strict's CUDA graphs, h3lab.strict_graph) |
+        """mode: off | strict (eager: no CUDA graphs) | strict-graph (strict's CUDA graphs, h3lab.graphs) |
         fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers) | fast-cudnn (cuDNN bf16
         attention instead of the FP8 kernel)."""
         base = mode.split("-")[0]
         with runtime.use_mode(base), torch.no_grad(), emulate() if base == "fast" else contextlib.nullcontext(), \
-                strict_graph.use_graphs(mode == "strict-graph"), \
-                fast_graph.use_graphs(mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"), \
+                graphs.use_graphs("strict", mode == "strict-graph"), \
+                graphs.use_graphs("fast", mode != "fast-eager"), fast.use_fused_producers(mode != "fast-unfused"), \
                 fast.use_fp8_attention("off" if mode == "fast-cudnn" else "auto"):
             return model(**inputs)
 
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
                     times[impl].append(time.perf_counter() - start)
                     peaks[impl] = max(peaks.get(impl, 0.0), peak_mem_gib(device))
                     if impl.startswith("h3lab-fast"):
-                        paths[impl] = fast_graph.last_path()
+                        paths[impl] = graphs.last_path("fast")
                     elif impl == "h3lab-strict-graph":
-                        paths[impl] = strict_graph.last_path()
+                        paths[impl] = graphs.last_path("strict")
             flops = matmul_flops(cfg, rows, n)
             ref = outs.get("diffusers")
             base = statistics.median(times["diffusers"]) if "diffusers" in live else None
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
                       flush=True)
             del outs, fns, small, d_model, h_model
             v = a = ve = ae = vs = as_ = ref = None  # noqa: F841 - a graph's outputs keep its private pool alive
-            fast_graph.GRAPHS.clear()  # a shape's graph pools are not reused by the next (109,205 rows run out of
-            strict_graph.GRAPHS.clear()  # memory beside them)
+            graphs.CACHES["fast"].clear()  # a shape's graph pools are not reused by the next (109,205 rows run out of
+            graphs.CACHES["strict"].clear()  # memory beside them)
             if device == "cuda":
                 torch.cuda.empty_cache()
             doc.setdefault("partial_table", []).extend(results[-len(impls):])

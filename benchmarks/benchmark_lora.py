@@ -141,12 +141,12 @@ def fp32_variant(variant: str):
             tiles[torch.float32] = gemm.Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="ieee")
     if flag == "nosplit" or base == "fma64":
         gemm.SPLIT_MAX_N = 0
-    from h3lab import strict_graph
+    from h3lab import graphs
     from h3lab.training import step_graph
 
     # graphs replay the kernels they captured, whatever the tile tables say now: none may outlive a variant
     step_graph.GRAPHS.clear()
-    strict_graph.GRAPHS.clear()
+    graphs.CACHES["strict"].clear()
     try:
         yield
     finally:
@@ -154,7 +154,7 @@ def fp32_variant(variant: str):
         gemm.TREE_TILES.update(saved[1])
         gemm.SPLIT_MAX_N = saved[2]
         step_graph.GRAPHS.clear()
-        strict_graph.GRAPHS.clear()
+        graphs.CACHES["strict"].clear()
 
 
 def budget_run(args, config, device: str, doc: dict, tiny_shape: str | None) -> dict:
@@ -356,7 +356,7 @@ def adapter_switch_check(model, request, objective, device: str) -> dict:
     """GRPO's reference policy through strict forward graphs: no-grad strict forwards of one sample with the adapter
     on (warm-up, capture, replay), then with it off (`adapter_disabled`), against the eager forwards. The adapter-off
     forward must be another graph signature (peft's switch changes no tensor) and give the eager adapter-off bytes."""
-    from h3lab import runtime, strict_graph
+    from h3lab import graphs, runtime
     from h3lab.training.lora import adapter_disabled
 
     sample = request.sample(objective).to(device).canonical()
@@ -366,13 +366,13 @@ def adapter_switch_check(model, request, objective, device: str) -> dict:
         model.eval()
         for _ in range(3):
             on = model(**kwargs)
-        paths["on"] = strict_graph.last_path()
+        paths["on"] = graphs.last_path("strict")
         with adapter_disabled(model):
             off = model(**kwargs)
-            paths["off"] = strict_graph.last_path()
-            with strict_graph.use_graphs(False):
+            paths["off"] = graphs.last_path("strict")
+            with graphs.use_graphs("strict", False):
                 off_eager = model(**kwargs)
-        with strict_graph.use_graphs(False):
+        with graphs.use_graphs("strict", False):
             on_eager = model(**kwargs)
     sync(device)
     same = lambda a, b: all(bool(torch.equal(x, y)) for x, y in zip(a, b))  # noqa: E731

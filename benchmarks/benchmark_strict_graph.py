@@ -1,10 +1,10 @@
-"""Strict forwards with and without CUDA graphs against Diffusers, interleaved in one process (h3lab/strict_graph.py).
+"""Strict forwards with and without CUDA graphs against Diffusers, interleaved in one process (h3lab/graphs.py).
 
 Models: Diffusers' `MiniMaxH3Transformer3DModel` with seeded random weights and `H3Transformer` sharing the same
 parameter tensors (benchmark_forward.py), all 50 blocks, batch 1, t2va at 512x512x22f (2,066 rows) and 864x480x56f
 (7,272 rows) by default. Impls:
   diffusers            the Diffusers forward (the baseline of every ratio);
-  h3lab-strict         the eager strict forward (`strict_graph.use_graphs(False)`): strict without graphs;
+  h3lab-strict         the eager strict forward (`graphs.use_graphs("strict", False)`): strict without graphs;
   h3lab-strict-graph   the strict forward as shipped (graphs on): the first call runs eager, the second captures
                        (`capture_call_s`), every timed call must be a replay.
 Per shape: one warm-up of each impl (two for the graph: eager, then capture), then `--runs` rounds of the three in
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.runs < 1:
         ap.error(f"--runs {args.runs}: must be at least 1")
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import runtime, strict_graph
+    from h3lab import graphs, runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     doc["build_s"] = time.time() - t0
     print(f"built in {doc['build_s']:.1f}s", flush=True)
 
-    def strict(inputs, graphs: bool):
-        with runtime.use_mode("strict"), torch.no_grad(), strict_graph.use_graphs(graphs):
+    def strict(inputs, on: bool):
+        with runtime.use_mode("strict"), torch.no_grad(), graphs.use_graphs("strict", on):
             out = hm(**inputs)
-        return out, strict_graph.last_path()
+        return out, graphs.last_path("strict")
 
     def dif(inputs):
         with torch.no_grad():
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         fns = {"diffusers": lambda: (dif(inputs), None),
                "h3lab-strict": lambda: strict(inputs, False),
                "h3lab-strict-graph": lambda: strict(inputs, True)}
-        strict_graph.GRAPHS.clear()  # one shape's graph at a time (its memory pool goes with it)
+        graphs.CACHES["strict"].clear()  # one shape's graph at a time (its memory pool goes with it)
         outs, warm, first, capture = {}, {}, {}, {}
         for impl, fn in fns.items():  # warm-up: compilation; the graph's first call is its eager warm-up
             (outs[impl], first[impl]), warm[impl] = timed(fn)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                      if impl == "h3lab-strict-graph" else ""), flush=True)
         write(args.out, doc)
         del outs, eager, graph, fresh, fresh_graph, fresh_eager
-    strict_graph.GRAPHS.clear()
+    graphs.CACHES["strict"].clear()
     write(args.out, doc)
     if doc["failures"]:
         print(f"{len(doc['failures'])} failure(s): {doc['failures']}", flush=True)

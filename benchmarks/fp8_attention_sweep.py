@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         from benchmark_forward import build_diffusers, build_h3lab_shared, make_inputs
-        from h3lab import fast, fast_graph, runtime
+        from h3lab import fast, graphs, runtime
         from h3lab.config import H3Config
 
         cfg = H3Config(**{**H3Config.full().to_diffusers(), "num_layers": args.blocks})
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
 
             def _fast(model, inputs, attn):
-                with runtime.use_mode("fast"), fast_graph.use_graphs(False), fast.use_fp8_attention(attn):
+                with runtime.use_mode("fast"), graphs.use_graphs("fast", False), fast.use_fp8_attention(attn):
                     return model(**inputs)
             for impl, fn in runs.items():
                 with torch.no_grad():

@@ -31,8 +31,8 @@ rms_norm, rope        on (B, S, H, D) bfloat16 heads (the Q/K norm and RoPE): `h
                       arithmetic, one bfloat16 rounding; torch's ops took ~8 launches for a RoPE); off with
                       `use_fused_producers(False)`.
 every other op        the reference torch op (`off`).
-CUDA graphs           `H3Transformer.forward` runs a fast forward through `h3lab.fast_graph` (capture on a
-                      signature's second call, replays after; the eager forward otherwise): see that module.
+CUDA graphs           `H3Transformer.forward` runs a fast forward through `h3lab.graphs` (its fast front: capture
+                      on a signature's second call, replays after; the eager forward otherwise): see that module.
 Not strict            the trace's mode is "fast", every record's backend is "fast" and `Trace.to_dict()` carries
                       "strict": false; strict kernels are never called and strict never calls these. Code that
                       needs the strict contract (RL rollouts, batch-invariant replays) calls
@@ -57,12 +57,13 @@ Cost                  measured per pass against `off` (velocity and latent drift
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from . import context
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
@@ -82,44 +83,26 @@ _SWIGLU_INFO = {"kernel_id": "fast.fused.swiglu_e4m3", "tile": "one row per prog
 _HEAD_NORM_INFO = {"kernel_id": "fast.fused.head_rms_norm", "tile": "8 heads per program", "acc_dtype": "float32"}
 _ROPE_INFO = {"kernel_id": "fast.fused.rope", "tile": "8 heads per program", "acc_dtype": "float32"}
 _EMULATED_INFO = {"kernel_id": "fast.emulated.fp8_e4m3", "tile": "float32 emulation", "acc_dtype": "float32"}
-_emulated: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_emulated", default=False)
+# Fast mode's switches are fields of the one execution context (`h3lab.context`): fast_emulated, fast_fused,
+# fp8_attention.
 
 
 @contextlib.contextmanager
 def use_emulation() -> Iterator[None]:
     """Tests and CPU dry runs only: fast mode runs anywhere, its projections emulated by `linear_reference`."""
-    token = _emulated.set(True)
-    try:
+    with context.use(fast_emulated=True):
         yield
-    finally:
-        _emulated.reset(token)
-
-
-_fused: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_fast_fused", default=True)
-
-
-@contextlib.contextmanager
-def switch(var: contextvars.ContextVar[bool], enabled: bool, what: str) -> Iterator[None]:
-    """Set the boolean context variable `var` for the enclosed code; `what` names the switch in the refusal."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{what}({enabled!r}): must be True or False")
-    token = var.set(enabled)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 def use_fused_producers(enabled: bool):
     """Enable (default) or disable the fused FP8 producers and the shared row codes (benchmarks measure both)."""
-    return switch(_fused, enabled, "use_fused_producers")
+    return context.use_flag("fast_fused", enabled, "use_fused_producers")
 
 
 FP8_ATTENTION_CHOICES = ("auto", "on", "off")
 # "auto": the FP8 kernel from this many rows on. H200, fp8_attention_sweep.json (56 x 128 heads, quantisation included):
 # 0.73x cuDNN at 2,066 rows, 1.05x at 7,272, 1.12x at 37,853
 FP8_ATTENTION_MIN_ROWS = 7000
-_fp8_attention: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_fast_fp8_attention", default="auto")
 
 
 @contextlib.contextmanager
@@ -127,21 +110,13 @@ def use_fp8_attention(choice: str) -> Iterator[None]:
     """"auto" (default: the FP8 attention kernel where it measured faster), "on" or "off" (cuDNN bf16 SDPA)."""
     if choice not in FP8_ATTENTION_CHOICES:
         raise ValueError(f"use_fp8_attention({choice!r}): must be one of {', '.join(FP8_ATTENTION_CHOICES)}")
-    token = _fp8_attention.set(choice)
-    try:
+    with context.use(fp8_attention=choice):
         yield
-    finally:
-        _fp8_attention.reset(token)
-
-
-def graph_key() -> tuple:
-    """The fast-mode switches a captured forward depends on (`h3lab.fast_graph` keys its graphs with them)."""
-    return (_fused.get(), _emulated.get(), _fp8_attention.get())
 
 
 def emulated() -> bool:
     """True inside `use_emulation()`."""
-    return _emulated.get()
+    return context.current().fast_emulated
 
 
 _BOUND: dict[str, Any] = {}  # set by `bind` from h3lab.runtime: this module never imports the runtime
@@ -266,7 +241,7 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from h3kernels.fp8_quant import quantize_rows
 
     qw, sw = WEIGHTS.get(weight)
-    fused = _fused.get()
+    fused = context.current().fast_fused
     hit = ROWS.lookup(x) if fused else None
     if hit is None:
         hit = quantize_rows(x.reshape(-1, x.shape[-1]))
@@ -337,7 +312,7 @@ def _attention_fp8(q, k, v, key_order=None):
 def _fp8_attention_wanted(args: tuple) -> bool:
     from h3kernels.fp8_attention import HEAD_DIMS
 
-    choice = _fp8_attention.get()
+    choice = context.current().fp8_attention
     q = args[0] if args else None
     if choice == "off" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype != torch.bfloat16:
         return False
@@ -362,7 +337,7 @@ def _check(name: str, point: str, args: tuple, kwargs: dict) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise _error(f"mode 'fast' is inference-only (FP8 products have no backward): {where} was called with "
                      "autograd recording; use strict or off for training")
-    if _emulated.get():
+    if context.current().fast_emulated:
         return
     for t in tensors:
         if t.device.type != "cuda" and WEIGHTS.lookup(t) is None:  # a dropped bf16 weight runs as its FP8 copy
@@ -381,7 +356,7 @@ def _check(name: str, point: str, args: tuple, kwargs: dict) -> None:
 def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Callable[..., Any]]:
     """(trace info, the callable that computes op `name` in fast mode); raises FastModeError (one line) for a call
     fast mode refuses."""
-    REFERENCE_OPS = _BOUND["ops"]
+    REFERENCE_OPS, ctx = _BOUND["ops"], context.current()
     _check(name, point, args, kwargs)
     if name in ("linear", "linear_tree"):
         weight = args[1] if len(args) > 1 else kwargs["weight"]
@@ -389,13 +364,13 @@ def serve(name: str, point: str, args: tuple, kwargs: dict) -> tuple[dict, Calla
             return _FP32_INFO, REFERENCE_OPS[name]
         x = args[0] if args else kwargs["x"]
         if _fp8_eligible(weight) and x.dtype == torch.bfloat16:
-            return (_EMULATED_INFO, linear_reference) if _emulated.get() else (_LINEAR_INFO, _fp8_linear)
+            return (_EMULATED_INFO, linear_reference) if ctx.fast_emulated else (_LINEAR_INFO, _fp8_linear)
         return _BF16_INFO, REFERENCE_OPS[name]
     if name == "attention":
-        if _emulated.get():
+        if ctx.fast_emulated:
             return _TORCH_INFO, REFERENCE_OPS[name]
         return (_FP8_ATTN_INFO, _attention_fp8) if _fp8_attention_wanted(args) else (_ATTN_INFO, _attention)
-    if not _emulated.get() and _fused.get():
+    if not ctx.fast_emulated and ctx.fast_fused:
         x = args[0] if args else None
         if name in ("rms_norm", "rope") and _heads4(x):
             return (_HEAD_NORM_INFO, _head_rms_norm) if name == "rms_norm" else (_ROPE_INFO, _rope)

@@ -10,7 +10,9 @@ inserts (a LoRA layer, a tensor-parallel wrapper) — reads it with `current_ops
 mode, overrides and trace as the model's own. Outside any forward `current_ops()` is a fresh table of the current
 mode and overrides that records nothing (a module called on its own still runs strict when strict is asked).
 
-Modes (`use_mode(...)`, a context manager over a context variable, so threads and notebooks stay independent):
+Modes (`use_mode(...)`, a context manager over the execution context `h3lab.context`, one frozen value in one
+context variable, so threads and notebooks stay independent; overrides, placement and precomputed results below are
+fields of it too):
 
 - ``off``     the reference torch arithmetic; the oracle strict is measured against.
 - ``strict``  only the deterministic, batch-invariant kernels of `h3kernels` (the `kernels/` folder). An op with no
@@ -46,7 +48,7 @@ the op would have written. A table built by one forward keeps the layer (a gradi
 its forward was).
 
 `derived(tensors, tag, make)` keeps a value derived from integer tensors (the AdaLN row index) while they are
-unchanged, and `frozen_index_caches()` is what a CUDA graph capture (`h3lab.cuda_graph`) runs inside: no index-cache
+unchanged, and `frozen_index_caches()` is what a CUDA graph capture (`h3lab.graphs`) runs inside: no index-cache
 entry is built there (a miss raises before any host sync), and the entries read are collected for the graph.
 
 `last_trace()` returns the `Trace` of the most recent forward in this context: per op call the hook point, the
@@ -66,6 +68,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from . import context
 
 MODES = ("strict", "audit", "auto", "off", "fast")
 # auto on CPU tensors: "torch" (the production op; the interpreter only when strict is asked for) or "interpreter"
@@ -217,12 +221,10 @@ OP_NAMES = tuple(REFERENCE_OPS)
 
 
 # ----------------------------------------------------------------------------------------------- mode state
-_mode: contextvars.ContextVar[str] = contextvars.ContextVar("h3lab_mode", default="off")
-_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_overrides", default={})
+# The mode, overrides, placement and precomputed results are fields of the one execution context (`h3lab.context`);
+# the setters below are thin ones over it. The last trace and the running forward's op table are records of what ran.
 _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
 _current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
-_placement: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_placement", default=None)
-_precomputed: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_precomputed", default=None)
 
 
 def check_mode(mode: str) -> str:
@@ -232,7 +234,7 @@ def check_mode(mode: str) -> str:
 
 
 def current_mode() -> str:
-    return _mode.get()
+    return context.current().mode
 
 
 def require_not_fast(what: str, mode: str | None = None) -> None:
@@ -247,11 +249,8 @@ def require_not_fast(what: str, mode: str | None = None) -> None:
 @contextlib.contextmanager
 def use_mode(mode: str) -> Iterator[str]:
     """Run the enclosed forwards in `mode` ("strict" | "audit" | "auto" | "off")."""
-    token = _mode.set(check_mode(mode))
-    try:
+    with context.use(mode=check_mode(mode)):
         yield mode
-    finally:
-        _mode.reset(token)
 
 
 @contextlib.contextmanager
@@ -260,48 +259,40 @@ def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
     unknown = sorted(set(overrides) - set(OP_NAMES))
     if unknown:
         raise ValueError(f"override for unknown op(s) {unknown}: ops are {', '.join(OP_NAMES)}")
-    token = _overrides.set({**_overrides.get(), **overrides})
-    try:
+    merged = {**dict(context.current().overrides), **overrides}
+    with context.use(overrides=tuple(sorted(merged.items(), key=lambda item: item[0]))):
         yield
-    finally:
-        _overrides.reset(token)
 
 
 @contextlib.contextmanager
 def use_placement(placement: Any) -> Iterator[Any]:
     """Serve the enclosed forwards' ops through `placement` (`serve(name, point, ops) -> callable | None`, and
     `describe() -> dict` for the trace); `h3lab.distributed` enters it around a sharded forward."""
-    token = _placement.set(placement)
-    try:
+    with context.use(placement=placement):
         yield placement
-    finally:
-        _placement.reset(token)
 
 
 def current_placement() -> Any:
     """The placement the enclosing `use_placement` set (None for a one-process forward)."""
-    return _placement.get()
+    return context.current().placement
 
 
 @contextlib.contextmanager
 def use_precomputed(server: Any) -> Iterator[Any]:
     """Serve the enclosed forwards' ops from results computed ahead where `server.serve(name, point, ops)` returns a
     callable (see the module docstring); None serves nothing."""
-    token = _precomputed.set(server)
-    try:
+    with context.use(precomputed=server):
         yield server
-    finally:
-        _precomputed.reset(token)
 
 
 def current_precomputed() -> Any:
     """The server the enclosing `use_precomputed` set (None: every op is computed in its forward)."""
-    return _precomputed.get()
+    return context.current().precomputed
 
 
 def active_overrides() -> tuple[str, ...]:
     """Names of the ops the enclosing `use_overrides` replace, sorted."""
-    return tuple(sorted(_overrides.get()))
+    return tuple(name for name, _ in context.current().overrides)
 
 
 @contextlib.contextmanager
@@ -331,7 +322,7 @@ def last_trace() -> "Trace | None":
 
 
 def set_last_trace(trace: "Trace") -> None:
-    """Make `trace` `last_trace()`: a CUDA graph replay (`h3lab.cuda_graph`) runs no op table."""
+    """Make `trace` `last_trace()`: a CUDA graph replay (`h3lab.graphs`) runs no op table."""
     _last_trace.set(trace)
 
 
@@ -359,7 +350,7 @@ class Trace:
     records: list[OpRecord] = field(default_factory=list)
     placement: dict | None = None  # topology, rank, ownership of a sharded forward (h3lab.distributed)
     collectives: Any = None  # its CollectiveLog (`to_dict()`): each collective, its algorithm, fallback state
-    graph: dict | None = None  # fast and strict: how the forward ran (`h3lab.cuda_graph`: eager, captured, replay)
+    graph: dict | None = None  # fast and strict: how the forward ran (`h3lab.graphs`: eager, captured, replay)
 
     @property
     def fallbacks(self) -> list[OpRecord]:
@@ -454,9 +445,10 @@ class Ops:
         self.mode = check_mode(mode)
         self.trace = trace
         self.record = record
-        self._overrides = _overrides.get() if overrides else {}
-        self._placement = _placement.get() if placement else None
-        self._precomputed = _precomputed.get() if precomputed else None
+        ctx = context.current()
+        self._overrides = dict(ctx.overrides) if overrides else {}
+        self._placement = ctx.placement if placement else None
+        self._precomputed = ctx.precomputed if precomputed else None
         self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
@@ -561,7 +553,7 @@ def ops(device: torch.device | str = "cpu", fingerprint: str = "", record: bool 
     """Start a forward in the current mode: a fresh `Trace` becomes `last_trace()` and the returned `Ops` fills it."""
     mode = current_mode()
     trace = Trace(mode=mode, device=str(device), fingerprint=fingerprint, versions=versions())
-    placement = _placement.get()
+    placement = context.current().placement
     if placement is not None:
         trace.placement = placement.describe()
     _last_trace.set(trace)
@@ -585,7 +577,7 @@ def derived(tensors: tuple[torch.Tensor, ...], tag: str, make: Callable[[], Any]
     """`make()` (a value derived from the integer tensors `tensors`: the AdaLN row index, a tensor's host bytes)
     computed once while every tensor is the same live object at the same `_version`, as the strict kernels cache
     their validated index metadata (`h3kernels._index_cache`): the same layout tensors give the same derived object,
-    so the kernels' caches keyed by it hit too, and a CUDA graph capture (`h3lab.cuda_graph`) finds it built.
+    so the kernels' caches keyed by it hit too, and a CUDA graph capture (`h3lab.graphs`) finds it built.
     Inside `torch.inference_mode()` nothing is cached (its result is an inference tensor, which a later forward
     under autograd could not use)."""
     global _DERIVED
@@ -596,6 +588,13 @@ def derived(tensors: tuple[torch.Tensor, ...], tag: str, make: Callable[[], Any]
 
         _DERIVED = IndexCache(max_entries=256)
     return _DERIVED.get(tuple(tensors), (tag,), lambda: {"value": make()})["value"]
+
+
+def host_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes on the host (one device read), read once per live tensor and `_version` (`derived`): what a
+    graph signature holds of an integer tensor (`h3lab.context` encodes tensors with it)."""
+    return derived((t,), "host_bytes", lambda: t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+                   .tobytes())
 
 
 def frozen_index_caches():
@@ -610,7 +609,7 @@ def frozen_index_caches():
 def kernel_settings() -> tuple:
     """The strict kernels' module-level launch settings a captured graph bakes in: the GEMM tile tables and narrow
     rule, attention's tiles and forward variants (frozen values, compared by value). A CUDA graph replays the kernels
-    it captured whatever these say later, so graph signatures hold them (`h3lab.cuda_graph`,
+    it captured whatever these say later, so graph signatures hold them (`h3lab.graphs`,
     `h3lab.training.step_graph`): swapping a tile table (the benchmarks' variants do) is a new signature."""
     from h3kernels import attention, gemm
 
@@ -636,3 +635,4 @@ def _strict_registry() -> tuple[dict[str, Any], type[Exception]]:
 
 from . import fast  # noqa: E402 - the fast op table; it gets the reference ops and the refusal type from here
 fast.bind(REFERENCE_OPS, FastModeError)
+context.bind_bytes(host_bytes)

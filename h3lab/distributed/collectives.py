@@ -75,6 +75,7 @@ import torch.distributed as dist
 from h3kernels import attention as strict_attention
 from h3kernels import gemm
 
+from .. import context
 from .errors import DistributedError
 from .mailbox import mailbox
 from .mesh import Mesh
@@ -139,22 +140,18 @@ class CollectiveLog:
 
 
 _log: contextvars.ContextVar[CollectiveLog | None] = contextvars.ContextVar("h3lab_collective_log", default=None)
-_timing: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_collective_timing", default=False)
 
 
 @contextlib.contextmanager
 def use_timing(on: bool = True) -> Iterator[None]:
     """Logs begun inside time their transport calls (module docstring)."""
-    token = _timing.set(on)
-    try:
+    with context.use(collective_timing=on):  # a field of the one execution context
         yield
-    finally:
-        _timing.reset(token)
 
 
 def begin_log(mesh: Mesh) -> CollectiveLog:
     """Start the collective log of one forward on this rank; it is what `last_log()` returns until the next."""
-    log = CollectiveLog(mesh=mesh.to_dict(), timed=_timing.get())
+    log = CollectiveLog(mesh=mesh.to_dict(), timed=context.current().collective_timing)
     _log.set(log)
     return log
 

@@ -31,7 +31,6 @@ exchanges every rank's first failure after "stop", so every rank reports the ear
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import runtime
+from .. import context, runtime
 from ..errors import user_message
 from .errors import DistributedError
 from .mesh import Mesh
@@ -49,7 +48,6 @@ from .placement import Placement, add_announcer
 
 CONTROL_TIMEOUT = timedelta(days=7)
 _channel: list["Channel"] = []  # the lead channel while `lead` runs on rank 0
-_pass: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3lab_follow_pass", default=None)
 
 
 class Channel:
@@ -101,17 +99,14 @@ def _announce_forward(placement: Placement, arguments: dict) -> None:
         return
     args = {k: _host(v) for k, v in arguments.items() if k != "self"}
     hooked = sorted(placement.model.hooked_points())
-    channel.send(("forward", placement.name, runtime.current_mode(), args, hooked, _pass.get()))
+    channel.send(("forward", placement.name, runtime.current_mode(), args, hooked, context.current().follow_pass))
 
 
 def passing(inner: Callable) -> Callable:
     """A run's forward that marks its pass for the announcement (module docstring, "Per-pass transforms")."""
     def forward(m, inputs, video, audio, i):
-        token = _pass.set(i)
-        try:
+        with context.use(follow_pass=i):  # a field of the one execution context
             return inner(m, inputs, video, audio, i)
-        finally:
-            _pass.reset(token)
 
     return forward
 

@@ -55,7 +55,6 @@ one; this module has no fault branch.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import time
 import weakref
@@ -68,7 +67,7 @@ from torch import nn
 
 from h3kernels import gemm
 
-from .. import runtime
+from .. import context, runtime
 from ..hashing import tensor_digest
 from ..model.hooks import HookPoint, sharded_layout, use_view
 from . import autograd as mesh_autograd
@@ -129,7 +128,7 @@ class Frame:
         return out
 
 
-_frame: contextvars.ContextVar[Frame | None] = contextvars.ContextVar("h3lab_placement_frame", default=None)
+# The running forward's frame is a field of the one execution context (`h3lab.context`: placement_frame).
 # model -> weakref to its Placement; the model holds the Placement (`_h3lab_placement`), so the pair is one cycle
 # the garbage collector frees (a strong value here would keep every parallelized model and its weights alive)
 _PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -207,7 +206,7 @@ class Placement:
         out = {"name": self.name, **self.mesh.to_dict(), "heads": list(self.heads),
                "agreement": "all_gather_object over the world: mode, overrides, hooked points, input digests, "
                             "row ownership"}
-        frame = _frame.get()
+        frame = context.current().placement_frame
         if frame is not None:
             out["rows"] = frame.to_dict()
         return out
@@ -303,7 +302,7 @@ class Placement:
     # ---------------------------------------------------------------------------------------- runtime layer
     def serve(self, name: str, point: str, ops: runtime.Ops) -> Callable[..., Any] | None:
         """The runtime placement layer: a callable serving `name` at `point` on the shards, or None."""
-        frame = _frame.get()
+        frame = context.current().placement_frame
         if frame is None:
             return None
         if name in ("linear", "linear_tree") and self.tp > 1:
@@ -463,7 +462,7 @@ class Placement:
         return bool(got[0])
 
     def _current(self, where: str) -> Frame:
-        frame = _frame.get()
+        frame = context.current().placement_frame
         if frame is None:
             raise DistributedError(f"{where}: a module of a model parallelized on {self.topology.name} ran outside "
                                    "the model's forward (call the model itself)")
@@ -628,11 +627,8 @@ def _frozen(point: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None
 
 @contextlib.contextmanager
 def _use_frame(frame: Frame | None):
-    token = _frame.set(frame)
-    try:
+    with context.use(placement_frame=frame):
         yield frame
-    finally:
-        _frame.reset(token)
 
 
 def _verdict(records: list[dict], topology: Topology, frame: Frame | None) -> tuple[str, type]:

@@ -35,8 +35,9 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
   of the module call — what the next op consumes — so a hook sees a wrapper's output. A `HookSite` is a plain
   callable, not an `nn.Module`, so `named_modules()` stays Diffusers' module tree (parallel plans, LoRA target
   lists and offload maps see exactly the Diffusers paths). The registry it fires is the one `use_hooks` made current
-  for the running forward (`H3Transformer.forward` enters it, with None when no hook is registered): with no hook
-  registered a point costs one context-variable read and one `is None`.
+  for the running forward (the `hooks` field of the execution context, `h3lab.context`; `H3Transformer.forward`
+  enters it, with None when no hook is registered): with no hook registered a point costs one context read and one
+  `is None`.
 - Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
   (fully or up to torch's early stop), so a perturbation shapes the gradients exactly as it shaped the forward.
   `model.recomputing` is True during such a replay, for observers that must count each forward once.
@@ -57,13 +58,13 @@ module that outside code inserts records its own calls under `<point of the modu
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .. import context
 from ..config import H3Config
 from ..errors import H3Error
 
@@ -277,7 +278,7 @@ class HookRegistry:
         fns = [fn for fn, selected in list(self._hooks.values()) if selected is None or name in selected]
         if not fns:
             return tensor
-        view = _view.get()
+        view = context.current().hook_view
         if view is None:
             return self._run(point, fns, tensor)
         # A placement's view (h3lab.distributed): hooks see the one-process tensor, a replacement is re-sharded.
@@ -308,8 +309,7 @@ class HookRegistry:
 
 
 # ------------------------------------------------------------------------------------------------ call sites
-_active: contextvars.ContextVar[HookRegistry | None] = contextvars.ContextVar("h3lab_active_hooks", default=None)
-_view: contextvars.ContextVar["HookView | None"] = contextvars.ContextVar("h3lab_hook_view", default=None)
+# The active registry and the hook view are fields of the one execution context (`h3lab.context`: hooks, hook_view).
 
 
 class HookView(Protocol):
@@ -328,26 +328,20 @@ class HookView(Protocol):
 @contextlib.contextmanager
 def use_view(view: "HookView | None") -> Iterator[None]:
     """Fire the enclosed forward's hooks through `view` (None: hooks see the tensors as computed)."""
-    token = _view.set(view)
-    try:
+    with context.use(hook_view=view):
         yield
-    finally:
-        _view.reset(token)
 
 
 def active_hooks() -> HookRegistry | None:
     """The registry the running forward fires (None: no hook registered, or no forward running)."""
-    return _active.get()
+    return context.current().hooks
 
 
 @contextlib.contextmanager
 def use_hooks(registry: HookRegistry | None) -> Iterator[None]:
     """Make `registry` the one every `HookSite` of the enclosed code fires (None: sites pass values through)."""
-    token = _active.set(registry)
-    try:
+    with context.use(hooks=registry):
         yield
-    finally:
-        _active.reset(token)
 
 
 class HookSite:
@@ -357,7 +351,7 @@ class HookSite:
         self.name = name
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        hooks = _active.get()
+        hooks = context.current().hooks
         return tensor if hooks is None else hooks.fire(self.name, tensor)
 
     def __repr__(self) -> str:

@@ -32,35 +32,29 @@ Contract:
   `model.reset_buffers(device)` recomputes `inv_freq` (it is not in the state dict). `from_pretrained` delegates to
   `h3lab.checkpoint.loader.load_transformer`.
 - `model.fingerprint` (default "") is written into the runtime trace of every forward.
-- Modes "fast" and "strict": the checked forward goes through `h3lab.fast_graph.run` / `h3lab.strict_graph.run`
-  (CUDA graphs where eligible, else the same eager forward; `h3lab.cuda_graph`); every other mode runs it directly.
+- The checked forward goes through `h3lab.graphs.run`: the execution context's graph policy (`h3lab.context`) decides
+  whether it is a CUDA graph's capture or replay or the eager forward itself; the model never looks at the mode.
 """
 
 from __future__ import annotations
 
-import contextvars
 from typing import Iterable
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .. import runtime
+from .. import context, graphs, runtime
 from ..config import NUM_MODALITIES, H3Config
 from .hooks import HookFn, HookPoint, HookRegistry, HookSite, hook_points, use_hooks
 from .inputs import ModelInputError, check_inputs, check_key_order
 from .layers import AdaLNOut, Linear, RotaryTable, TimestepMLP, TokenRefiner, TransformerBlock
 from .precision import check_policy, policy_dtype
 
-_PRESERVE_RNG: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_checkpoint_preserve_rng", default=True)
-
-
 def checkpoint_rng_state(preserve: bool):
     """Whether the enclosed forwards' gradient checkpoints save and restore the RNG state (default True; see the
     module contract)."""
-    from ..fast import switch
-
-    return switch(_PRESERVE_RNG, preserve, "checkpoint_rng_state")
+    return context.use_flag("checkpoint_rng", preserve, "checkpoint_rng_state")
 
 
 class H3Transformer(nn.Module):
@@ -192,16 +186,7 @@ class H3Transformer(nn.Module):
             check_key_order(key_order, position_ids)
         args = (hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
                 position_ids, video_indices, audio_indices, text_indices, key_order)
-        mode = runtime.current_mode()
-        if mode == "fast":  # CUDA graphs of the checked forward where eligible (fast_graph, strict_graph)
-            from .. import fast_graph
-
-            return fast_graph.run(self, args, self._run_ops)
-        if mode == "strict":
-            from .. import strict_graph
-
-            return strict_graph.run(self, args, self._run_ops)
-        return self._run_ops(*args)
+        return graphs.run(self, args, self._run_ops)  # the context's graph policy: a graph or the eager forward
 
     def _run_ops(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """One traced forward of checked inputs: a fresh op table and the hook registry made current."""
@@ -264,7 +249,7 @@ class H3Transformer(nn.Module):
         while grad is enabled and `gradient_checkpointing` is set."""
         if not (torch.is_grad_enabled() and self.gradient_checkpointing):
             return block(*args)
-        calls, context = [0], self.hook_context
+        calls, hook_context = [0], self.hook_context
 
         def replayable(*inputs) -> torch.Tensor:
             calls[0] += 1
@@ -274,7 +259,7 @@ class H3Transformer(nn.Module):
             # (same mode and overrides) made current again, the same hooks seeing the forward's hook_context, but no
             # second trace.
             saved = ops.record, self.hook_context
-            ops.record, self.recomputing, self.hook_context = False, True, context
+            ops.record, self.recomputing, self.hook_context = False, True, hook_context
             try:
                 with runtime.use_ops(ops), use_hooks(hooks):
                     return block(*inputs)
@@ -282,4 +267,4 @@ class H3Transformer(nn.Module):
                 (ops.record, self.hook_context), self.recomputing = saved, False
 
         return torch.utils.checkpoint.checkpoint(replayable, *args, use_reentrant=False,
-                                                 preserve_rng_state=_PRESERVE_RNG.get())
+                                                 preserve_rng_state=context.current().checkpoint_rng)

@@ -28,14 +28,13 @@ Contract
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from .. import runtime
+from .. import context, runtime
 from ..config import AUDIO, TEXT, VIDEO
 from ..errors import ValidationError
 from ..run import FieldProvider, register_field
@@ -43,7 +42,6 @@ from ..schema.lora_scale import deepest_block, describe, normalise
 from .lora import AdapterError, lora_layers
 
 _BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
-_STREAMS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("h3lab_lora_row_streams", default=None)
 
 
 def validate(value: Any) -> dict[str, Any]:
@@ -68,11 +66,8 @@ def _row_streams(inputs: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def row_streams(inputs: Any) -> Iterator[torch.Tensor]:
     """Publish the packed rows' streams of `inputs` to the LoRA layers for the enclosed forward."""
-    token = _STREAMS.set(_row_streams(inputs))
-    try:
-        yield _STREAMS.get()
-    finally:
-        _STREAMS.reset(token)
+    with context.use(lora_streams=_row_streams(inputs)) as ctx:  # a field of the one execution context
+        yield ctx.lora_streams
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +96,7 @@ class LayerScale:
 
     def rows(self, rows: int, ref: torch.Tensor) -> torch.Tensor:
         """(rows,) int64 stream of each of the layer's output rows (the forward's rows, repeated per batch item)."""
-        streams = _STREAMS.get()
+        streams = context.current().lora_streams
         if streams is None:
             raise AdapterError(f"lora_scale at {self.point}: per-modality factors need the rows' streams; run the "
                                "model through the run spec (h3lab.run.denoise), not directly")
@@ -177,10 +172,10 @@ def apply(value: dict[str, Any], run: Any) -> Iterator[Any]:
     try:
         with contextlib.ExitStack() as stack:
             if per_row:
-                from .. import fast_graph, strict_graph
+                from .. import graphs
 
-                stack.enter_context(strict_graph.use_graphs(False))
-                stack.enter_context(fast_graph.use_graphs(False))
+                stack.enter_context(graphs.use_graphs("strict", False))
+                stack.enter_context(graphs.use_graphs("fast", False))
             yield run.replace(changed=changed, forward=forward if per_row else inner)
     finally:
         for layer in layers.values():

@@ -14,15 +14,16 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
 - Eligible calls: graphs enabled (`use_graphs`, default on), runtime mode `strict`, every tensor of the sample and
   every trainable parameter on CUDA, at most `MAX_ROWS` packed rows, the default loss and no input gradients (the
   caller's rule: `request_gradient` passes other calls straight to the eager body), and what every graph of a model
-  needs (`cuda_graph.shared_refusal`: no hook, op override, placement, nested capture or inference mode; no torch
+  needs (`graphs.shared_refusal`: no hook, op override, placement, nested capture or inference mode; no torch
   forward hook on any module). Every other call is `body(sample)` itself with the reason in `last_path()`.
-- Signature: the model (weakly held) and its modules' identities, every adapter layer's Python state
-  (`module_tree.adapter_state`), the strict kernels' tile tables (`runtime.kernel_settings`), fingerprint, train
-  mode and checkpointing flag;
-  the runtime mode; the trainable parameters' names, identities, data pointers, dtypes and shapes -- not their
-  `_version`: the optimiser updates them in place between steps, and the graph reads them by address, which is the
+- Signature: the digest of the execution context (`h3lab.context`: the runtime mode and every other field) bound to
+  the call (`graphs.bound_context`, front "step"), and nothing else. Bound, it holds the model (weakly held here) and
+  its modules' identities, every adapter layer's Python state (`module_tree.adapter_state`), the strict kernels' tile
+  tables (`runtime.kernel_settings`), fingerprint, train mode and checkpointing flag; the trainable parameters'
+  names, identities, data pointers, dtypes and shapes -- not their `_version`: the optimiser updates them in place
+  between steps, and the graph reads them by address, which is the
   point; every other parameter and buffer's identity, data pointer, dtype and `_version` (a frozen weight written in
-  place is a new signature, as in `h3lab.cuda_graph`); the objective's weights, the request's weight and
+  place is a new signature, as in `h3lab.graphs`); the objective's weights, the request's weight and
   conditioning-row counts (they are constants of the loss); each sample tensor's name, shape, dtype, strides and
   device; and the bytes of every integer sample tensor (the layout: the strict kernels' validated index maps and the
   AdaLN row index are built from it before capture and baked into the graph), read to the host in one copy a call.
@@ -46,7 +47,7 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
   more than it saves), said in `last_path()`. At most 2 * `max_graphs` signatures wait for a second call and as many
   eager ones are remembered (the oldest forgotten); `clear()` drops them all. One call at a time (a lock around
   copy, replay and clone).
-`backend` is the capture seam (`cuda_graph.CudaBackend` on the GPU; the CPU tests replay by re-running the body,
+`backend` is the capture seam (`graphs.CudaBackend` on the GPU; the CPU tests replay by re-running the body,
 and pass `device_ok` to stand in for the CUDA rule).
 """
 
@@ -61,20 +62,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import cuda_graph, module_tree, runtime
-from ..fast import switch
+from .. import context, graphs, module_tree, runtime
 from ..model.transformer import checkpoint_rng_state
 
-MAX_ROWS = 16384  # as strict forwards (`strict_graph.MAX_ROWS`): past it a step is GPU-bound and the pool is large
+MAX_ROWS = 16384  # as strict forwards (`graphs.STRICT_MAX_ROWS`): past it a step is GPU-bound and the pool is large
 MAX_GRAPHS = 2
 SCOPE = "training micro-batch"
-_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("h3lab_step_graphs", default=True)
+# The switch is the "step" front of the execution context's graph policy (`h3lab.context`); the path is a record.
 _last_path: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_step_graph_path", default={})
 
 
 def use_graphs(enabled: bool):
     """Enable (default) or disable CUDA graphs of the enclosed strict training micro-batches."""
-    return switch(_enabled, enabled, "step_graph.use_graphs")
+    return context.use_graphs("step", enabled, "step_graph.use_graphs")
 
 
 def last_path() -> dict:
@@ -106,7 +106,7 @@ class StepGraphs:
                  device_ok: Callable[[], bool] | None = None):
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs={max_graphs!r}: must be a positive integer")
-        self.backend = backend or cuda_graph.CudaBackend()
+        self.backend = backend or graphs.CudaBackend()
         self.max_graphs = max_graphs
         self._device_ok = device_ok  # tests: stand-in for "every tensor on CUDA"
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -176,7 +176,7 @@ class StepGraphs:
         return out
 
     def _ineligible(self, model, sample, params) -> str:
-        if not _enabled.get():
+        if not context.current().graphs_on("step"):
             return "graphs disabled (step_graph.use_graphs(False))"
         mode = runtime.current_mode()
         if mode != "strict":
@@ -190,7 +190,7 @@ class StepGraphs:
         rows = sample.position_ids.shape[0]
         if rows > MAX_ROWS:
             return f"{rows} packed rows > step_graph.MAX_ROWS = {MAX_ROWS} (eager: graphs pay only at short layouts)"
-        return cuda_graph.shared_refusal(model, self.backend)
+        return graphs.shared_refusal(model, self.backend)
 
     def _evict(self) -> None:
         captured = [k for k, e in self._entries.items() if e.graph is not None]
@@ -230,22 +230,19 @@ def _integer_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def signature(model: torch.nn.Module, sample, objective, params: Sequence[tuple[str, torch.nn.Parameter]],
-              tree: module_tree.Tree) -> tuple:
-    """The cache key of one call (see the module contract)."""
-    module_ids, tensors, tensor_ids, _, state = tree
-    trainable = {id(p) for _, p in params}
+              tree: module_tree.Tree) -> str:
+    """The cache key of one call: the digest of the execution context bound to it (see the module contract)."""
     sample_tensors = sample.tensors()
-    return (
-        id(model), getattr(model, "fingerprint", ""), model.training, getattr(model, "gradient_checkpointing", None),
-        runtime.current_mode(), runtime.kernel_settings(), module_ids, state,
-        tuple((n, id(p), p.data_ptr(), p.dtype, tuple(p.shape)) for n, p in params),
-        tensor_ids, tuple(t.data_ptr() for t in tensors), tuple(t.dtype for t in tensors),
-        tuple(None if id(t) in trainable else t._version for t in tensors),
+    inputs = (
         tuple(sorted(objective.to_dict().items())), float(sample.weight),
         sample.num_condition_video_rows, sample.num_condition_audio_rows,
-        tuple((n, tuple(t.shape), t.dtype, t.stride(), str(t.device)) for n, t in sample_tensors.items()),
+        tuple((n, tuple(t.shape), str(t.dtype), t.stride(), str(t.device)) for n, t in sample_tensors.items()),
         _integer_bytes(sample_tensors),
     )
+    trainable = tuple((n, id(p), p.data_ptr(), str(p.dtype), tuple(p.shape)) for n, p in params)
+    extra = (model.training, getattr(model, "gradient_checkpointing", None), trainable)
+    return graphs.bound_context(model, tree, inputs=inputs, front="step", trainable=frozenset(id(p) for _, p in params),
+                                extra=extra).digest()
 
 
 GRAPHS = StepGraphs()

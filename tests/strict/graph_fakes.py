@@ -20,7 +20,7 @@ class Replay:
 
 
 class ReplayBackend:
-    """The `cuda_graph.GraphCache` backend: `fail` makes capture raise a two-line error (a capture that breaks)."""
+    """The `graphs.GraphCache` backend: `fail` makes capture raise a two-line error (a capture that breaks)."""
 
     def __init__(self, fail: bool = False, guard=contextlib.nullcontext):
         self.captures, self.fail, self.guard = 0, fail, guard

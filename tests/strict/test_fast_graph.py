@@ -1,6 +1,6 @@
-"""h3lab/fast_graph.py on the CPU: the signature / capture / replay / fallback logic of the fast forward's CUDA
-graphs, through a backend that "replays" by re-running the captured body on the static input buffers (the real
-`torch.cuda.CUDAGraph` is exercised on the H200 by benchmarks/benchmark_every_length.py, section `graphs`). The
+"""h3lab/graphs.py (its fast policy) on the CPU: the signature / capture / replay / fallback logic of the fast
+forward's CUDA graphs, through a backend that "replays" by re-running the captured body on the static input buffers
+(the real `torch.cuda.CUDAGraph` is exercised on the H200 by benchmarks/benchmark_every_length.py, section `graphs`). The
 bodies are the tiny model's real traced forward in mode off, so a replay must reproduce the eager bytes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from graph_fakes import ReplayBackend
 from strict_cases import forward_kwargs, make_layout, make_request
 
-from h3lab import H3Transformer, fast, fast_graph, runtime
+from h3lab import H3Transformer, fast, graphs, runtime
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")
@@ -37,37 +37,37 @@ def _equal(a, b):
 
 
 def test_first_call_eager_second_captures_then_replays_with_fresh_inputs(model):
-    cache = fast_graph.GraphCache(ReplayBackend())
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend())
     a, b, c = _args(model, seed=1), _args(model, seed=2), _args(model, seed=3)
     with torch.no_grad():
         truth = [model._run_ops(*x) for x in (a, b, c)]
     out = _run(cache, model, a)
-    assert fast_graph.last_path()["cuda_graph"] == "eager" and cache.backend.captures == 0 and _equal(out, truth[0])
+    assert graphs.last_path("fast")["cuda_graph"] == "eager" and cache.backend.captures == 0 and _equal(out, truth[0])
     out_b = _run(cache, model, b)
-    assert fast_graph.last_path()["cuda_graph"] == "captured" and cache.backend.captures == 1 and len(cache) == 1
+    assert graphs.last_path("fast")["cuda_graph"] == "captured" and cache.backend.captures == 1 and len(cache) == 1
     out_c = _run(cache, model, c)
-    assert fast_graph.last_path() == {"cuda_graph": "replay", "replays": 2} and cache.backend.captures == 1
+    assert graphs.last_path("fast") == {"cuda_graph": "replay", "replays": 2} and cache.backend.captures == 1
     assert _equal(out_b, truth[1]) and _equal(out_c, truth[2])  # inputs copied into the static buffers
     assert _equal(out_b, truth[1])  # a result is a clone: the next replay did not overwrite it
     assert runtime.last_trace().graph == {"cuda_graph": "replay", "replays": 2}
 
 
 def test_a_shape_change_falls_back_to_the_eager_forward(model):
-    cache = fast_graph.GraphCache(ReplayBackend())
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend())
     for _ in range(3):
         _run(cache, model, _args(model, "t2va"))
     other = _args(model, "fl2va", seed=4)
     with torch.no_grad():
         truth = model._run_ops(*other)
     out = _run(cache, model, other)  # a new signature: eager, exactly the forward itself
-    assert fast_graph.last_path()["cuda_graph"] == "eager" and _equal(out, truth)
-    assert "first call" in fast_graph.last_path()["reason"]
+    assert graphs.last_path("fast")["cuda_graph"] == "eager" and _equal(out, truth)
+    assert "first call" in graphs.last_path("fast")["reason"]
     _run(cache, model, other)
-    assert fast_graph.last_path()["cuda_graph"] == "captured" and cache.backend.captures == 2
+    assert graphs.last_path("fast")["cuda_graph"] == "captured" and cache.backend.captures == 2
 
 
 def test_a_weight_update_is_a_new_signature(model):
-    cache = fast_graph.GraphCache(ReplayBackend())
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend())
     a = _args(model)
     for _ in range(3):
         _run(cache, model, a)
@@ -77,66 +77,66 @@ def test_a_weight_update_is_a_new_signature(model):
         try:
             truth = model._run_ops(*a)
             out = _run(cache, model, a)
-            assert fast_graph.last_path()["cuda_graph"] == "eager" and _equal(out, truth)
+            assert graphs.last_path("fast")["cuda_graph"] == "eager" and _equal(out, truth)
         finally:
             w.div_(1.5)
 
 
 def test_fast_switches_are_part_of_the_signature(model):
-    cache = fast_graph.GraphCache(ReplayBackend())
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend())
     a = _args(model)
     for _ in range(3):
         _run(cache, model, a)
     with fast.use_fused_producers(False):
         _run(cache, model, a)  # another forward: never the graph captured with the fused producers
-        assert fast_graph.last_path()["cuda_graph"] == "eager"
+        assert graphs.last_path("fast")["cuda_graph"] == "eager"
     _run(cache, model, a)
-    assert fast_graph.last_path()["cuda_graph"] == "replay"
+    assert graphs.last_path("fast")["cuda_graph"] == "replay"
 
 
 def test_ineligible_calls_run_eager_and_say_why(model):
-    cache = fast_graph.GraphCache(ReplayBackend())
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend())
     a = _args(model)
     handle = model.add_hook(lambda point, t: None, names=["blocks.0.q"])
     try:
         for _ in range(3):
             _run(cache, model, a)
-        assert fast_graph.last_path() == {"cuda_graph": "eager", "reason": "an h3lab hook is registered"}
+        assert graphs.last_path("fast") == {"cuda_graph": "eager", "reason": "an h3lab hook is registered"}
     finally:
         handle.remove()
-    with fast_graph.use_graphs(False):
+    with graphs.use_graphs("fast", False):
         _run(cache, model, a)
-    assert "disabled" in fast_graph.last_path()["reason"]
+    assert "disabled" in graphs.last_path("fast")["reason"]
     with runtime.use_overrides({"silu": torch.nn.functional.silu}):
         _run(cache, model, a)
-    assert "overrides" in fast_graph.last_path()["reason"]
+    assert "overrides" in graphs.last_path("fast")["reason"]
     cache.run(model, a, model._run_ops, device_ok=lambda x: True)  # grad mode on
-    assert fast_graph.last_path()["reason"] == "grad mode is on"
+    assert graphs.last_path("fast")["reason"] == "grad mode is on"
     with torch.no_grad():
         cache.run(model, a, model._run_ops)  # CPU tensors with the default device check
-    assert fast_graph.last_path()["reason"] == "inputs not on a CUDA device"
-    saved, fast_graph.MAX_ROWS = fast_graph.MAX_ROWS, a[6].shape[0] - 1
+    assert graphs.last_path("fast")["reason"] == "inputs not on a CUDA device"
+    saved, graphs.FAST_MAX_ROWS = graphs.FAST_MAX_ROWS, a[6].shape[0] - 1
     try:
         for _ in range(3):
             _run(cache, model, a)
     finally:
-        fast_graph.MAX_ROWS = saved
-    assert fast_graph.last_path()["reason"] == (f"{a[6].shape[0]} packed rows > fast_graph.MAX_ROWS = "
+        graphs.FAST_MAX_ROWS = saved
+    assert graphs.last_path("fast")["reason"] == (f"{a[6].shape[0]} packed rows > graphs.FAST_MAX_ROWS = "
                                                 f"{a[6].shape[0] - 1} (eager: graphs pay only at short layouts)")
     assert cache.backend.captures == 0
     with pytest.raises(TypeError, match="must be True or False"):
-        with fast_graph.use_graphs("yes"):
+        with graphs.use_graphs("fast", "yes"):
             pass
 
 
 def test_a_failed_capture_stays_eager_with_its_reason(model):
-    cache = fast_graph.GraphCache(ReplayBackend(fail=True))
+    cache = graphs.GraphCache(graphs.FAST, ReplayBackend(fail=True))
     a = _args(model)
     with torch.no_grad():
         truth = model._run_ops(*a)
     outs = [_run(cache, model, a) for _ in range(3)]
     assert all(_equal(o, truth) for o in outs)
-    reason = fast_graph.last_path()["reason"]
+    reason = graphs.last_path("fast")["reason"]
     assert reason.startswith("capture failed: RuntimeError: operation not permitted") and "\n" not in reason
 
 

@@ -10,7 +10,7 @@ import torch
 from strict_cases import forward_kwargs, make_layout, make_request
 
 from strict_testing import randn
-from h3lab import H3Transformer, fast, runtime
+from h3lab import H3Transformer, context, fast, runtime
 
 
 def test_fast_is_a_mode_and_not_strict():
@@ -100,10 +100,10 @@ def test_fp8_attention_choice_and_its_refusal():
     with fast.use_fp8_attention("on"):
         assert fast._fp8_attention_wanted((short,)) and fast._fp8_attention_wanted((small_d,))
         assert not fast._fp8_attention_wanted((torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16),))  # unsupported D
-        key_on = fast.graph_key()
+        key_on = context.current().digest()
     with fast.use_fp8_attention("off"):
         assert not fast._fp8_attention_wanted((q,))
-        assert fast.graph_key() != key_on  # a captured forward never serves another attention choice
+        assert context.current().digest() != key_on  # a captured forward never serves another attention choice
     with pytest.raises(ValueError) as info:
         with fast.use_fp8_attention("yes"):
             pass

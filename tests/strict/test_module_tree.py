@@ -1,6 +1,6 @@
 """h3lab/module_tree.py: a cached walk is always what a fresh walk gives now; every change of the tree after a cached
 walk (module replaced, wrapped, added, deleted; parameter or buffer replaced, swapped by torch's direct dict writes;
-hook added; an object freed and its id reusable) is seen, and the signature of h3lab/cuda_graph.py misses with it."""
+hook added; an object freed and its id reusable) is seen, and the signature of h3lab/graphs.py misses with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import gc
 
 import torch
 
-from h3lab import H3Transformer, cuda_graph, module_tree, strict_graph
+from h3lab import H3Transformer, graphs, module_tree
 from h3lab.config import H3Config
 
 
@@ -67,7 +67,7 @@ def _changes(model):
 def test_every_change_after_a_cached_walk_is_seen_and_the_signature_misses():
     model = _model()
     args = (torch.randn(1, 3, 16), torch.arange(4))  # one float (data) and one integer (layout) argument
-    key = cuda_graph.signature(model, args, strict_graph.POLICY)
+    key = graphs.signature(model, args, graphs.STRICT)
     for what, change, undo in _changes(model):
         _same_as_fresh(model)  # cached
         change()
@@ -75,25 +75,25 @@ def test_every_change_after_a_cached_walk_is_seen_and_the_signature_misses():
         if "hook" in what:  # GraphCache.run refuses a hooked tree (the signature does not hold hooks)
             assert tree.hooked, what
         else:
-            assert cuda_graph.signature(model, args, strict_graph.POLICY, tree) != key, what
+            assert graphs.signature(model, args, graphs.STRICT, tree) != key, what
         undo()
-        key = cuda_graph.signature(model, args, strict_graph.POLICY, _same_as_fresh(model))
+        key = graphs.signature(model, args, graphs.STRICT, _same_as_fresh(model))
 
 
 def test_an_in_place_update_or_new_storage_misses_without_a_re_walk():
     model = _model()
     args = (torch.randn(1, 3, 16),)
-    key = cuda_graph.signature(model, args, strict_graph.POLICY)
+    key = graphs.signature(model, args, graphs.STRICT)
     cached = module_tree._TREES[model]
     w = model.transformer_blocks[2].attn.to_k.weight
     with torch.no_grad():
         w.add_(torch.randn(w.shape).to(w.dtype))  # a new _version
-    key2 = cuda_graph.signature(model, args, strict_graph.POLICY)
+    key2 = graphs.signature(model, args, graphs.STRICT)
     assert key2 != key
     w.data = w.data.clone()  # new storage, same object, same _version
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key2
+    assert graphs.signature(model, args, graphs.STRICT) != key2
     w.data = w.data.to(torch.float32) if w.dtype != torch.float32 else w.data.double()  # a cast
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) not in (key, key2)
+    assert graphs.signature(model, args, graphs.STRICT) not in (key, key2)
     assert module_tree._TREES[model] is cached  # the same tree: only the tensors' fields changed
 
 
@@ -144,16 +144,16 @@ def test_adapter_switch_and_scaling_are_part_of_the_walk_and_the_signature():
     on = _same_as_fresh(model)
     assert len(on.state) == len(layers) > 0 and all(s[0] is False for s in on.state)
     args = (torch.zeros(1), torch.ones(2, dtype=torch.int64))
-    key_on = cuda_graph.signature(model, args, strict_graph.POLICY)
+    key_on = graphs.signature(model, args, graphs.STRICT)
     with adapter_disabled(model):
         off = module_tree.walk(model)
         assert off.module_ids is on.module_ids  # the cached walk, its state read anew
         assert all(s[0] is True for s in off.state)
-        assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
+        assert graphs.signature(model, args, graphs.STRICT) != key_on
     assert module_tree.walk(model).state == on.state
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key_on
+    assert graphs.signature(model, args, graphs.STRICT) == key_on
     layers[0].scaling["default"] = 0.5  # a scale change is another forward too
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key_on
+    assert graphs.signature(model, args, graphs.STRICT) != key_on
 
 
 def test_a_swapped_tile_table_is_another_signature(monkeypatch):
@@ -163,13 +163,13 @@ def test_a_swapped_tile_table_is_another_signature(monkeypatch):
 
     model = _model()
     args = (torch.zeros(1), torch.ones(2, dtype=torch.int64))
-    key = cuda_graph.signature(model, args, strict_graph.POLICY)
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key
+    key = graphs.signature(model, args, graphs.STRICT)
+    assert graphs.signature(model, args, graphs.STRICT) == key
     monkeypatch.setitem(gemm.TREE_TILES, torch.float32,
                         dataclasses.replace(gemm.TREE_TILES[torch.float32], precision="ieee"))
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key
+    assert graphs.signature(model, args, graphs.STRICT) != key
     monkeypatch.undo()
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) == key
+    assert graphs.signature(model, args, graphs.STRICT) == key
     monkeypatch.setitem(attention.FORWARD, torch.bfloat16,
                         dataclasses.replace(attention.FORWARD[torch.bfloat16], fp_fusion=False))
-    assert cuda_graph.signature(model, args, strict_graph.POLICY) != key
+    assert graphs.signature(model, args, graphs.STRICT) != key

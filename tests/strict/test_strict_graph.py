@@ -1,4 +1,4 @@
-"""h3lab/strict_graph.py (the strict policy of h3lab/cuda_graph.py) on the CPU: eligibility, the signature keys, the
+"""h3lab/graphs.py (its strict policy) on the CPU: eligibility, the signature keys, the
 capture-time rules, and that a strict forward on the CPU stays the eager forward, byte for byte.
 
 The capture runs through a backend that "replays" by re-running the captured body on the static buffers (the real
@@ -13,7 +13,7 @@ import torch
 from graph_fakes import ReplayBackend, no_host_reads
 from strict_cases import CONFIGS, build_model, forward_kwargs, make_layout, make_request
 
-from h3lab import cuda_graph, fast_graph, runtime, strict_graph
+from h3lab import graphs, runtime
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")
@@ -50,7 +50,7 @@ def _equal(a, b):
 
 
 def test_strict_capture_reads_nothing_on_the_host_and_replays_the_eager_bytes(model):
-    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
+    cache = graphs.GraphCache(graphs.STRICT, ReplayBackend(guard=no_host_reads))
     a, b, c = (_args(_kwargs(model, s, permuted=True)) for s in (1, 2, 3))
     assert a[-1] is not None  # key_order: attention's permutation check is one of the resolved index checks
     outs, paths = [], []
@@ -76,7 +76,7 @@ def _auto(cache, model, args, mode="auto"):
 def test_another_layout_of_the_same_shapes_is_another_graph(model):
     """The timesteps swapped: same shapes, other timestep_indices bytes. A replay of the first graph would read the
     first layout's index metadata (baked in at capture); the signature holds the integer bytes, so it runs eager."""
-    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
+    cache = graphs.GraphCache(graphs.STRICT, ReplayBackend(guard=no_host_reads))
     first = _args(_kwargs(model, 4))
     for _ in range(3):
         _auto(cache, model, first)
@@ -84,15 +84,15 @@ def test_another_layout_of_the_same_shapes_is_another_graph(model):
     assert [x.shape for x in other if x is not None] == [x.shape for x in first if x is not None]
     assert not torch.equal(other[4], first[4])
     out = _auto(cache, model, other)
-    assert strict_graph.last_path()["cuda_graph"] == "eager" and "first call" in strict_graph.last_path()["reason"]
+    assert graphs.last_path("strict")["cuda_graph"] == "eager" and "first call" in graphs.last_path("strict")["reason"]
     with torch.no_grad(), runtime.use_mode("auto"):
         assert _equal(out, model._run_ops(*other))
     _auto(cache, model, first)
-    assert strict_graph.last_path()["cuda_graph"] == "replay" and cache.backend.captures == 1
+    assert graphs.last_path("strict")["cuda_graph"] == "replay" and cache.backend.captures == 1
 
 
-def _key(model, args, policy=strict_graph.POLICY):
-    return cuda_graph.signature(model, args, policy)
+def _key(model, args, policy=graphs.STRICT):
+    return graphs.signature(model, args, policy)
 
 
 def test_the_signature_misses_on_every_change_that_can_change_a_byte(model):
@@ -124,62 +124,62 @@ def test_the_signature_misses_on_every_change_that_can_change_a_byte(model):
         finally:
             model.proj_out = saved
         assert _key(model, args) == key
-        assert _key(model, args, policy=fast_graph.POLICY) != key, "fast policy"
+        assert _key(model, args, policy=graphs.FAST) != key, "fast policy"
     with runtime.use_mode("auto"):
         assert _key(model, args) != key, "mode switch"
 
 
 def test_a_mode_switch_misses_and_switching_back_replays(model):
-    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
+    cache = graphs.GraphCache(graphs.STRICT, ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 7))
     for _ in range(3):
         _auto(cache, model, args)
     _auto(cache, model, args, mode="off")
-    assert strict_graph.last_path()["cuda_graph"] == "eager"
+    assert graphs.last_path("strict")["cuda_graph"] == "eager"
     assert runtime.last_trace().graph is None  # an eager trace of another mode never carries the strict graph path
     _auto(cache, model, args)
-    assert strict_graph.last_path()["cuda_graph"] == "replay"
+    assert graphs.last_path("strict")["cuda_graph"] == "replay"
 
 
 def test_strict_on_the_cpu_stays_the_eager_forward_and_says_why(model):
     kw = _kwargs(model, 8)
     with torch.no_grad(), runtime.use_mode("strict"):
-        with strict_graph.use_graphs(False):
+        with graphs.use_graphs("strict", False):
             off = model(**kw)
-        assert runtime.last_trace().graph["reason"] == "graphs disabled (strict_graph.use_graphs(False))"
-        before = len(strict_graph.GRAPHS._entries)
+        assert runtime.last_trace().graph["reason"] == "graphs disabled (graphs.use_graphs('strict', False))"
+        before = len(graphs.CACHES["strict"]._entries)
         on = model(**kw)
     assert runtime.last_trace().to_dict()["graph"] == {"cuda_graph": "eager", "reason": "inputs not on a CUDA device"}
-    assert _equal(on, off) and len(strict_graph.GRAPHS._entries) == before == 0
+    assert _equal(on, off) and len(graphs.CACHES["strict"]._entries) == before == 0
     with torch.no_grad(), runtime.use_mode("off"):
         model(**kw)
     assert "graph" not in runtime.last_trace().to_dict()
 
 
 def test_ineligible_and_bad_calls(model):
-    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
+    cache = graphs.GraphCache(graphs.STRICT, ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 9))
     with torch.inference_mode(), runtime.use_mode("auto"):
         cache.run(model, args, model._run_ops, device_ok=lambda a: True)
-    assert strict_graph.last_path()["reason"].startswith("inference mode")
+    assert graphs.last_path("strict")["reason"].startswith("inference mode")
     with runtime.use_mode("auto"):
         cache.run(model, args, model._run_ops, device_ok=lambda a: True)
-    assert strict_graph.last_path()["reason"] == "grad mode is on"
-    saved, strict_graph.MAX_ROWS = strict_graph.MAX_ROWS, args[6].shape[0] - 1
+    assert graphs.last_path("strict")["reason"] == "grad mode is on"
+    saved, graphs.STRICT_MAX_ROWS = graphs.STRICT_MAX_ROWS, args[6].shape[0] - 1
     try:
         _auto(cache, model, args)
     finally:
-        strict_graph.MAX_ROWS = saved
-    assert strict_graph.last_path()["reason"].startswith(f"{args[6].shape[0]} packed rows > strict_graph.MAX_ROWS")
+        graphs.STRICT_MAX_ROWS = saved
+    assert graphs.last_path("strict")["reason"].startswith(f"{args[6].shape[0]} packed rows > graphs.STRICT_MAX_ROWS")
     handle = model.transformer_blocks[0].ff.register_forward_hook(lambda *a: None)  # deep in the tree
     try:
         _auto(cache, model, args)
     finally:
         handle.remove()
-    assert strict_graph.last_path()["reason"] == "a torch forward hook is registered"
+    assert graphs.last_path("strict")["reason"] == "a torch forward hook is registered"
     expanded = (args[0][:, :1].expand(-1, args[0].shape[1], -1),) + args[1:]  # stride 0: no dense static copy
     out = _auto(cache, model, expanded)
-    assert "not dense" in strict_graph.last_path()["reason"]
+    assert "not dense" in graphs.last_path("strict")["reason"]
     with torch.no_grad(), runtime.use_mode("auto"):
         assert _equal(out, model._run_ops(*expanded))
     assert len(cache._entries) == 0 and cache.backend.captures == 0
@@ -192,12 +192,12 @@ def test_ineligible_and_bad_calls(model):
             cache.run(model, args, refused, device_ok=lambda a: True)
     assert len(cache._entries) == 0
     with pytest.raises(TypeError, match="must be True or False"):
-        with strict_graph.use_graphs(1):
+        with graphs.use_graphs("strict", 1):
             pass
-    with pytest.raises(TypeError, match="must be an h3lab.cuda_graph.Policy"):
-        cuda_graph.GraphCache("strict")
+    with pytest.raises(TypeError, match="must be an h3lab.graphs.Policy"):
+        graphs.GraphCache("strict")
     with pytest.raises(ValueError, match="max_graphs=0"):
-        strict_graph.GraphCache(max_graphs=0)
+        graphs.GraphCache(graphs.STRICT, max_graphs=0)
 
 
 def test_an_index_cache_miss_at_capture_fails_loudly_not_by_a_host_sync(model):
@@ -205,12 +205,12 @@ def test_an_index_cache_miss_at_capture_fails_loudly_not_by_a_host_sync(model):
     (a host sync inside a capture); it fails with the reason, and the signature stays eager with it."""
     from h3kernels import modulate
 
-    cache = strict_graph.GraphCache(ReplayBackend(guard=no_host_reads))
+    cache = graphs.GraphCache(graphs.STRICT, ReplayBackend(guard=no_host_reads))
     args = _args(_kwargs(model, 10))
     first = _strict(cache, model, args)
     modulate._CACHE._entries.clear()
     out = _strict(cache, model, args)
-    reason = strict_graph.last_path()["reason"]
+    reason = graphs.last_path("strict")["reason"]
     assert reason.startswith("capture failed: IndexCacheMiss: index cache miss") and "\n" not in reason
     assert runtime.last_trace().graph == {"cuda_graph": "eager", "reason": reason} and cache.backend.captures == 0
     assert _equal(out, first)  # the eager forward of the same arguments

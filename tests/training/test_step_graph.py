@@ -23,6 +23,7 @@ import torch
 from lora_cases import lora_model
 from training_cases import SMALL, make_clip, make_layout
 
+from h3lab import context
 from h3lab.model import transformer
 from h3lab.training import Objective, StrictAdamW, compute_gradients, step_graph, trainable_parameters
 from h3lab.training.step import request_gradient
@@ -37,7 +38,7 @@ def guarded():
     """No host reads, and the checkpoints must not touch the RNG state (torch refuses it during a capture)."""
     @contextlib.contextmanager
     def guard():
-        assert transformer._PRESERVE_RNG.get() is False
+        assert context.current().checkpoint_rng is False
         with no_host_reads():
             yield
     return guard
@@ -234,3 +235,4 @@ def test_train_progress_line_says_graph_when_the_step_replayed(monkeypatch):
     first, second = tty.getvalue().split("\r")[1:]
     assert first.startswith("train [##..] 1/2 loss 0.5 ") and first.rstrip().endswith("s/step")
     assert second.startswith("train [####] 2/2 loss 0.25 ") and second.rstrip().endswith("s/step graph")
+
