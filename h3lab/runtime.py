@@ -30,6 +30,12 @@ strict raises `StrictError`); any other exception from a check is a bug in the c
 Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
 plant a perturbation, and the trace records them as backend ``override``.
 
+Fusions (`use_fusions({"qk_norm_rope"})`, names of `FUSIONS`, none by default) let the model call one op for a
+sequence of ops: `qk_norm_rope` (Q/K RMSNorm + RoPE) and `residual_norm_modulate` (the attention's gated residual +
+the FFN's AdaLN pre-norm). `Ops.fuses(name)` says whether a table may; the model also requires that no hook is
+registered. Their strict kernels reproduce the unfused strict chain's bytes, so the switch changes which kernels run
+and the trace, never a result hash. `norm_modulate` is fused whenever nothing observes the norm (no switch).
+
 Placement (`use_placement(p)`, entered by `h3lab.distributed` around a sharded forward): a point-scoped layer before
 the overrides and the mode's kernels. `p.serve(name, point, ops)` returns None (the op runs as usual) or a callable
 that serves the call on the shards -- the row-parallel `linear_tree` as a gather and the declared tree, attention as
@@ -113,6 +119,27 @@ def norm_modulate(
     reference ops in sequence (so `off` stays bit-equal to Diffusers). The model calls it when no hook observes the
     intermediate norm and neither op is overridden; the strict kernel reproduces the two strict kernels' bytes."""
     return modulate(rms_norm(x, weight, eps), scale, shift, index)
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's Q/K norm and RoPE as one op (fusion `qk_norm_rope`): `rope(rms_norm(q, q_weight, eps), cos,
+    sin)` and the same for k, exactly the reference ops in sequence. The model calls it only when the fusion is on,
+    no hook is registered and none of the ops is overridden; the strict kernel reproduces the strict chain's bytes."""
+    return rope(rms_norm(q, q_weight, eps), cos, sin), rope(rms_norm(k, k_weight, eps), cos, sin)
+
+
+def residual_norm_modulate(
+    residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+    eps: float, scale: torch.Tensor, shift: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's attention residual and its FFN pre-norm as one op (fusion `residual_norm_modulate`):
+    `s = gated_residual(residual, gate, index, y)` and `norm_modulate(s, weight, eps, scale, shift, index)`, returned
+    as (s, modulated), exactly the reference ops in sequence. Called under the same conditions as `qk_norm_rope`."""
+    stream = gated_residual(residual, gate, index, y)
+    return stream, norm_modulate(stream, weight, eps, scale, shift, index)
 
 
 def gated_residual(residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -210,7 +237,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (
         linear, linear_tree, rms_norm, modulate, norm_modulate, gated_residual, add, rope_table, rope, attention,
-        swiglu, silu, timestep_embedding, pack_rows, select_rows,
+        swiglu, silu, timestep_embedding, pack_rows, select_rows, qk_norm_rope, residual_norm_modulate,
     )
 }
 OP_NAMES = tuple(REFERENCE_OPS)
@@ -223,6 +250,15 @@ _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3
 _current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
 _placement: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_placement", default=None)
 _precomputed: contextvars.ContextVar[Any] = contextvars.ContextVar("h3lab_precomputed", default=None)
+_fusions: contextvars.ContextVar[frozenset] = contextvars.ContextVar("h3lab_fusions", default=frozenset())
+
+# Epilogue fusions a forward may switch on (`use_fusions`), each an op of the table standing for a sequence of ops:
+# fusion name -> the ops it replaces. Off by default; the model takes a fused op only where nothing could observe
+# the values in between (no hook registered, none of the ops overridden).
+FUSIONS: dict[str, tuple[str, ...]] = {
+    "qk_norm_rope": ("rms_norm", "rope"),
+    "residual_norm_modulate": ("gated_residual", "rms_norm", "modulate"),
+}
 
 
 def check_mode(mode: str) -> str:
@@ -265,6 +301,33 @@ def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
+
+
+def check_fusions(names: Any) -> frozenset:
+    """`names` (an iterable of names of `FUSIONS`) as a frozenset; one line naming the value and the rule if not."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"fusions={names!r}: must be a collection of fusion names ({', '.join(FUSIONS)})")
+    unknown = sorted(set(names) - set(FUSIONS))
+    if unknown:
+        raise ValueError(f"fusion(s) {unknown}: must be among {', '.join(FUSIONS)}")
+    return frozenset(names)
+
+
+@contextlib.contextmanager
+def use_fusions(names: Any) -> Iterator[frozenset]:
+    """Switch on the epilogue fusions `names` (`FUSIONS`) for the enclosed forwards (replacing the enclosing
+    choice; `use_fusions(())` switches all off). Every fused strict kernel reproduces the bytes of its unfused strict
+    chain, so a result does not change: only the kernels that run (and the trace) do."""
+    token = _fusions.set(check_fusions(names))
+    try:
+        yield _fusions.get()
+    finally:
+        _fusions.reset(token)
+
+
+def current_fusions() -> frozenset:
+    """The fusions the enclosing `use_fusions` switched on (empty by default)."""
+    return _fusions.get()
 
 
 @contextlib.contextmanager
@@ -457,12 +520,18 @@ class Ops:
         self._overrides = _overrides.get() if overrides else {}
         self._placement = _placement.get() if placement else None
         self._precomputed = _precomputed.get() if precomputed else None
+        self._fusions = _fusions.get()
         self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
         """True when no override replaces any of the ops `names`: a fused op may then stand for their sequence
         (an override of one of them, e.g. an ablation's planted perturbation, keeps them apart)."""
         return not any(name in self._overrides for name in names)
+
+    def fuses(self, fusion: str) -> bool:
+        """True when the fusion `fusion` (`FUSIONS`) is switched on for this table and no override replaces any op
+        it stands for; the caller also checks that no hook observes the values in between."""
+        return fusion in self._fusions and self.fusable(*FUSIONS[fusion])
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         # Only reached for names that are no op (every op is a method, installed below `Ops`).
@@ -608,14 +677,14 @@ def frozen_index_caches():
 
 
 def kernel_settings() -> tuple:
-    """The strict kernels' module-level launch settings a captured graph bakes in: the GEMM tile tables and narrow
-    rule, attention's tiles and forward variants (frozen values, compared by value). A CUDA graph replays the kernels
+    """The strict kernels' launch settings a captured graph bakes in: the GEMM tile tables and narrow rule,
+    attention's tiles and forward variants, the epilogue fusions switched on (frozen values, compared by value). A CUDA graph replays the kernels
     it captured whatever these say later, so graph signatures hold them (`h3lab.cuda_graph`,
     `h3lab.training.step_graph`): swapping a tile table (the benchmarks' variants do) is a new signature."""
     from h3kernels import attention, gemm
 
     return (tuple(gemm.LINEAR_TILES.items()), tuple(gemm.TREE_TILES.items()), gemm.SPLIT_MAX_N, gemm.SPLIT_MIN_K,
-            tuple(attention.TILES.items()), tuple(attention.FORWARD.items()))
+            tuple(attention.TILES.items()), tuple(attention.FORWARD.items()), tuple(sorted(current_fusions())))
 
 
 def live_index_entries() -> list:
