@@ -12,6 +12,7 @@ from h3lab import ablation as A
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
     + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: RL's rollout-vs-training ratio
+    + ["F1", "F2"]  # the switchable strict epilogue fusions
 )
 DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
@@ -41,7 +42,7 @@ def test_every_rfc_row_is_declared():
             assert row.probe is None and row.check is None and row.mode == "strict"
     # the strict promises run strict
     assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
-        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1"}
+        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1", "F1", "F2"}
 
 
 def test_factor_rows_take_their_transform_from_the_factor_table():
