@@ -157,3 +157,35 @@ def test_cpu_without_interpreter_refused(monkeypatch):
     q, k, wq, wk, cos, sin = _case(1, 16, 12, torch.float32)
     with pytest.raises(registry.StrictUnsupported, match="TRITON_INTERPRET=1"):
         K.check(q, k, wq, wk, EPS, cos, sin)
+
+
+def test_fusion_benchmark_dry_run_writes_the_schema(tmp_path, monkeypatch):
+    """`benchmark_elementwise.py --fusions` (both fusions against their unfused sequences) runs tiny in the
+    interpreter: the schema, the byte checks, and the bytes per row at the full width."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["benchmark_elementwise.py"])
+    import benchmark_elementwise as B
+
+    out = tmp_path / "fusions.json"
+    B.main(["--fusions", "--dry-run", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert {"name", "date", "gpu", "torch", "triton", "git_rev", "command", "results"} <= set(doc)
+    rows = doc["results"]
+    assert {(r["rows"], r["op"], r["variant"], r["pass"]) for r in rows} == {
+        (m, op, v, p) for m in B.FUSION_DRY_ROWS for op in runtime.FUSIONS
+        for v, p in (("fused", "forward"), ("unfused", "forward"), ("torch", "forward"), ("fused", "backward"),
+                     ("unfused", "backward"))}
+    for r in rows:
+        assert {"shape", "rows", "impl", "median_s", "runs", "peak_mem_gib"} <= set(r) and r["median_s"] > 0
+        if r["variant"] == "fused" and r["pass"] == "forward":
+            assert r["fused_equal_unfused"] and r["rows_equal"] and r["repeat_equal"]
+        if r["variant"] == "fused" and r["pass"] == "backward":
+            assert r["grads_equal_unfused"]
+    full = B.fusion_bytes(dict(HIDDEN=5376, HEADS=56, HEAD_DIM=128, ROTARY=96))
+    assert full["qk_norm_rope"][:2] == (58880, 116672)  # per packed row: q and k read once, written once
+    assert full["residual_norm_modulate"][:2] == (43016, 53780)  # the stream is not read back
+    assert B.FUSION_ROWS == (2066, 37853)
