@@ -529,9 +529,10 @@ class Ops:
         return not any(name in self._overrides for name in names)
 
     def fuses(self, fusion: str) -> bool:
-        """True when the fusion `fusion` (`FUSIONS`) is switched on for this table and no override replaces any op
-        it stands for; the caller also checks that no hook observes the values in between."""
-        return fusion in self._fusions and self.fusable(*FUSIONS[fusion])
+        """True when the fusion `fusion` (`FUSIONS`) is switched on for this table, no override replaces any op it
+        stands for and the mode is not fast (whose own fused producers serve the unfused ops); the caller also checks
+        that no hook observes the values in between."""
+        return fusion in self._fusions and self.mode != "fast" and self.fusable(*FUSIONS[fusion])
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         # Only reached for names that are no op (every op is a method, installed below `Ops`).

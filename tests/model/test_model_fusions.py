@@ -137,6 +137,15 @@ def test_strict_fused_gradients_are_the_unfused_bytes():
         assert torch.equal(base[key], fused[key]), key
 
 
+def test_fast_mode_keeps_its_own_producers():
+    """Fast mode serves the unfused ops with its own fused FP8 producers: a switched-on fusion does not apply there."""
+    table = runtime.Ops("fast", runtime.Trace(mode="fast", device=""), record=False)
+    with runtime.use_fusions(FUSED):
+        assert not runtime.Ops("fast", runtime.Trace(mode="fast", device=""), record=False).fuses("qk_norm_rope")
+        assert runtime.Ops("strict", runtime.Trace(mode="strict", device=""), record=False).fuses("qk_norm_rope")
+    assert not table.fuses("qk_norm_rope")
+
+
 def test_fusion_names_are_checked():
     with pytest.raises(ValueError, match=r"fusion\(s\) \['swiglu_gemm'\]: must be among qk_norm_rope, "):
         with runtime.use_fusions(["swiglu_gemm"]):
