@@ -3,6 +3,8 @@
     python benchmarks/benchmark_elementwise.py --out benchmarks/results/elementwise.json     # H200
     python benchmarks/benchmark_elementwise.py --dry-run --out /tmp/elementwise.json         # CPU interpreter, tiny
     python benchmarks/benchmark_elementwise.py --sweep ...                                   # + rms_norm tile sweep
+    python benchmarks/benchmark_elementwise.py --fusions --out benchmarks/results/fusions.json  # fused vs unfused
+    python benchmarks/benchmark_elementwise.py --fusions --dry-run --out /tmp/fusions.json      # CPU, tiny
 
 Rows M in {2066, 7272} (512x512x22f and 864x480x56f), batch 1, hidden 5376, 56 heads x 128 (96 rotated), FFN 14336,
 bfloat16 activations as released (float32 where the model is float32: silu on the timestep MLP, the RoPE tables,
@@ -18,6 +20,13 @@ Checks stored on the strict rows: `ref_equal` (bytes equal to the torch referenc
 first row alone, the first half of the rows, and rows 7..M -- every row at another position in its tile -- give the
 bytes of the full call), `repeat_equal`, `bwd_repeat_equal`
 (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike (against the float32 reference math).
+`--fusions` times instead each switchable epilogue fusion (`h3lab.runtime.FUSIONS`) against the unfused strict
+sequence the model runs without it, at `FUSION_ROWS` (2,066 and 37,853 packed rows: 512x512x22f and 1344x768x124f)
+of the full width: `qk_norm_rope` vs rms_norm(q), rms_norm(k), rope(q), rope(k); `residual_norm_modulate` vs
+gated_residual then norm_modulate. Rows carry `variant` "fused" / "unfused" (impl "h3lab-strict") beside the torch
+composition (impl "h3lab-off"), `bytes_per_row` of each variant from the formula in `bytes_formula` (bf16 = 2 bytes,
+the float32 rstd the unfused norms write, the RoPE tables once per packed row per kernel, the small AdaLN tables as
+L2-resident), `fused_equal_unfused` (bytes), `rows_equal`, `repeat_equal`, and `ratio` = fused / unfused device time.
 `ptx` lists, per strict kernel, the count of approximate / contracted PTX instructions (`.approx`, `div.full`,
 `fma`) in its compiled code — libdevice functions (exp / sin / cos) contain fma by design.
 """
@@ -123,6 +132,137 @@ def cases(m: int, device: str, dims: dict):
     return out
 
 
+# ------------------------------------------------------------------------------------------------- the fusions
+FUSION_ROWS = (2066, 37853)
+FUSION_DRY_ROWS = (3, 67)
+
+
+def fusion_bytes(dims: dict) -> dict:
+    """Bytes moved per packed row by each fusion and by its unfused sequence (bf16 activations): name -> (fused,
+    unfused, formula). E = H*D elements of q (and of k), T = 2*R*4 bytes of the float32 cos / sin rows."""
+    e, h, d = dims["HEADS"] * dims["HEAD_DIM"], dims["HEADS"], dims["HIDDEN"]
+    t = 2 * dims["ROTARY"] * 4
+    return {
+        "qk_norm_rope": (2 * (4 * e + t), 2 * (8 * e + 4 * h + t),
+                         "fused 2*(2E read + 2E write + T); unfused 2*((2E + 2E + 4H rstd) + (2E + T + 2E))"),
+        "residual_norm_modulate": (8 * d + 8, 10 * d + 20,
+                                   "fused 2D+2D read, 2D+2D write, 8 index; unfused (6D + 8) + (4D + 4 rstd + 8)"),
+    }
+
+
+def fusion_cases(m: int, device: str, dims: dict) -> list[dict]:
+    """Per fusion: its inputs, the fused strict call, the unfused strict sequence, the torch composition and a row
+    slicer (packed rows `sl` of every per-row input) for rows_equal."""
+    import torch
+
+    from h3kernels import modulate, norm_modulate, qk_norm_rope, residual_norm_modulate, rms_norm, rope
+    from h3lab import runtime
+
+    hid, heads, hd, rot = (dims[k] for k in ("HIDDEN", "HEADS", "HEAD_DIM", "ROTARY"))
+    gen = torch.Generator(device=device).manual_seed(m)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
+
+    f_rope = rot // 6
+    pos = torch.stack([torch.randint(0, n, (m,), device=device, generator=gen) for n in (14, 27, 45)], dim=-1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * f_rope, 2, dtype=torch.float32, device=device) / (2 * f_rope)))
+    cos, sin = runtime.rope_table(pos, inv_freq)
+    q, k, wq, wk = rnd(1, m, heads, hd), rnd(1, m, heads, hd, scale=3.0), rnd(hd, scale=0.1) + 1, rnd(hd, scale=0.1) + 1
+    res, y, w = rnd(1, m, hid, scale=2.0), rnd(1, m, hid), rnd(hid, scale=0.1) + 1
+    index = torch.randint(0, 3 * TIMESTEPS, (m,), device=device, generator=gen)
+    _, gate, _, shift, scale, _ = rnd(3 * TIMESTEPS, 6 * hid, scale=0.3).chunk(6, dim=-1)  # [.. gate_msa, shift_mlp, scale_mlp ..]
+
+    def unfused_qk(q, k, wq, wk, eps, cos, sin):
+        return rope.rope(rms_norm.rms_norm(q, wq, eps), cos, sin), rope.rope(rms_norm.rms_norm(k, wk, eps), cos, sin)
+
+    def unfused_residual(res, gate, index, y, w, eps, scale, shift):
+        stream = modulate.gated_residual(res, gate, index, y)
+        return stream, norm_modulate.norm_modulate(stream, w, eps, scale, shift, index)
+
+    rows = lambda t, sl: t[:, sl].contiguous()  # noqa: E731
+    return [
+        dict(name="qk_norm_rope", fused=qk_norm_rope.qk_norm_rope, unfused=unfused_qk,
+             args=(q, k, wq, wk, 1e-6, cos, sin), grads=(0, 1, 2, 3), shape=f"1x{m}x{heads}x{hd}",
+             rows=lambda a, sl: (rows(a[0], sl), rows(a[1], sl), *a[2:5], a[5][sl].contiguous(), a[6][sl].contiguous())),
+        dict(name="residual_norm_modulate", fused=residual_norm_modulate.residual_norm_modulate,
+             unfused=unfused_residual, args=(res, gate, index, y, w, 1e-5, scale, shift), grads=(0, 1, 3, 4, 6, 7),
+             shape=f"1x{m}x{hid}", rows=lambda a, sl: (rows(a[0], sl), a[1], a[2][sl].contiguous(), rows(a[3], sl),
+                                                       *a[4:])),
+    ]
+
+
+def run_fusion(c: dict, m: int, device: str, dims: dict, backward: bool) -> list[dict]:
+    """Fused vs unfused strict (and the torch composition) on one case: timings, bytes per row, byte checks."""
+    import torch
+
+    from h3kernels import registry
+    from h3lab import runtime
+
+    args, name = c["args"], c["name"]
+    info = registry.STRICT_OPS[name].check(*args)
+    fused_b, unfused_b, formula = fusion_bytes(dims)[name]
+    yf, yu = c["fused"](*args), c["unfused"](*args)
+    out = []
+    for impl, variant, fn, nbytes in (("h3lab-strict", "fused", c["fused"], fused_b),
+                                      ("h3lab-strict", "unfused", c["unfused"], unfused_b),
+                                      ("h3lab-off", "torch", runtime.REFERENCE_OPS[name], unfused_b)):
+        row = {"shape": c["shape"], "rows": m, "impl": impl, "op": name, "case": f"fusion:{name}", "variant": variant,
+               "pass": "forward", "bytes_per_row": nbytes, "bytes_moved": nbytes * m, "bytes_formula": formula,
+               **measure(lambda fn=fn: fn(*args), device), "gpu_s": measure_gpu(lambda fn=fn: fn(*args), device)}
+        row["gb_s"] = row["bytes_moved"] / (row["gpu_s"] or row["median_s"]) / 1e9
+        out.append(row)
+    fused = out[0]
+    fused.update(kernel_id=info["kernel_id"], tile=info["tile"], acc_dtype=info["acc_dtype"],
+                 fused_equal_unfused=equal(yf, yu), repeat_equal=equal(c["fused"](*args), yf))
+    ok = True
+    for sl in (slice(0, 1), slice(0, m // 2 + 1), slice(min(7, m - 1), m)):
+        part = c["fused"](*c["rows"](args, sl))
+        ok &= all(torch.equal(p, f[:, sl]) for p, f in zip(flat(part), flat(yf)))
+    fused["rows_equal"] = bool(ok)
+    _ratios(out[:2])
+    if backward:
+        bwd = []
+        for variant, fn in (("fused", c["fused"]), ("unfused", c["unfused"])):
+            leaves = [a.detach().clone().requires_grad_() if i in c["grads"] else a for i, a in enumerate(args)]
+            ys = flat(fn(*leaves))
+            dys = [torch.randn(t.shape, device=device, generator=torch.Generator(device).manual_seed(i)).to(t.dtype)
+                   for i, t in enumerate(ys)]
+            wrt = [leaves[i] for i in c["grads"]]
+            grads = lambda ys=ys, dys=dys, wrt=wrt: torch.autograd.grad(ys, wrt, dys, retain_graph=True)  # noqa: E731
+            row = {"shape": c["shape"], "rows": m, "impl": "h3lab-strict", "op": name, "case": f"fusion:{name}",
+                   "variant": variant, "pass": "backward", **measure(grads, device), "gpu_s": measure_gpu(grads, device)}
+            row["grads"] = grads()
+            bwd.append(row)
+        bwd[0]["grads_equal_unfused"] = equal(bwd[0]["grads"], bwd[1]["grads"])
+        bwd[0]["note"] = "the fused backward recomputes the unfused chain's forward, then its backward"
+        _ratios(bwd)
+        for row in bwd:
+            del row["grads"]
+        out += bwd
+    return out
+
+
+def fusions_main(args, device: str, dims: dict, doc: dict) -> None:
+    import torch
+
+    for m in FUSION_DRY_ROWS if args.dry_run else FUSION_ROWS:
+        for c in fusion_cases(m, device, dims):
+            rows = run_fusion(c, m, device, dims, backward=not args.no_backward)
+            doc["results"] += rows
+            f, u, t = rows[:3]
+            us = lambda r: (r["gpu_s"] or r["median_s"]) * 1e6  # noqa: E731
+            saved = 1 - f["bytes_per_row"] / u["bytes_per_row"]
+            bwd = f" | bwd x{rows[3]['ratio']:.2f}" if len(rows) > 3 else ""
+            print(f"{m:>6} {c['name']:<23} fused {us(f):9.1f} us {f['gb_s']:7.1f} GB/s | unfused {us(u):9.1f} us "
+                  f"{u['gb_s']:7.1f} GB/s | torch {us(t):9.1f} us | x{f['ratio']:.2f} | bytes/row {f['bytes_per_row']} "
+                  f"vs {u['bytes_per_row']} (-{saved:.0%}) | equal={f['fused_equal_unfused']} "
+                  f"rows={f['rows_equal']} repeat={f['repeat_equal']}{bwd}", flush=True)
+            del c, rows
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
 def _ratios(pair: list[dict]) -> None:
     """strict / torch: `ratio` on device time (graph replay) where both have it, `ratio_eager` as called."""
     s, t = pair
@@ -189,11 +329,13 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
 
 def ptx_audit() -> dict:
     """kernel name -> counts of approximate / contracted instructions in every compiled variant (CUDA only)."""
-    from h3kernels import elementwise, modulate, norm_modulate, packing, rms_norm, rope, timestep
+    from h3kernels import (elementwise, modulate, norm_modulate, packing, qk_norm_rope, residual_norm_modulate,
+                           rms_norm, rope, timestep)
 
     pat = {"approx": r"\.approx", "div_full": r"div\.full", "fma": r"\bfma\.", "ex2": r"\bex2\."}
     out = {}
-    for mod in (rms_norm, modulate, norm_modulate, rope, elementwise, timestep, packing):
+    for mod in (rms_norm, modulate, norm_modulate, rope, elementwise, timestep, packing, qk_norm_rope,
+                residual_norm_modulate):
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)
@@ -259,13 +401,21 @@ def sweep_rms_norm(device: str, dims: dict, rows_list) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_parser(__doc__, "elementwise", sweep_help="also time other rms_norm tiles (exploration only)")
     parser.add_argument("--only", default=None, help="comma-separated case names")
+    parser.add_argument("--fusions", action="store_true",
+                        help="time each epilogue fusion against its unfused strict sequence (FUSION_ROWS) instead")
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.dry_run, flag="--dry-run")
     import torch
 
     dims = DRY if args.dry_run else dict(HIDDEN=HIDDEN, HEADS=HEADS, HEAD_DIM=HEAD_DIM, ROTARY=ROTARY, FFN=FFN,
                                          FREQ_DIM=FREQ_DIM)
-    doc = header("elementwise", __file__, argv, device)
+    doc = header("fusions" if args.fusions else "elementwise", __file__, argv, device)
+    if args.fusions:
+        fusions_main(args, device, dims, doc)
+        if device == "cuda":
+            doc["ptx"] = ptx_audit()
+        write(args.out, doc)
+        return 0
     only = set(args.only.split(",")) if args.only else None
     for m in DRY_ROWS if args.dry_run else ROWS:
         for c in cases(m, device, dims):

@@ -6,7 +6,8 @@ Contract
 independent). Its fields are the execution state: the runtime mode, op overrides, the placement and its per-forward
 frame, AdaLN tables computed ahead, fast mode's switches, the CUDA-graph policy (which graph fronts are on), the
 gradient checkpoint's RNG rule, the hook registry and hook view of the running forward, LoRA's per-row streams,
-collective timing, the follower's pass index -- and, in a context bound to one call (`bind`), the strict kernels'
+collective timing, the follower's pass index, the strict epilogue fusions switched on -- and, in a context bound to
+one call (`bind`), the strict kernels'
 tile tables, every adapter layer's state, the model's identity state and the call's inputs, and the graph front that
 binds it.
 - `use(**changes)` (a context manager) makes `replace(current(), **changes)` current for the enclosed code; every
@@ -67,6 +68,7 @@ class ExecutionContext:
     lora_streams: Any = None  # (S,) int64 stream of each packed row, for LoRA's per-stream factors
     collective_timing: bool = False  # collective logs time their transport calls
     follow_pass: Any = None  # the denoising pass a follower rank runs
+    fusions: tuple = ()  # strict epilogue fusions switched on (sorted names of `runtime.FUSIONS`)
     front: str = ""  # bound: the graph front the call is captured by ("strict" | "fast" | "step")
     kernel_tables: tuple = ()  # bound: the strict kernels' tile tables (`runtime.kernel_settings()`)
     adapter_state: tuple = ()  # bound: every adapter layer's state (`module_tree.adapter_state`)

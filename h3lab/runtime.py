@@ -32,6 +32,12 @@ strict raises `StrictError`); any other exception from a check is a bug in the c
 Overrides (`use_overrides({"rope": fn})`) replace single ops whatever the mode; the ablation matrix uses them to
 plant a perturbation, and the trace records them as backend ``override``.
 
+Fusions (`use_fusions({"qk_norm_rope"})`, names of `FUSIONS`, none by default) let the model call one op for a
+sequence of ops: `qk_norm_rope` (Q/K RMSNorm + RoPE) and `residual_norm_modulate` (the attention's gated residual +
+the FFN's AdaLN pre-norm). `Ops.fuses(name)` says whether a table may; the model also requires that no hook is
+registered. Their strict kernels reproduce the unfused strict chain's bytes, so the switch changes which kernels run
+and the trace, never a result hash. `norm_modulate` is fused whenever nothing observes the norm (no switch).
+
 Placement (`use_placement(p)`, entered by `h3lab.distributed` around a sharded forward): a point-scoped layer before
 the overrides and the mode's kernels. `p.serve(name, point, ops)` returns None (the op runs as usual) or a callable
 that serves the call on the shards -- the row-parallel `linear_tree` as a gather and the declared tree, attention as
@@ -117,6 +123,27 @@ def norm_modulate(
     reference ops in sequence (so `off` stays bit-equal to Diffusers). The model calls it when no hook observes the
     intermediate norm and neither op is overridden; the strict kernel reproduces the two strict kernels' bytes."""
     return modulate(rms_norm(x, weight, eps), scale, shift, index)
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's Q/K norm and RoPE as one op (fusion `qk_norm_rope`): `rope(rms_norm(q, q_weight, eps), cos,
+    sin)` and the same for k, exactly the reference ops in sequence. The model calls it only when the fusion is on,
+    no hook is registered and none of the ops is overridden; the strict kernel reproduces the strict chain's bytes."""
+    return rope(rms_norm(q, q_weight, eps), cos, sin), rope(rms_norm(k, k_weight, eps), cos, sin)
+
+
+def residual_norm_modulate(
+    residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+    eps: float, scale: torch.Tensor, shift: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's attention residual and its FFN pre-norm as one op (fusion `residual_norm_modulate`):
+    `s = gated_residual(residual, gate, index, y)` and `norm_modulate(s, weight, eps, scale, shift, index)`, returned
+    as (s, modulated), exactly the reference ops in sequence. Called under the same conditions as `qk_norm_rope`."""
+    stream = gated_residual(residual, gate, index, y)
+    return stream, norm_modulate(stream, weight, eps, scale, shift, index)
 
 
 def gated_residual(residual: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,7 +241,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (
         linear, linear_tree, rms_norm, modulate, norm_modulate, gated_residual, add, rope_table, rope, attention,
-        swiglu, silu, timestep_embedding, pack_rows, select_rows,
+        swiglu, silu, timestep_embedding, pack_rows, select_rows, qk_norm_rope, residual_norm_modulate,
     )
 }
 OP_NAMES = tuple(REFERENCE_OPS)
@@ -225,6 +252,14 @@ OP_NAMES = tuple(REFERENCE_OPS)
 # the setters below are thin ones over it. The last trace and the running forward's op table are records of what ran.
 _last_trace: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("h3lab_last_trace", default=None)
 _current_ops: contextvars.ContextVar["Ops | None"] = contextvars.ContextVar("h3lab_current_ops", default=None)
+
+# Epilogue fusions a forward may switch on (`use_fusions`), each an op of the table standing for a sequence of ops:
+# fusion name -> the ops it replaces. Off by default; the model takes a fused op only where nothing could observe
+# the values in between (no hook registered, none of the ops overridden).
+FUSIONS: dict[str, tuple[str, ...]] = {
+    "qk_norm_rope": ("rms_norm", "rope"),
+    "residual_norm_modulate": ("gated_residual", "rms_norm", "modulate"),
+}
 
 
 def check_mode(mode: str) -> str:
@@ -262,6 +297,31 @@ def use_overrides(overrides: dict[str, Callable[..., Any]]) -> Iterator[None]:
     merged = {**dict(context.current().overrides), **overrides}
     with context.use(overrides=tuple(sorted(merged.items(), key=lambda item: item[0]))):
         yield
+
+
+def check_fusions(names: Any) -> frozenset:
+    """`names` (an iterable of names of `FUSIONS`) as a frozenset; one line naming the value and the rule if not."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"fusions={names!r}: must be a collection of fusion names ({', '.join(FUSIONS)})")
+    unknown = sorted(set(names) - set(FUSIONS))
+    if unknown:
+        raise ValueError(f"fusion(s) {unknown}: must be among {', '.join(FUSIONS)}")
+    return frozenset(names)
+
+
+@contextlib.contextmanager
+def use_fusions(names: Any) -> Iterator[frozenset]:
+    """Switch on the epilogue fusions `names` (`FUSIONS`) for the enclosed forwards (replacing the enclosing
+    choice; `use_fusions(())` switches all off). Every fused strict kernel reproduces the bytes of its unfused strict
+    chain, so a result does not change: only the kernels that run (and the trace) do."""
+    chosen = check_fusions(names)
+    with context.use(fusions=tuple(sorted(chosen))):
+        yield chosen
+
+
+def current_fusions() -> frozenset:
+    """The fusions the enclosing `use_fusions` switched on (empty by default)."""
+    return frozenset(context.current().fusions)
 
 
 @contextlib.contextmanager
@@ -449,12 +509,19 @@ class Ops:
         self._overrides = dict(ctx.overrides) if overrides else {}
         self._placement = ctx.placement if placement else None
         self._precomputed = ctx.precomputed if precomputed else None
+        self._fusions = frozenset(ctx.fusions)
         self._strict, self._unsupported = _strict_registry() if mode in ("strict", "auto") else ({}, ())
 
     def fusable(self, *names: str) -> bool:
         """True when no override replaces any of the ops `names`: a fused op may then stand for their sequence
         (an override of one of them, e.g. an ablation's planted perturbation, keeps them apart)."""
         return not any(name in self._overrides for name in names)
+
+    def fuses(self, fusion: str) -> bool:
+        """True when the fusion `fusion` (`FUSIONS`) is switched on for this table, no override replaces any op it
+        stands for and the mode is not fast (whose own fused producers serve the unfused ops); the caller also checks
+        that no hook observes the values in between."""
+        return fusion in self._fusions and self.mode != "fast" and self.fusable(*FUSIONS[fusion])
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         # Only reached for names that are no op (every op is a method, installed below `Ops`).

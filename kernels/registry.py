@@ -78,6 +78,8 @@ OP_MODULES = (
     "modulate",
     "norm_modulate",
     "rope",
+    "qk_norm_rope",
+    "residual_norm_modulate",
     "elementwise",
     "timestep",
     "packing",

@@ -5,9 +5,10 @@ Contract
 --------
 `ROWS` holds one `Ablation` per RFC row — A0-A7, C0-C2, H1-H17, H-C0-H-C7 — and RL1 (RL's rollout-vs-training
 ratio: 1.0 exactly in strict, a planted batch-position change in `off` moves it and drifts first at `video_proj_in`;
-`ratio.py`), each with the factor it changes, how the change is applied (op override / hook / layout change /
-sampler change / input change / model change / control), the runtime mode and scope it runs in, and its `Expected`
-signature:
+`ratio.py`) and F1 / F2 (a switchable strict epilogue fusion, `runtime.use_fusions`, leaves the strict trajectory
+byte-equal: `fusions.py`), each with the factor it changes, how the change is applied (op override / hook / layout
+change / sampler change / input change / model change / control / kernel variant), the runtime mode and scope it runs
+in, and its `Expected` signature:
 
   PASS      the two arms are byte-equal at every compared point (the drift report is `equal`);
   DRIFT     the first drift is at exactly `point` in pass `step` (-1 = scheduler construction), and, where given,
@@ -70,7 +71,7 @@ Modules, one job each: `bench.py` (the bench and its seeded inputs), `factors.py
 their arms, and the checks of the rows without two arms), `matrix.py` (the rows and the runner), `distributed.py`
 (the distributed rows on local gloo ranks: research over the distributed room, so the production room never
 imports `drift`), `faults.py` (the A4 / H17 / A7 faults as a wrapper around a placement, never a branch in it),
-`ratio.py` (RL1). May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime;
+`ratio.py` (RL1), `fusions.py` (F1, F2). May import: the run spec, drift and trajectory, the model, checkpoint, layout, sampler, runtime;
 `distributed.py` and `faults.py` also the distributed room, `ratio.py` the training room (`grpo_step`).
 """
 

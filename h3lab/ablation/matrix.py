@@ -13,6 +13,7 @@ from ..drift import DriftError, DriftPoint, DriftReport, Execution, compare, pas
 from ..run import ResolvedRun
 from .bench import Bench, tiny_bench
 from .factors import TABLE, AblationError
+from .fusions import check_fusion
 from .probes import (
     _check_A5,
     _check_HC7,
@@ -204,6 +205,16 @@ ROWS: dict[str, Ablation] = {r.name: r for r in (
          "batch-position change (items after the first: video_proj_in in bf16)", "control", PASS, "strict",
          "trajectory", "exp(logp_train - logp_rollout) == 1.0 exactly (strict); planted change: ratio moves, drift "
          "names video_proj_in", check=check_ratio),
+    # ---- strict kernels: the switchable epilogue fusions keep every byte
+    _row("F1", "Fused Q/K norm + RoPE", "the strict trajectory with fusion qk_norm_rope on (one kernel per block for "
+         "both Q/K RMSNorms and both RoPEs), against the unfused reference", "kernel variant", PASS, "strict",
+         "trajectory", "PASS, byte-equal (the fused kernel rounds where the unfused chain stores)",
+         check=check_fusion("qk_norm_rope")),
+    _row("F2", "Fused residual + AdaLN pre-norm", "the strict trajectory with fusion residual_norm_modulate on (the "
+         "attention's gated residual and the FFN's RMSNorm + modulation in one kernel), against the unfused reference",
+         "kernel variant", PASS, "strict", "trajectory",
+         "PASS, byte-equal (the fused kernel rounds where the unfused chain stores)",
+         check=check_fusion("residual_norm_modulate")),
 )}
 
 ORDER = tuple(ROWS)

@@ -23,6 +23,11 @@ The module boundary:
   Diffusers' statement order, so `off` mode is bit-equal to it.
 - The AdaLN pre-norm (`norm_modulate`) is one fused op when nothing could observe the norm in between: no hook
   registered, neither op overridden, and the norm module is this file's `RMSNorm`, unwrapped and without torch hooks.
+  The switchable fusions (`runtime.use_fusions`, off by default) follow the same rule: `qk_norm_rope` (the Q/K
+  norms and RoPE of a block's attention, traced at `q_rope`) and `residual_norm_modulate` (the attention's gated
+  residual and the FFN's pre-norm, traced at `modulate2`). A registered hook, an override of one of the ops or a
+  replaced / hooked norm module runs the unfused ops, so every hook point still fires; the fused strict kernels give
+  the unfused chain's bytes, so the choice never changes a result.
 """
 
 from __future__ import annotations
@@ -136,6 +141,12 @@ class Attention(nn.Module):
         for s in names:
             setattr(self, f"hook_{s}", HookSite(prefix + s))
 
+    def _fuses_qk(self, ops: runtime.Ops) -> bool:
+        """Q/K norm and RoPE as one op (`qk_norm_rope`): the fusion is on, no hook is registered, neither op is
+        overridden and both norms are plain `RMSNorm`s of one epsilon."""
+        return (ops.fuses("qk_norm_rope") and active_hooks() is None and _plain(self.norm_q, RMSNorm)
+                and _plain(self.norm_k, RMSNorm) and self.norm_q.eps == self.norm_k.eps)
+
     def forward(self, x: torch.Tensor, rotary_emb: tuple | None = None,
                 key_order: torch.Tensor | None = None) -> torch.Tensor:
         ops = runtime.current_ops()
@@ -148,12 +159,17 @@ class Attention(nn.Module):
         k = k.unflatten(-1, (-1, self.head_dim))
         v = v.unflatten(-1, (-1, self.head_dim))
 
-        q = self.hook_q_norm(self.norm_q(q))
-        k = self.hook_k_norm(self.norm_k(k))
-        if rotary_emb is not None:  # transformer blocks only; the token refiner has no positions
+        if rotary_emb is not None and self._fuses_qk(ops):
             cos, sin = rotary_emb  # (S, rotary_dim) float32 each
-            q = self.hook_q_rope(ops.rope(q, cos, sin, point=self.hook_q_rope.name))
-            k = self.hook_k_rope(ops.rope(k, cos, sin, point=self.hook_k_rope.name))
+            q, k = ops.qk_norm_rope(q, k, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos, sin,
+                                    point=self.hook_q_rope.name)
+        else:
+            q = self.hook_q_norm(self.norm_q(q))
+            k = self.hook_k_norm(self.norm_k(k))
+            if rotary_emb is not None:  # transformer blocks only; the token refiner has no positions
+                cos, sin = rotary_emb  # (S, rotary_dim) float32 each
+                q = self.hook_q_rope(ops.rope(q, cos, sin, point=self.hook_q_rope.name))
+                k = self.hook_k_rope(ops.rope(k, cos, sin, point=self.hook_k_rope.name))
 
         # Keys in canonical order over the packed document (blocks); the refiner's text document keeps its own order.
         o = self.hook_attention(ops.attention(q, k, v, key_order, point=self.hook_attention.name))  # (B, S, H, D)
@@ -243,9 +259,14 @@ class TransformerBlock(nn.Module):
 
         h = norm_modulate(ops, x, self.norm1, scale_msa, shift_msa, adaln_indices, self.hook_norm1, self.hook_modulate1)
         h = self.attn(h, rotary_emb, key_order)
-        x = self.hook_residual1(ops.gated_residual(x, gate_msa, adaln_indices, h, point=self.hook_residual1.name))
-
-        h = norm_modulate(ops, x, self.norm2, scale_mlp, shift_mlp, adaln_indices, self.hook_norm2, self.hook_modulate2)
+        if ops.fuses("residual_norm_modulate") and active_hooks() is None and _plain(self.norm2, RMSNorm):
+            # the attention residual and the FFN pre-norm as one op: the stream is written once, never read back
+            x, h = ops.residual_norm_modulate(x, gate_msa, adaln_indices, h, self.norm2.weight, self.norm2.eps,
+                                              scale_mlp, shift_mlp, point=self.hook_modulate2.name)
+        else:
+            x = self.hook_residual1(ops.gated_residual(x, gate_msa, adaln_indices, h, point=self.hook_residual1.name))
+            h = norm_modulate(ops, x, self.norm2, scale_mlp, shift_mlp, adaln_indices, self.hook_norm2,
+                              self.hook_modulate2)
         h = self.ff(h)
         return self.hook_residual2(ops.gated_residual(x, gate_mlp, adaln_indices, h, point=self.hook_residual2.name))
 

@@ -51,6 +51,7 @@ CHANGED = {
     "lora_streams": torch.tensor([0, 1, 2]),
     "collective_timing": True,
     "follow_pass": 3,
+    "fusions": ("qk_norm_rope",),
     "front": "strict",
     "kernel_tables": (("bfloat16", (64, 64, 32)),),
     "adapter_state": ((True, ("default",), (), None, None),),

@@ -12,6 +12,7 @@ from h3lab import ablation as A
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
     + [f"H-C{i}" for i in range(8)] + ["RL1"]  # RL1: RL's rollout-vs-training ratio
+    + ["F1", "F2"]  # the switchable strict epilogue fusions
 )
 DISTRIBUTED = {"A4", "A7", "C0", "H17", "H-C4", "H-C5"}
 KEYS = {"name", "expected", "observed", "first_drift", "passed", "status", "mode", "factor", "description", "apply"}
@@ -41,7 +42,7 @@ def test_every_rfc_row_is_declared():
             assert row.probe is None and row.check is None and row.mode == "strict"
     # the strict promises run strict
     assert {n for n, r in A.ROWS.items() if r.mode == "strict" and n not in DISTRIBUTED} == {
-        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1"}
+        "A0", "C1", "C2", "H-C0", "H-C1", "H-C2", "H-C3", "RL1", "F1", "F2"}
 
 
 def test_factor_rows_take_their_transform_from_the_factor_table():
@@ -91,9 +92,9 @@ def test_planted_rows_point_at_the_perturbed_row(matrix, bench):
 def test_summary_counts_and_table(matrix):
     rows = [matrix[n] for n in RFC_ROWS]
     s = A.summarize(rows)
-    assert s == {"rows": 37, "passed": 37, "failed": [], "not_run": []}
+    assert s == {"rows": 39, "passed": 39, "failed": [], "not_run": []}
     table = A.format_table(rows)
-    assert table.count("\n") == 37 and "needs distributed" not in table
+    assert table.count("\n") == 39 and "needs distributed" not in table
 
 
 def test_distributed_rows_name_their_arms_and_the_owning_rank(matrix, bench):
