@@ -7,9 +7,8 @@ independent). Its fields are the execution state: the runtime mode, op overrides
 frame, AdaLN tables computed ahead, fast mode's switches, the CUDA-graph policy (which graph fronts are on), the
 gradient checkpoint's RNG rule, the hook registry and hook view of the running forward, LoRA's per-row streams,
 collective timing, the follower's pass index, the strict epilogue fusions switched on -- and, in a context bound to
-one call (`bind`), the strict kernels'
-tile tables, every adapter layer's state, the model's identity state and the call's inputs, and the graph front that
-binds it.
+one call (`bind`), the strict kernels' tile tables, every adapter layer's state, the model's identity state and the
+call's inputs, and the graph front that binds it.
 - `use(**changes)` (a context manager) makes `replace(current(), **changes)` current for the enclosed code; every
   `use_*` setter of the runtime, fast mode, the graph fronts, hooks, LoRA and the distributed room is a thin one
   over it. An unknown field name is refused in one line.
