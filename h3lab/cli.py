@@ -15,7 +15,9 @@ Reference flags (`--ref-image`, `--ref-video`, `--ref-silent-video`, `--ref-vide
 `--ref-audio`) may repeat; their command-line order is the reference order. Settings flags map one to one onto
 `h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands; they are generated
 from the settings schema (`h3lab.schema.argv`: `--width` ... `--mode`, the presets' flags, and every setting declared
-later, with the actions that take it), and so are the `Session(...)` options declared there.
+later, with the actions that take it), and so are the `Session(...)` options declared there. The other flags (-d, -p,
+-o, anchors, references, outputs, `--info`, `--replay`, placement, LoRA, mesh) are declared once each in
+`h3lab.schema.cli_flags`, with the actions that take them.
 
 `--tp T --cp C [--sp] [--row-parallel auto|k_chunks|n_split]` (under torchrun, world size T*C) run the one-shot
 generation, the REPL or a replay on a device mesh (`h3lab.distributed.frontend`): rank 0 runs the front end, the

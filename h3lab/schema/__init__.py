@@ -33,16 +33,22 @@ registries `PROGRAMS` (`program.py`): one declaration gives the argparse flag (o
 with the default, the config keyword a `SettingError` is named by (`--group 1: must be an integer >= 2`) and the
 record the value is sealed in (`seal`):
 
+    from h3lab.schema import Setting, declare_flag
+
     declare_flag(Setting("group", int, 4, "rollouts per prompt", target="command", metavar="G",
                          programs=("train grpo", "train nft"), seal="config"))
 
 Modules: `setting.py` (`Setting`, `Repl`, `Control`, the registry `SETTINGS`), `words.py` (REPL word parsers),
 `builtin.py` (the generation settings of `h3lab.settings`), `argv.py` (argparse flags and the flag -> settings
 conversion), `program.py` (the command lines' registries, their argparse flags, the sealed fields of parsed flags),
-`train_flags.py`, `encode_flags.py`, `cli_flags.py` (the declared flags of `h3lab train`, `h3lab encode` and the CLI). May import: errors, settings, runtime (builtin and argv only; `setting.py` and `words.py` import
-nothing of h3lab but errors, so `h3lab.settings` and the presets can declare at import).
+`train_flags.py`, `encode_flags.py`, `cli_flags.py` (the declared flags of `h3lab train`, `h3lab encode` and the
+CLI). May import: errors, settings, runtime (builtin and argv only; `setting.py`, `program.py` and `words.py` import
+nothing of h3lab but errors, so `h3lab.settings` and the presets can declare at import); the three flag modules
+belong to the front ends' room (they read names of the training room and the runtime).
 """
 
+from .program import PROGRAMS, declare_flag
 from .setting import ACTIONS, NO_VALUE, SETTINGS, TARGETS, Control, Repl, Schema, Setting, declare
 
-__all__ = ["ACTIONS", "NO_VALUE", "SETTINGS", "TARGETS", "Control", "Repl", "Schema", "Setting", "declare"]
+__all__ = ["ACTIONS", "NO_VALUE", "PROGRAMS", "SETTINGS", "TARGETS", "Control", "Repl", "Schema", "Setting", "declare",
+           "declare_flag"]
