@@ -205,12 +205,14 @@ def settings_flags() -> dict[str, str]:
 
 
 def flag_names() -> dict[str, str]:
-    """dest -> flag as typed, of every flag `check_flags` looks at (each named once; the references as --ref-*)."""
+    """dest -> flag as typed, of every flag `check_flags` looks at (each named once, by its short spelling when it has
+    one; the references as --ref-*)."""
     from .schema.argv import flags
     from .schema.program import PROGRAMS
 
     named = {**settings_flags(), **flags("session")}
-    return {**named, **{s.keyword: s.flag for s in PROGRAMS["h3lab"] if s.keyword not in named}}
+    fixed = {s.keyword: (s.aliases or (s.flag,))[0] for s in PROGRAMS["h3lab"]}  # as typed most: -p, -o
+    return {**named, **{k: v for k, v in fixed.items() if k not in named}}
 
 
 def allowed() -> dict[str, set[str]]:
