@@ -142,6 +142,7 @@ def main(argv=None) -> dict:
     from h3lab.training import trainable_parameters
     from h3lab.training.grpo import ratio_stats
     from h3lab.training.grpo_step import GrpoConfig, batch_from_trajectories, grpo_iteration
+    from h3lab.training.optim_config import OptimizerConfig
 
     config = dataclasses.replace(H3Config.tiny(), num_layers=1, num_refiner_layers=1) if args.tiny else H3Config.full()
     full_layers = config.num_layers
@@ -183,7 +184,8 @@ def main(argv=None) -> dict:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         batch = batch_from_trajectories([trajectory], "flow_sde", rewards)
-        cfg = GrpoConfig(group=args.group, level=args.level, mode=mode, gradient_checkpointing=True, lr=1e-5)
+        cfg = GrpoConfig(group=args.group, level=args.level, mode=mode, gradient_checkpointing=True,
+                         optim=OptimizerConfig(lr=1e-5))
         optimizer = cfg.optimizer(params)
         item_s: list[float] = []
         sync(device)

@@ -15,7 +15,9 @@ Reference flags (`--ref-image`, `--ref-video`, `--ref-silent-video`, `--ref-vide
 `--ref-audio`) may repeat; their command-line order is the reference order. Settings flags map one to one onto
 `h3lab.settings.GenerationSettings` and go through the same validation as the REPL's commands; they are generated
 from the settings schema (`h3lab.schema.argv`: `--width` ... `--mode`, the presets' flags, and every setting declared
-later, with the actions that take it), and so are the `Session(...)` options declared there.
+later, with the actions that take it), and so are the `Session(...)` options declared there. The other flags (-d, -p,
+-o, anchors, references, outputs, `--info`, `--replay`, placement, LoRA, mesh) are declared once each in
+`h3lab.schema.cli_flags`, with the actions that take them.
 
 `--tp T --cp C [--sp] [--row-parallel auto|k_chunks|n_split]` (under torchrun, world size T*C) run the one-shot
 generation, the REPL or a replay on a device mesh (`h3lab.distributed.frontend`): rank 0 runs the front end, the
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -62,84 +65,22 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-class _RefAction(argparse.Action):
-    """Appends (kind, values) to one ordered `references` list, so mixed reference flags keep their order."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        refs = list(getattr(namespace, "references", None) or [])
-        values = values if isinstance(values, list) else [values]
-        refs.append((self.const, values))
-        namespace.references = refs
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The declared infrastructure flags (`h3lab.schema.cli_flags`: -d, -p, -o first) around every declared
+    generation setting and `Session(...)` option (`h3lab.schema.argv`)."""
+    from .schema.argv import add_flags
+    from .schema.cli_flags import LEAD_ORDER
+    from .schema.program import add_program_flags
+
     p = _Parser(
         prog="h3lab",
         description="MiniMax-H3 research workbench: generate video with sound, strict deterministic execution, "
         "sealed trajectories. Without -p (and without --replay/--info) an interactive session starts. "
         "Subcommands (each with --help): `h3lab encode` (MP4s -> a clip dataset), `h3lab train`.",
     )
-    p.add_argument("-d", "--model", dest="model", metavar="PATH", help="snapshot directory (default: the embedded h3-shapes snapshot)")
-    p.add_argument("-p", "--prompt", help="prompt; generates once and exits")
-    p.add_argument("-o", "--output", metavar="OUT.mp4", default=None,
-                   help="MP4 path (default h3lab.mp4); -o '' disables the MP4")
-    from .schema.argv import add_flags
-
+    add_program_flags(p, "h3lab", orders=(-math.inf, LEAD_ORDER))
     add_flags(p, "generation")  # every declared generation setting (h3lab.schema): --width ... --mode, the presets
-    p.add_argument("--first-frame", metavar="IMAGE", default=None, help="first-frame anchor (fl2va)")
-    p.add_argument("--last-frame", metavar="IMAGE", default=None, help="last-frame anchor (fl2va)")
-    p.add_argument("--ref-image", action=_RefAction, const="image", metavar="IMAGE", help="image reference")
-    p.add_argument("--ref-video", action=_RefAction, const="video", metavar="VIDEO",
-                   help="video reference with its soundtrack")
-    p.add_argument("--ref-silent-video", action=_RefAction, const="silent-video", metavar="VIDEO",
-                   help="video reference, soundtrack ignored")
-    p.add_argument("--ref-video-audio", action=_RefAction, const="video-audio", nargs=2, metavar=("VIDEO", "AUDIO"),
-                   help="video reference with a replacement soundtrack")
-    p.add_argument("--ref-audio", action=_RefAction, const="audio", metavar="AUDIO",
-                   help="standalone audio reference (needs an image or video reference)")
-    p.add_argument("--frames-dir", metavar="DIR", default=None, help="also write every frame as PNG")
-    p.add_argument("--wav", metavar="OUT.wav", default=None, help="also write the soundtrack as float32 WAV")
-    p.add_argument("--trajectory", metavar="DIR", default=None,
-                   help="also seal the generation's trajectory in DIR (with --keep latents: a rollout for "
-                        "`h3lab train --rollout`)")
-    p.add_argument("--show", action="store_true", help="preview the middle frame after every denoising pass")
-    p.add_argument("--zoom", type=int, default=None, help="--show display factor (default 2 for Retina; 1-8)")
-    p.add_argument("--profile", action="store_true", help="print phase timings and peak memory")
-    p.add_argument("--info", action="store_true", help="report the snapshot (and one forward) without generating")
-    p.add_argument("--json", action="store_true", help="machine-readable output for --info and generations")
-    p.add_argument("--replay", metavar="FILE", default=None, help="run a .h3 replay and check its expect lines")
-    p.add_argument("--update", action="store_true", help="with --replay: rewrite the expect lines")
-    p.add_argument("--allow-unchecked", action="store_true",
-                   help="with --replay: do not run a generation that has no expect line for this machine's "
-                   "arithmetic class a second time (by default it runs twice and must give the same digest)")
-    p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--residency", choices=("resident", "phased", "streamed"), default=None,
-                   help="keep components resident (default), load/release them per phase, or stream the DiT's blocks "
-                        "from host memory through two GPU slots")
-    p.add_argument("--gpu-memory", metavar="GiB", type=float, default=None,
-                   help="GPU budget of the streamed DiT: blocks that fit stay resident, the rest stream (implies "
-                        "--residency streamed)")
-    p.add_argument("--adaln", choices=("resident", "tables"), default=None,
-                   help="tables: keep the blocks' AdaLN weights (13B of the 33B parameters) in host memory and hold "
-                        "only the AdaLN tables of the run's schedule on the GPU (byte-identical; default resident)")
-    p.add_argument("--plan", action="store_true",
-                   help="with --info: what the settings need on the GPU (resident/streamed split, AdaLN tables, "
-                        "estimated peak) for the card, without loading anything")
-    p.add_argument("--card-memory", metavar="GiB", type=float, default=None,
-                   help="plan for (and refuse requests that do not fit) a card of this many GiB instead of this "
-                        "machine's GPU")
-    p.add_argument("--session-dir", metavar="DIR", default=None,
-                   help="REPL outputs, previews and history (default ./h3lab-session)")
-    p.add_argument("--lora", metavar="PATH", default=None,
-                   help="generate with this LoRA adapter (PEFT folder or Diffusers .safetensors)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (under torchrun; world = tp*cp)")
-    p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree (under torchrun)")
-    p.add_argument("--sp", action="store_true", help="sequence parallel inside each TP group (needs --tp > 1)")
-    p.add_argument("--row-parallel", choices=("auto", "k_chunks", "n_split"), default=None,
-                   help="row-parallel layers: the 8-chunk tree split by K (k_chunks) or by output columns (n_split)")
-    p.add_argument("--share-device", action="store_true",
-                   help="every rank on one GPU (gloo; the collectives' bytes through CUDA IPC slots): proves a "
-                        "topology's bytes on one GPU (timings are bytes-only, never scaling)")
+    add_program_flags(p, "h3lab", orders=(LEAD_ORDER, math.inf))
     add_flags(p, "session")  # declared Session(...) options
     p.set_defaults(references=[])
     return p
@@ -251,41 +192,38 @@ def session_from_args(args: argparse.Namespace):
 
 
 # ------------------------------------------------------------------------------------------------ fail early
-# Flags by what they are for (argparse dest -> flag as typed). A flag the chosen action would ignore is an error.
-# The declared settings' flags (h3lab.schema) join them: `settings_flags()`, `allowed()`.
-CONDITIONING_FLAGS = {"first_frame": "--first-frame", "last_frame": "--last-frame", "references": "--ref-*"}
-OUTPUT_FLAGS = {"output": "-o", "wav": "--wav", "frames_dir": "--frames-dir", "trajectory": "--trajectory"}
-OTHER_FLAGS = {"prompt": "-p", "show": "--show", "profile": "--profile", "json": "--json", "replay": "--replay",
-               "update": "--update", "allow_unchecked": "--allow-unchecked", "session_dir": "--session-dir",
-               "residency": "--residency", "adaln": "--adaln", "plan": "--plan", "card_memory": "--card-memory",
-               "gpu_memory": "--gpu-memory", "lora": "--lora", "zoom": "--zoom"}
-MESH_FLAGS = {"tp": "--tp", "cp": "--cp", "sp": "--sp", "row_parallel": "--row-parallel",
-              "share_device": "--share-device"}
-PLACEMENT = {"residency", "gpu_memory", "adaln", "card_memory"}
-FIXED_ALLOWED = {  # action -> the fixed flags it uses (besides -d and --device, which every action uses)
-    "info": {"json"},
-    "plan": {"json", "plan", *PLACEMENT, "first_frame", "last_frame"},
-    "replay": {"replay", "update", "allow_unchecked", "session_dir", "profile", *PLACEMENT, *MESH_FLAGS},
-    "one-shot": {"prompt", "json", "show", "zoom", "profile", *PLACEMENT, "session_dir", "lora",
-                 *CONDITIONING_FLAGS, *OUTPUT_FLAGS, *MESH_FLAGS},
-    "repl": {"session_dir", "show", "zoom", "profile", *PLACEMENT, "lora", *CONDITIONING_FLAGS, *MESH_FLAGS},
-}
+# A flag the chosen action would ignore is an error. Which action takes which flag is declared with the flag: the
+# infrastructure flags' `actions` (`h3lab.schema.cli_flags`) and the settings' (`h3lab.schema.argv`).
+REFERENCES = {"references": "--ref-*"}  # the five reference flags fill one list (`cli_flags.RefAction`)
 
 
 def settings_flags() -> dict[str, str]:
     """dest -> flag of every setting flag: the declared generation settings, the anchors and the references."""
     from .schema.argv import flags
 
-    return {**flags("generation"), **CONDITIONING_FLAGS}
+    return {**flags("generation"), "first_frame": "--first-frame", "last_frame": "--last-frame", **REFERENCES}
+
+
+def flag_names() -> dict[str, str]:
+    """dest -> flag as typed, of every flag `check_flags` looks at (each named once, by its short spelling when it has
+    one; the references as --ref-*)."""
+    from .schema.argv import flags
+    from .schema.program import PROGRAMS
+
+    named = {**settings_flags(), **flags("session")}
+    fixed = {s.keyword: (s.aliases or (s.flag,))[0] for s in PROGRAMS["h3lab"]}  # as typed most: -p, -o
+    return {**named, **{k: v for k, v in fixed.items() if k not in named}}
 
 
 def allowed() -> dict[str, set[str]]:
-    """action -> the dests it takes: the fixed ones and each declared setting's `actions`."""
+    """action -> the dests it takes: each declared flag's `actions`."""
     from .schema.argv import flag_actions
+    from .schema.program import program_actions
 
     declared = flag_actions()
     declared["plan"] = declared.get("one-shot", set())  # a plan is for the settings a generation would take
-    return {action: dests | declared.get(action, set()) for action, dests in FIXED_ALLOWED.items()}
+    fixed = program_actions("h3lab")
+    return {action: dests | declared.get(action, set()) for action, dests in fixed.items()}
 
 
 WHY = {
@@ -315,9 +253,7 @@ def check_flags(args: argparse.Namespace) -> str:
     if args.plan and not args.info:
         raise CliError("--plan only goes with --info (h3lab --info --plan [settings]); in the REPL: !plan")
     action = action_of(args)
-    from .schema.argv import flags
-
-    names = {**settings_flags(), **flags("session"), **OUTPUT_FLAGS, **OTHER_FLAGS, **MESH_FLAGS}
+    names = flag_names()
     takes = allowed()[action]
     if action == "one-shot" and args.session_dir is not None and not args.show:
         raise CliError(f"--session-dir {args.session_dir!r} without --show: {WHY['one-shot']}")

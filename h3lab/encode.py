@@ -36,24 +36,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The declared flags of `h3lab encode` (`h3lab.schema.encode_flags`)."""
+    from .schema.program import add_program_flags
+
     p = _Parser(prog=PROG, description="Encode MP4 clips and their prompts into a sealed clip dataset for "
                 "`h3lab train --clips` (video and audio latents through the snapshot's VAEs, text features through "
                 "its text encoder).")
-    p.add_argument("--videos", required=True, metavar="DIR", help="the folder holding the clips")
-    p.add_argument("--manifest", required=True, metavar="FILE",
-                   help="a .csv (header row) or .jsonl file: a clip column (file_name, video or path, relative to "
-                        "--videos) and a prompt column (prompt, caption or text)")
-    p.add_argument("-o", "--out", required=True, metavar="DATASET", help="the sealed dataset folder to write")
-    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH", help="snapshot (default: embedded tiny)")
-    p.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--width", type=int, default=None,
-                   help="canvas width (with --height): every clip scaled and centre-cropped to it (default: each "
-                        "clip's own size, which must be a legal canvas)")
-    p.add_argument("--height", type=int, default=None, help="canvas height (with --width)")
-    p.add_argument("--frames", type=int, default=None,
-                   help="frames per clip at 24 fps, snapped up to 17n+5 (default: the longest 17n+5 each clip holds)")
-    p.add_argument("--allow-silent", action="store_true",
-                   help="encode clips without an audio track as silence (default: refused)")
+    add_program_flags(p, "encode")
     return p
 
 

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from .errors import H3Error, user_message
-from .runtime import MODES
 
 
 class TrainArgError(H3Error):
@@ -49,11 +48,6 @@ class TrainArgError(H3Error):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise TrainArgError(message)
-
-
-GPU_MEMORY_HELP = ("budget for the DiT's frozen weights on the device: the blocks that fit stay resident, the rest "
-                   "stream through slots in the forward and again in the backward (needs --gradient-checkpointing; "
-                   "bytes equal the resident run's; default: all resident)")
 
 
 def check_gpu_memory_flag(args: argparse.Namespace) -> float | None:
@@ -88,150 +82,40 @@ def streamed_model(job, gib: float):
     return model, lambda _model: {"residency": record}
 
 
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Every flag's help ends with its default (unless it says it already, or the flag is a switch or required);
-    the description keeps its lines."""
+DESCRIPTIONS = {
+    "train": "LoRA fine-tune or reward-weighted update of the MiniMax-H3 DiT (strict, sealed, resumable).\nRL on "
+             "rollouts of the current policy: h3lab train grpo --help, h3lab train nft --help.\nA finished job "
+             "verifies with h3lab verify OUT.",
+    "train grpo": "GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA policy on a prompt file, a reward per "
+                  "request, the clipped GRPO step (strict, sealed, resumable).\nA finished job verifies with h3lab "
+                  "verify OUT.",
+    "train nft": "DiffusionNFT on the MiniMax-H3 DiT: rollouts of a LoRA policy (any sampler, the released Euler step "
+                 "by default; no CFG) on a prompt file, a reward per request, flow matching on forward-noised final "
+                 "latents split into implicit positive and negative policies around the frozen previous policy "
+                 "(strict, sealed, resumable).\nA finished job verifies with h3lab verify OUT.",
+}
 
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("(default" in text or action.required or action.default is None or action.default is False
-                or action.default == [] or action.default == argparse.SUPPRESS or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)"
+
+def program_parser(program: str) -> argparse.ArgumentParser:
+    """The parser of `h3lab <program>`: its declared flags (`h3lab.schema.train_flags`), each help with its default."""
+    from .schema.program import add_program_flags
+
+    p = _Parser(prog=f"h3lab {program}", formatter_class=argparse.RawDescriptionHelpFormatter,
+                description=DESCRIPTIONS[program])
+    add_program_flags(p, program)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .training.lora import PROJECTIONS
-
-    p = _Parser(prog="h3lab train", formatter_class=_Help,
-                description="LoRA fine-tune or reward-weighted update of the MiniMax-H3 DiT (strict, sealed, "
-                "resumable).\nRL on rollouts of the current policy: h3lab train grpo --help, h3lab train nft --help.\nA finished job "
-                "verifies with h3lab verify OUT.")
-    p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoints, final adapter, sealed run")
-    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
-                   help="snapshot (default: the embedded h3-shapes snapshot)")
-    p.add_argument("--variant", default="transformer", help="transformer (t2va/fl2va) or transformer_ref (ref2va)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--clips", metavar="DATASET", help="sealed clip dataset (h3lab encode, training.save_dataset)")
-    p.add_argument("--rollout", nargs=2, action="append", default=[], metavar=("TRAJECTORY", "REWARD"),
-                   help="sealed rollout (latents kept) and its reward; repeat for several")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: = rank, a scaling of 1)")
-    p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
-    p.add_argument("--lora-seed", type=int, default=0, help="seed of the adapter's initial A factors")
-    p.add_argument("--steps", type=int, default=100, help="optimiser steps")
-    p.add_argument("--batch-size", type=int, default=1, help="requests per step (their gradients combined in a "
-                   "fixed tree)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--seed", type=int, default=0, help="run seed (per-step clip sigma/noise draws)")
-    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of the step")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each block in the backward (byte-neutral; less memory)")
-    p.add_argument("--video-weight", type=float, default=1.0, help="weight of the video rows' loss")
-    p.add_argument("--audio-weight", type=float, default=1.0, help="weight of the audio rows' loss")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K", help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the job in --out from its newest checkpoint (from step 0 when it has none)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help=GPU_MEMORY_HELP)
-    p.add_argument("--cp", type=int, default=None, help="context-parallel (Ulysses) degree, under torchrun")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree, under torchrun")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the (tp, cp) mesh, under torchrun")
-    return p
+    return program_parser("train")
 
 
 def build_grpo_parser() -> argparse.ArgumentParser:
-    from .stochastic import SDE_KINDS
-
-    p = _Parser(prog="h3lab train grpo", formatter_class=_Help,
-                description="GRPO on the MiniMax-H3 DiT: stochastic rollouts of a LoRA policy on a prompt file, a "
-                "reward per request, the clipped GRPO step (strict, sealed, resumable).\nA finished job verifies "
-                "with h3lab verify OUT.")
-    _rollout_flags(p)
-    p.add_argument("--stepper", choices=SDE_KINDS, default="flow_sde", help="SDE transition (default flow_sde)")
-    p.add_argument("--level", type=float, default=0.7, help="noise level: flow_sde/cps a, dance_sde eta (0.7)")
-    p.add_argument("--clip-range", type=float, default=1e-4, help="surrogate clip range (default 1e-4)")
-    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage clip (default 5)")
-    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the adapter-off reference (default 0)")
-    p.add_argument("--importance-cap", type=float, default=None, metavar="C",
-                   help="truncated importance weights min(ratio, C) (default off)")
-    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser passes over each iteration's rollouts")
-    p.add_argument("--passes", default="all", metavar="all|fraction:F|window:S,W",
-                   help="which SDE passes train (default all; DanceGRPO fraction:0.6; MixGRPO window:0,4)")
-    _policy_flags(p, "rollout noise, pass selection")
-    return p
+    return program_parser("train grpo")
 
 
 def build_nft_parser() -> argparse.ArgumentParser:
-    from .training.nft.objective import KINDS, OLD_BATCHES
-
-    p = _Parser(prog="h3lab train nft", formatter_class=_Help,
-                description="DiffusionNFT on the MiniMax-H3 DiT: rollouts of a LoRA policy (any sampler, the "
-                "released Euler step by default; no CFG) on a prompt file, a reward per request, flow matching on "
-                "forward-noised final latents split into implicit positive and negative policies around the frozen "
-                "previous policy (strict, sealed, resumable).\nA finished job verifies with h3lab verify OUT.")
-    _rollout_flags(p)
-    p.add_argument("--stepper", choices=KINDS, default="euler", help="rollout sampler (default euler: the released "
-                   "deterministic step)")
-    p.add_argument("--level", type=float, default=None, help="noise level of an SDE --stepper (default 0.7)")
-    p.add_argument("--nft-beta", type=float, default=1.0, help="DiffusionNFT's beta: how far the implicit policies "
-                   "sit from the previous one (default 1)")
-    p.add_argument("--ref-kl", type=float, default=1e-4, help="weight of |v - v_ref|^2 to the adapter-off reference "
-                   "(default 1e-4)")
-    p.add_argument("--adv-clip", type=float, default=5.0, help="advantage that maps to optimality 0 / 1 (default 5)")
-    p.add_argument("--draws", type=int, default=1, help="forward noisings per request per iteration (default 1)")
-    p.add_argument("--inner-epochs", type=int, default=1, help="optimiser steps per iteration (default 1)")
-    p.add_argument("--old-batch", choices=OLD_BATCHES, default="group",
-                   help="previous-policy forwards per prompt group or per request (byte-equal in strict)")
-    p.add_argument("--video-weight", type=float, default=1.0, help="weight of the video rows' loss")
-    p.add_argument("--audio-weight", type=float, default=1.0, help="weight of the audio rows' loss")
-    _policy_flags(p, "rollout noise, forward noisings")
-    return p
-
-
-def _rollout_flags(p: argparse.ArgumentParser) -> None:
-    """The flags `train grpo` and `train nft` share before the algorithm's own: prompts, reward, folder, canvas."""
-    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt a line ('#' lines are comments)")
-    p.add_argument("--group", type=int, default=4, metavar="G", help="rollouts per prompt (default 4)")
-    _reward_flags(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="job folder: checkpoint, final adapter, sealed run")
-    p.add_argument("--iterations", type=int, default=1, help="rollout + update iterations (default 1)")
-    p.add_argument("-d", "--model", dest="snapshot", metavar="PATH",
-                   help="snapshot (default: the embedded h3-shapes snapshot)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--steps", type=int, default=4, help="denoising passes of each rollout (default 4)")
-    p.add_argument("--width", type=int, default=None, help="rollout canvas width (default: the snapshot's native)")
-    p.add_argument("--height", type=int, default=None, help="rollout canvas height (default: the snapshot's native)")
-    p.add_argument("--frames", type=int, default=None, help="rollout frames (default: the snapshot's native)")
-
-
-def _policy_flags(p: argparse.ArgumentParser, seeds: str) -> None:
-    """The flags `train grpo` and `train nft` share after the algorithm's own: the LoRA, AdamW, seed, mode, resume."""
-    from .training.lora import PROJECTIONS
-
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default = rank)")
-    p.add_argument("--targets", default=",".join(PROJECTIONS), help="Diffusers module paths/suffixes to adapt")
-    p.add_argument("--lora-seed", type=int, default=0, help="seed of the adapter's initial A factors")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--seed", type=int, default=0, help=f"run seed ({seeds})")
-    p.add_argument("--mode", choices=MODES, default="strict", help="arithmetic of rollout and step (default strict)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each block in the backward (byte-neutral; less memory)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help=GPU_MEMORY_HELP)
-    p.add_argument("--resume", action="store_true",
-                   help="continue the job in --out from its checkpoint (from iteration 0 when it has none)")
-
-
-def _reward_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reward", default=None, metavar="NAME|NAME:W,...|module:function",
-                   help="prompt_match (and its parts colour_match, ...), brightness, redness, colour, pitch, "
-                        "anchor_match, latent_mean, a weighted sum NAME:W,NAME:W, or package.module:function")
-    p.add_argument("--reward-server", default=None, metavar="URL",
-                   help="score with a reward server instead (http://HOST:PORT/PATH; scripts/reward_server.py)")
-    p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward-server call (default 60)")
-    p.add_argument("--reward-retries", type=int, default=2, help="retries of a failed reward-server call (default 2)")
+    return program_parser("train nft")
 
 
 def _reward_of(args: argparse.Namespace) -> dict:
@@ -246,34 +130,15 @@ def _reward_of(args: argparse.Namespace) -> dict:
     return {"reward": args.reward}
 
 
-def _selection(text: str):
-    from .training.grpo import PassSelection
-    from .training.objective import TrainingError
-
-    kind, _, arg = text.partition(":")
-    try:
-        if kind == "all" and not arg:
-            return PassSelection("all")
-        if kind == "fraction" and arg:
-            return PassSelection("fraction", fraction=_float(arg, "--passes fraction"))
-        if kind == "window" and arg.count(",") == 1:
-            start, size = arg.split(",")
-            if start.isdigit() and size.isdigit():
-                return PassSelection("window", start=int(start), size=int(size))
-    except TrainingError as err:
-        raise TrainArgError(f"--passes {text!r}: {err}") from None
-    raise TrainArgError(f"--passes {text!r}: must be all, fraction:F (0 < F <= 1) or window:START,SIZE")
-
-
 @contextlib.contextmanager
-def flags_named(parser: argparse.ArgumentParser, aliases: dict[str, str] | None = None):
-    """Inside: a `SettingError` of a setting that has a flag in `parser` (or in `aliases`: config field -> flag)
-    becomes a `TrainArgError` naming the flag (`--group 1: must be an integer >= 2`), not the config class that
-    checked it."""
+def flags_named(program: str):
+    """Inside: a `SettingError` of a value a flag of `program` gives (by the flag's dest or the keyword it is sealed
+    as, `h3lab.schema.program.flag_names`) becomes a `TrainArgError` naming the flag (`--group 1: must be an integer
+    >= 2`), not the config class that checked it; one whose name is a flag already keeps it."""
+    from .schema.program import flag_names
     from .training.objective import SettingError
 
-    flags = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
-    flags.update(aliases or {})
+    flags = flag_names(program)
     try:
         yield
     except SettingError as err:
@@ -283,40 +148,35 @@ def flags_named(parser: argparse.ArgumentParser, aliases: dict[str, str] | None 
         raise TrainArgError(err.as_flag(flag)) from None
 
 
+def sealed_parts(args: argparse.Namespace, program: str) -> tuple[dict, dict]:
+    """(config keywords with `optim` and, where declared, `objective`, job keywords) of the parsed flags."""
+    from .schema.program import sealed
+    from .training import Objective, OptimizerConfig
+
+    config = {**sealed(args, program, "config"), "optim": OptimizerConfig(**sealed(args, program, "optim"))}
+    objective = sealed(args, program, "objective")
+    if objective:
+        config["objective"] = Objective(**objective)
+    return config, sealed(args, program, "job")
+
+
 def grpo_job_from_args(args: argparse.Namespace):
     """The checked `GrpoJob` of the flags (every check before any model loads)."""
     from .training.grpo_job import GrpoJob
     from .training.grpo_step import GrpoConfig
 
-    with flags_named(build_grpo_parser(), {"kind": "--stepper"}):
-        config = GrpoConfig(kind=args.stepper, level=args.level, group=args.group, clip_range=args.clip_range,
-                            adv_clip=args.adv_clip, beta=args.beta, importance_cap=args.importance_cap,
-                            inner_epochs=args.inner_epochs, selection=_selection(args.passes), seed=args.seed,
-                            mode=args.mode, gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
-                            weight_decay=args.weight_decay)
-        return GrpoJob(config=config, **_job_fields(args)).check(resume=args.resume)
+    with flags_named("train grpo"):
+        config, job = sealed_parts(args, "train grpo")
+        return GrpoJob(config=GrpoConfig(**config), **job, **_reward_of(args)).check(resume=args.resume)
 
 
 def nft_job_from_args(args: argparse.Namespace):
     """The checked `NftJob` of the flags (every check before any model loads)."""
-    from .training import Objective
     from .training.nft import NftConfig, NftJob
 
-    with flags_named(build_nft_parser(), {"kind": "--stepper", "beta": "--nft-beta"}):
-        config = NftConfig(kind=args.stepper, level=args.level, group=args.group, beta=args.nft_beta,
-                           ref_kl=args.ref_kl, adv_clip=args.adv_clip, draws=args.draws,
-                           inner_epochs=args.inner_epochs, old_batch=args.old_batch, seed=args.seed, mode=args.mode,
-                           gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
-                           weight_decay=args.weight_decay,
-                           objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
-        return NftJob(config=config, **_job_fields(args)).check(resume=args.resume)
-
-
-def _job_fields(args: argparse.Namespace) -> dict:
-    """The `GrpoJob` fields of the shared flags (`_rollout_flags`, `_policy_flags`)."""
-    return dict(out=args.out, prompts=args.prompts, **_reward_of(args), iterations=args.iterations, steps=args.steps,
-                width=args.width, height=args.height, frames=args.frames, snapshot=args.snapshot, device=args.device,
-                rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed)
+    with flags_named("train nft"):
+        config, job = sealed_parts(args, "train nft")
+        return NftJob(config=NftConfig(**config), **job, **_reward_of(args)).check(resume=args.resume)
 
 
 def grpo_main(argv: Sequence[str]) -> int:
@@ -412,29 +272,14 @@ def parts_text(record: dict) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _float(text: str, what: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise TrainArgError(f"{what} {text!r}: must be a number") from None
-
-
 def job_from_args(args: argparse.Namespace):
     """The checked `TrainJob` of the flags (every check before any model loads)."""
-    from .training import Objective, TrainConfig
+    from .training import TrainConfig
     from .training.job import TrainJob
 
-    with flags_named(build_parser()):
-        config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, mode=args.mode,
-                             gradient_checkpointing=args.gradient_checkpointing, lr=args.lr,
-                             weight_decay=args.weight_decay,
-                             objective=Objective(video_weight=args.video_weight, audio_weight=args.audio_weight))
-        rollouts = tuple((path, _float(reward, f"--rollout {path} reward")) for path, reward in args.rollout)
-        job = TrainJob(out=args.out, config=config, clips=args.clips, rollouts=rollouts, snapshot=args.snapshot,
-                       variant=args.variant, device=args.device, rank=args.rank, alpha=args.alpha,
-                       targets=tuple(args.targets.split(",")), lora_seed=args.lora_seed,
-                       checkpoint_every=args.checkpoint_every)
-        return job.check(resume=args.resume)
+    with flags_named("train"):
+        config, job = sealed_parts(args, "train")
+        return TrainJob(config=TrainConfig(**config), **job).check(resume=args.resume)
 
 
 class Progress:

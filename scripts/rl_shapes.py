@@ -161,6 +161,7 @@ def algorithm(args):
     if args.algorithm == "grpo":
         from h3lab.training.grpo_run import grpo_train, load, verify
         from h3lab.training.grpo_step import GrpoConfig, batch_from_rollout
+        from h3lab.training.optim_config import OptimizerConfig
 
         from h3lab.training.grpo import PassSelection
 
@@ -168,7 +169,8 @@ def algorithm(args):
         selection = PassSelection("all") if window is None else PassSelection("window", start=window[0],
                                                                                size=window[1])
         config = GrpoConfig(kind=args.stepper or "flow_sde", level=args.level, group=args.group, beta=args.beta,
-                            seed=args.seed, mode=args.mode, lr=args.lr, selection=selection)
+                            seed=args.seed, mode=args.mode, optim=OptimizerConfig(lr=args.lr),
+                            selection=selection)
 
         def stat(record):
             r = record["epochs"][0]["ratio"]
@@ -176,11 +178,12 @@ def algorithm(args):
 
         return config, grpo_train, load, verify, batch_from_rollout, True, stat
     from h3lab.training.nft import NftConfig, batch_from_rollout, load, nft_train, verify
+    from h3lab.training.optim_config import OptimizerConfig
 
     kind = args.stepper or "euler"
     config = NftConfig(kind=kind, level=None if kind == "euler" else args.level, group=args.group,
                        beta=args.nft_beta, ref_kl=args.ref_kl, draws=args.draws, seed=args.seed, mode=args.mode,
-                       lr=args.lr)
+                       optim=OptimizerConfig(lr=args.lr))
 
     def stat(record):
         g = record["epochs"][0]["on_policy"]

@@ -57,3 +57,7 @@ class Registry:
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(set(self._entries) | set(self.modules)))
+
+    def registered(self) -> tuple[tuple[str, Any], ...]:
+        """(name, provider) of every name registered so far, in registration order (no module is imported)."""
+        return tuple(self._entries.items())

@@ -27,12 +27,28 @@ Fields of `GenerationSettings` itself (seed, size, steps, mode, the presets, ...
 The schema's `rule`/`bounds` apply to the settings declared only here (extras). `Setting.command` and `.control`
 may customise every part (usage, parser, reply, the session check; `h3lab.schema.words` holds the word parsers).
 
+The flags of the other command lines (`h3lab train`, `train grpo`, `train nft`, `h3lab encode`, the CLI's
+infrastructure flags) are `Setting`s too, of target "command", declared with `declare_flag` into the program
+registries `PROGRAMS` (`program.py`): one declaration gives the argparse flag (on every program it names), its help
+with the default, the config keyword a `SettingError` is named by (`--group 1: must be an integer >= 2`) and the
+record the value is sealed in (`seal`):
+
+    from h3lab.schema import Setting, declare_flag
+
+    declare_flag(Setting("group", int, 4, "rollouts per prompt", target="command", metavar="G",
+                         programs=("train grpo", "train nft"), seal="config"))
+
 Modules: `setting.py` (`Setting`, `Repl`, `Control`, the registry `SETTINGS`), `words.py` (REPL word parsers),
 `builtin.py` (the generation settings of `h3lab.settings`), `argv.py` (argparse flags and the flag -> settings
-conversion). May import: errors, settings, runtime (builtin and argv only; `setting.py` and `words.py` import
-nothing of h3lab but errors, so `h3lab.settings` and the presets can declare at import).
+conversion), `program.py` (the command lines' registries, their argparse flags, the sealed fields of parsed flags),
+`train_flags.py`, `encode_flags.py`, `cli_flags.py` (the declared flags of `h3lab train`, `h3lab encode` and the
+CLI). May import: errors, settings, runtime (builtin and argv only; `setting.py`, `program.py` and `words.py` import
+nothing of h3lab but errors, so `h3lab.settings` and the presets can declare at import); the three flag modules
+belong to the front ends' room (they read names of the training room and the runtime).
 """
 
+from .program import PROGRAMS, declare_flag
 from .setting import ACTIONS, NO_VALUE, SETTINGS, TARGETS, Control, Repl, Schema, Setting, declare
 
-__all__ = ["ACTIONS", "NO_VALUE", "SETTINGS", "TARGETS", "Control", "Repl", "Schema", "Setting", "declare"]
+__all__ = ["ACTIONS", "NO_VALUE", "PROGRAMS", "SETTINGS", "TARGETS", "Control", "Repl", "Schema", "Setting", "declare",
+           "declare_flag"]

@@ -6,7 +6,9 @@ imports a front end. See `h3lab.schema` for how to declare one.
 
 Targets: "generation" -- a value of `GenerationSettings` (a dataclass field there, or an *extra* the settings hold
 for a setting declared only here), validated on every `GenerationSettings(...)` / `.replace(...)`; "session" -- an
-option of `Session(...)` (a CLI flag read once by `cli.session_from_args`, no REPL command or control).
+option of `Session(...)` (a CLI flag read once by `cli.session_from_args`, no REPL command or control); "command" --
+a flag of one or more command lines (`programs`: `h3lab train`, `h3lab encode`, the CLI's infrastructure flags),
+declared in `PROGRAMS` (`h3lab.schema.program`), never in `SETTINGS`.
 
 An extra's value is checked here (`check_extra`): its type (ints accept whole floats, floats accept ints, bools only
 bools), `choices`, `bounds` (inclusive), then its `rule(value, settings) -> notices`; each failure is one
@@ -22,8 +24,9 @@ from typing import Any, Callable
 
 from ..errors import ValidationError
 
-TARGETS = ("generation", "session")
-ACTIONS = ("one-shot", "repl", "replay", "info")  # the CLI's actions (`cli.action_of`)
+TARGETS = ("generation", "session", "command")
+SEALS = ("config", "optim", "objective", "job")  # where a command flag's value is sealed (`Setting.seal`)
+ACTIONS = ("one-shot", "repl", "replay", "info", "plan")  # the CLI's actions (`cli.action_of`)
 NO_VALUE = object()  # `Control.off` unset: the control has no value meaning None
 
 
@@ -72,7 +75,14 @@ class Setting:
     none); `summary(value) -> str | None` its part of `GenerationSettings.summary()` (None: nothing shown);
     `spec(value, settings) -> dict` the `RunSpec` keyword arguments it contributes (extras only; the fields of
     `GenerationSettings` are mapped by `pipeline.build_spec`), and `maps` says in words where it lands in the run;
-    `order` sorts flags, commands, controls and summary parts."""
+    `order` sorts flags, commands, controls and summary parts.
+
+    A command flag (target "command") also has: `programs`, the command lines that take it; `aliases` (short
+    spellings, "-d"); `required`; `nargs` / `repeat` (argparse's nargs / append); `action` and `const` (a custom
+    argparse action); `seal`, where its value is sealed ("config", "optim", "objective", "job": the keyword `field`
+    (default `name`) of that record; None: not sealed, or combined with other flags by the front end); `parse`,
+    applied to the given value when it is collected (may raise `SettingError`); its `default` is argparse's and the
+    help shows it."""
 
     name: str
     type: type
@@ -92,6 +102,16 @@ class Setting:
     summary: Callable[[Any], str | None] | None = None
     spec: Callable[[Any, Any], dict[str, Any]] | None = None
     maps: str = ""
+    programs: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    required: bool = False
+    nargs: int | str | None = None
+    repeat: bool = False
+    action: Any = None
+    const: Any = None
+    seal: str | None = None
+    field: str | None = None
+    parse: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -105,8 +125,17 @@ class Setting:
             raise ValueError(f"setting {self.name!r}: action {unknown[0]!r} must be one of {', '.join(ACTIONS)}")
         if self.flag == "":
             object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
-        if self.target == "session" and (self.command is not None or self.control is not None):
-            raise ValueError(f"setting {self.name!r}: a session option has a flag only (no command, no control)")
+        if self.target in ("session", "command") and (self.command is not None or self.control is not None):
+            raise ValueError(f"setting {self.name!r}: a {self.target} option has a flag only (no command, no control)")
+        if (self.target == "command") != bool(self.programs):
+            raise ValueError(f"setting {self.name!r}: programs {self.programs!r} go with target 'command' only")
+        if self.seal is not None and self.seal not in SEALS:
+            raise ValueError(f"setting {self.name!r}: seal {self.seal!r} must be one of {', '.join(SEALS)}")
+
+    @property
+    def keyword(self) -> str:
+        """The keyword of the record a command flag's value is sealed in (`field`, default `name`)."""
+        return self.field or self.name
 
     # ------------------------------------------------------------------------------------------------ values
     def allowed(self) -> tuple | None:

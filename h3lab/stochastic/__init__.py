@@ -6,7 +6,7 @@ a sealed pass read back for training (`records.py`: `recorded_transition`, `Pass
 """
 
 from .records import PassTransition, recorded_transition
-from .steppers import SDEStepper  # importing it registers flow_sde, dance_sde, cps
+from .steppers import SDEStepper, sde_steppers  # importing it registers flow_sde, dance_sde, cps
 from .transitions import (
     MODALITIES,
     NOISE_SCHEME,
@@ -21,5 +21,5 @@ from .transitions import (
 )
 
 __all__ = ["MODALITIES", "NOISE_SCHEME", "PassTransition", "SDE_KINDS", "SDEStepper", "TransitionError",
-           "gaussian_logprob", "noise_seed", "pass_noise", "recorded_transition", "transition_logprob",
+           "gaussian_logprob", "noise_seed", "pass_noise", "recorded_transition", "sde_steppers", "transition_logprob",
            "transition_mean_std", "tree_sum"]

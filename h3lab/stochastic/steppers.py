@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from ..hashing import tensor_digest
-from ..run import RunSpecError, StepperProvider, register_stepper
+from ..run import STEPPERS, RunSpecError, StepperProvider, register_stepper
 from ..sampler import DualSchedule
 from .transitions import (MODALITIES, SDE_KINDS, TransitionError, check_level, gaussian_logprob, pass_noise,
                           transition_mean_std)
@@ -142,10 +142,20 @@ class SDEStepper:
         return record, tensors
 
 
-def _provider(kind: str) -> StepperProvider:
-    return StepperProvider(build=lambda schedule, params: SDEStepper(kind, schedule, params),
-                           validate=lambda params: check_params(kind, params))
+class SDEProvider(StepperProvider):
+    """The provider of a stepper with a seeded Gaussian per pass and its log-density: one RL can train on."""
+
+
+def _provider(kind: str) -> SDEProvider:
+    return SDEProvider(build=lambda schedule, params: SDEStepper(kind, schedule, params),
+                       validate=lambda params: check_params(kind, params))
 
 
 for _kind in SDE_KINDS:
     register_stepper(_kind, _provider(_kind), replace=True)
+
+
+def sde_steppers() -> tuple[str, ...]:
+    """The registered steppers with a transition log-density, in registration order (`h3lab train grpo --stepper`'s
+    choices; `train nft` adds the released "euler")."""
+    return tuple(name for name, provider in STEPPERS.registered() if isinstance(provider, SDEProvider))

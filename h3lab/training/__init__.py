@@ -52,6 +52,7 @@ from .objective import (
     rollout_requests,
 )
 from .optim import StrictAdamW
+from .optim_config import OptimizerConfig
 from .run import RunVerifyReport, TrainConfig, TrainingRun, load, train, verify
 from .lora import (
     PROJECTIONS,

@@ -12,8 +12,8 @@ Contract
 - `GrpoConfig` is every knob (sealed in the run, `to_dict`): the transition `kind` and `level`, the `group` G, the
   advantage `adv_eps` / `adv_clip`, the surrogate's `clip_range`, the KL weight `beta` (0: no reference forward), the
   truncated-importance cap `importance_cap` (None: off), `inner_epochs`, the pass `selection`, the run `seed` (pass
-  selection draws), the runtime `mode`, `gradient_checkpointing`, AdamW's hyper-parameters and the `objective`'s
-  per-modality weights.
+  selection draws), the runtime `mode`, `gradient_checkpointing`, AdamW's hyper-parameters (`optim`, an
+  `OptimizerConfig`) and the `objective`'s per-modality weights.
 - One iteration (`grpo_iteration`): advantages A = `group_advantages(rewards, G, adv_eps, adv_clip)` (float64, cast
   to float32 once in the surrogate); per request the selected passes (`PassSelection.select(..., seed, iteration,
   request)`); then per inner epoch e, for every (request, pass) item in request-major, pass-ascending order, one
@@ -65,6 +65,7 @@ from .grpo import (
 from .lora import adapter_disabled, has_lora
 from .objective import MODALITIES, Objective, SettingError, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
+from .optim_config import RECORD_KEYS, OptimizerConfig
 from .rl_run import step_record
 from .run import _scheme
 from .step import _TrainContext, model_device, request_gradient, trainable_parameters
@@ -81,18 +82,39 @@ def _opt_real(name: str, value, positive: bool = True) -> float | None:
 
 
 def check_training_knobs(config: Any, algorithm: str) -> None:
-    """The rules an RL config shares (`mode`, `objective`, AdamW's `lr`, `betas`, `eps`, `weight_decay`), one-line
-    `TrainingError`s naming `<Config class>.<field>`; normalises `betas` to a tuple."""
+    """The rules an RL config shares (`mode`, `optim`, `objective`), one-line `TrainingError`s naming
+    `<Config class>.<field>` (AdamW's own values are checked by `OptimizerConfig`)."""
     owner = type(config).__name__
     if config.mode not in runtime.MODES:
         raise TrainingError(f"{owner}.mode={config.mode!r}: must be one of {', '.join(runtime.MODES)}")
     if config.mode == "fast":  # runtime.require_not_fast's rule, as a training error
         raise TrainingError(f"{owner}.mode='fast': {algorithm} needs the strict contract (fast's FP8 projections "
                             "are neither strict nor batch-invariant); use mode strict")
+    if not isinstance(config.optim, OptimizerConfig):
+        raise TrainingError(f"{owner}.optim is a {type(config.optim).__name__}: must be an OptimizerConfig")
     if not isinstance(config.objective, Objective):
         raise TrainingError(f"{owner}.objective is a {type(config.objective).__name__}: must be an Objective")
-    object.__setattr__(config, "betas", tuple(config.betas))
-    StrictAdamW.check_hyperparameters(config.lr, config.betas, config.eps, config.weight_decay)
+
+
+def config_record(config: Any, **fields: Any) -> dict[str, Any]:
+    """The sealed record of an RL config: its fields in declaration order, the optimiser's keys flat in `optim`'s
+    place (`optim_config` module docstring), the objective as a dict, and `fields` (the other nested values)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name == "optim":
+            out.update(value.to_record())
+        else:
+            out[f.name] = fields[f.name] if f.name in fields else (
+                value.to_dict() if f.name == "objective" else value)
+    return out
+
+
+def config_of(cls: type, data: dict, **fields: Any) -> Any:
+    """`cls` from its sealed record (`config_record`), `fields` the nested values read by the caller."""
+    rest = {k: v for k, v in data.items() if k not in (*RECORD_KEYS, "objective", *fields)}
+    return cls(**rest, **fields, optim=OptimizerConfig.from_record(data),
+               objective=Objective.from_dict(data["objective"]))
 
 
 @dataclass(frozen=True)
@@ -112,11 +134,7 @@ class GrpoConfig:
     seed: int = 0
     mode: str = "strict"
     gradient_checkpointing: bool = False
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    master_weights: bool = True
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     objective: Objective = field(default_factory=Objective)
 
     def __post_init__(self) -> None:
@@ -144,20 +162,14 @@ class GrpoConfig:
         check_training_knobs(self, "GRPO")
 
     def optimizer(self, params: Sequence[tuple[str, nn.Parameter]]) -> StrictAdamW:
-        return StrictAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                           master_weights=self.master_weights)
+        return self.optim.build(params)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(betas=list(self.betas), objective=self.objective.to_dict(), selection=self.selection.to_dict())
-        return out
+        return config_record(self, selection=self.selection.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> "GrpoConfig":
-        data = dict(data)
-        data.update(objective=Objective.from_dict(data["objective"]), betas=tuple(data["betas"]),
-                    selection=PassSelection.from_dict(data["selection"]))
-        return cls(**data)
+        return config_of(cls, data, selection=PassSelection.from_dict(data["selection"]))
 
 
 # ============================================================================================ transitions

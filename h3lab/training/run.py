@@ -70,6 +70,7 @@ from .data_parallel import data_parallel_gradients
 from .lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
+from .optim_config import RECORD_KEYS, OptimizerConfig
 from .step import StepResult, compute_gradients, model_device, split_flat, trainable_parameters
 
 FORMAT = "h3lab-training/1"
@@ -80,18 +81,15 @@ WEIGHTS_FILE = "weights.safetensors"
 # ================================================================================================== config
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a run varies: steps, batch size, seed, runtime mode, checkpointing, AdamW, the objective."""
+    """Everything a run varies: steps, batch size, seed, runtime mode, checkpointing, AdamW (`optim`), the objective.
+    Sealed flat: `to_dict` writes the optimiser's keys beside the others (`optim_config.RECORD_KEYS`)."""
 
     steps: int
     batch_size: int
     seed: int = 0
     mode: str = "strict"
     gradient_checkpointing: bool = False
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    master_weights: bool = True
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(weight_decay=1e-2))  # torch AdamW's decay
     objective: Objective = field(default_factory=Objective)
 
     def __post_init__(self) -> None:
@@ -100,27 +98,23 @@ class TrainConfig:
         object.__setattr__(self, "seed", checked_int("TrainConfig.seed", self.seed, 0))
         if self.mode not in runtime.MODES:
             raise TrainingError(f"TrainConfig.mode={self.mode!r}: must be one of {', '.join(runtime.MODES)}")
-        object.__setattr__(self, "betas", tuple(self.betas))
+        if not isinstance(self.optim, OptimizerConfig):
+            raise TrainingError(f"TrainConfig.optim is a {type(self.optim).__name__}: must be an OptimizerConfig")
         if not isinstance(self.objective, Objective):
             raise TrainingError(f"TrainConfig.objective is a {type(self.objective).__name__}: must be an Objective")
-        StrictAdamW.check_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay)
 
     def optimizer(self, params: Sequence[tuple[str, nn.Parameter]]) -> StrictAdamW:
-        return StrictAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                           master_weights=self.master_weights)
+        return self.optim.build(params)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["betas"] = list(self.betas)
-        out["objective"] = self.objective.to_dict()
-        return out
+        return {"steps": self.steps, "batch_size": self.batch_size, "seed": self.seed, "mode": self.mode,
+                "gradient_checkpointing": self.gradient_checkpointing, **self.optim.to_record(),
+                "objective": self.objective.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        data = dict(data)
-        data["objective"] = Objective.from_dict(data["objective"])
-        data["betas"] = tuple(data["betas"])
-        return cls(**data)
+        rest = {k: v for k, v in data.items() if k not in (*RECORD_KEYS, "objective")}
+        return cls(**rest, optim=OptimizerConfig.from_record(data), objective=Objective.from_dict(data["objective"]))
 
 
 def step_batch(config: TrainConfig, step: int, dataset_size: int) -> list[int]:

@@ -325,7 +325,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (modul
                  "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training",
                  "views")),
     "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.encode",
-                    "h3lab.verify", "h3lab.__main__"),
+                    "h3lab.verify", "h3lab.__main__", "h3lab.schema.train_flags", "h3lab.schema.encode_flags",
+                    "h3lab.schema.cli_flags"),
                    ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
                     "session", "settings", "stochastic", "training")),
 }

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from training_cases import SMALL, batched_torch_gradient, build_model, make_clip, make_dataset, make_layout
 
-from h3lab.training import Objective, TrainConfig, rank_block, train
+from h3lab.training import Objective, OptimizerConfig, TrainConfig, rank_block, train
 
 # name -> (mode, steps, global batch): 2 ranks x 2 requests (one tree node each), 1 + 2 requests (rank 1 sends two
 # nodes), and strict with one request per rank.
@@ -24,7 +24,8 @@ USUAL_SEEDS = (301, 302, 303, 304)  # four clips sharing one sigma draw (one bat
 
 def config(name: str) -> TrainConfig:
     mode, steps, batch = CASES[name]
-    return TrainConfig(steps=steps, batch_size=batch, seed=2, mode=mode, lr=1e-2, objective=Objective(audio_weight=0.5))
+    return TrainConfig(steps=steps, batch_size=batch, seed=2, mode=mode, optim=OptimizerConfig(lr=1e-2, weight_decay=1e-2),
+                       objective=Objective(audio_weight=0.5))
 
 
 def usual_requests():

@@ -20,7 +20,7 @@ from grpo_cases import rollout_batch, sde_trajectory, small_setup
 from lora_cases import lora_model
 from training_cases import SMALL, build_model
 
-from h3lab.training import TrainingError, add_lora, trainable_parameters
+from h3lab.training import OptimizerConfig, TrainingError, add_lora, trainable_parameters
 from h3lab.training.grpo import PassSelection
 from h3lab.training.grpo_run import grpo_train, load, verify
 from h3lab.training.grpo_step import GrpoConfig, grpo_iteration
@@ -37,7 +37,7 @@ def strict_case():
 
 
 def one_epoch(model, batch, mode, **kw):
-    cfg = GrpoConfig(group=2, mode=mode, lr=1e-3, **kw)
+    cfg = GrpoConfig(group=2, mode=mode, optim=OptimizerConfig(lr=1e-3), **kw)
     before = {n: p.detach().clone() for n, p in trainable_parameters(model)}
     record = grpo_iteration(model, batch, cfg, cfg.optimizer(trainable_parameters(model)))
     with torch.no_grad():  # put the adapter back for the next test
@@ -79,7 +79,7 @@ def off_run():
     def rollout(k, m):
         return rollout_batch(sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]), REWARDS)
 
-    cfg = GrpoConfig(group=2, mode="off", beta=0.04, inner_epochs=2, lr=1e-2,
+    cfg = GrpoConfig(group=2, mode="off", beta=0.04, inner_epochs=2, optim=OptimizerConfig(lr=1e-2),
                      selection=PassSelection("fraction", fraction=0.5), seed=3)
     return model, grpo_train(model, rollout, cfg, 1, reward="test")
 
@@ -141,7 +141,7 @@ def test_config_refusals():
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
     layout, schedule, inputs = small_setup(group=2, passes=1, seed=8)
-    cfg = GrpoConfig(group=2, mode="off", inner_epochs=1, lr=1e-2)
+    cfg = GrpoConfig(group=2, mode="off", inner_epochs=1, optim=OptimizerConfig(lr=1e-2))
 
     def fresh():
         model = build_model(SMALL, "released", 9)
@@ -182,11 +182,11 @@ def test_a_weighted_sum_logs_its_parts_per_request_and_iteration(tmp_path):
                               [0.6, 0.45])
         return type(batch)(batch.transitions, batch.sde, batch.rewards, batch.origin, parts)
 
-    run = grpo_train(model, rollout, GrpoConfig(group=2, mode="off", lr=1e-2), 1, reward="a:1.0,b:0.1")
+    run = grpo_train(model, rollout, GrpoConfig(group=2, mode="off", optim=OptimizerConfig(lr=1e-2)), 1, reward="a:1.0,b:0.1")
     assert run.iterations[0]["reward_parts"] == parts
     loaded = load(run.seal(tmp_path / "run"))
     assert loaded.batches[0].parts == parts and verify(loaded, model).ok
     plain = grpo_train(model, lambda k, m: rollout_batch(
         sde_trajectory(m, layout, schedule, inputs, "off", seed=k, requests=[0, 1]), [0.6, 0.45]),
-        GrpoConfig(group=2, mode="off", lr=1e-2), 1)
+        GrpoConfig(group=2, mode="off", optim=OptimizerConfig(lr=1e-2)), 1)
     assert "reward_parts" not in plain.iterations[0]  # one reward: the record is as it always was

@@ -20,7 +20,7 @@ from h3lab import trajectory as T
 from h3lab.run import RunSpec
 from h3lab.run.fields import thaw
 from h3lab.sampler import DualSchedule
-from h3lab.training import add_lora, trainable_parameters
+from h3lab.training import OptimizerConfig, add_lora, trainable_parameters
 from h3lab.training.grpo_step import GrpoConfig, grpo_iteration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -72,7 +72,7 @@ def test_mesh_rollouts_give_ratio_exactly_one_on_one_process(tmp_path):
     # The training side on one process, once (both meshes' rollouts are the same bytes, checked above)
     model = build_model(1)
     add_lora(model, 2, 4.0, seed=3)  # B = 0: byte-equal to the base the meshes ran
-    cfg = GrpoConfig(group=2, mode="strict", lr=1e-3)
+    cfg = GrpoConfig(group=2, mode="strict", optim=OptimizerConfig(lr=1e-3))
     record = grpo_iteration(model, batches["cp2"], cfg, cfg.optimizer(trainable_parameters(model)))
     epoch = record["epochs"][0]  # on-policy: before any update
     assert sorted((it["request"], it["pass"]) for it in epoch["items"]) == [(0, SDE_PASS), (1, SDE_PASS)]

@@ -18,7 +18,7 @@ from h3lab.layout import timesteps_of_kinds
 from h3lab.run import RunSpec
 from h3lab.sampler import DualSchedule, draw_noise, noise_mix
 from h3lab.trajectory import record
-from h3lab.training import TrainingError, add_lora, trainable_parameters
+from h3lab.training import OptimizerConfig, TrainingError, add_lora, trainable_parameters
 from h3lab.training.objective import shifted_sigma
 from h3lab.training.nft import (NftBatch, NftConfig, clean_request, frozen_velocities, load, nft_iteration,
                                 nft_modality_loss, nft_train, noising_seed, optimality, verify)
@@ -123,7 +123,7 @@ def test_strict_old_velocities_are_byte_equal_however_batched(strict_case):
 def test_strict_first_training_forward_equals_the_old_velocity(strict_case):
     model, clean = strict_case
     before = {n: p.detach().clone() for n, p in trainable_parameters(model)}
-    cfg = NftConfig(group=3, mode="strict", ref_kl=1e-4, lr=1e-3, gradient_checkpointing=True)
+    cfg = NftConfig(group=3, mode="strict", ref_kl=1e-4, optim=OptimizerConfig(lr=1e-3), gradient_checkpointing=True)
     rec = nft_iteration(model, batch_of(clean), cfg, cfg.optimizer(trainable_parameters(model)))
     with torch.no_grad():
         for n, p in trainable_parameters(model):
@@ -144,7 +144,8 @@ def rollout_of(k, model, parts=None):
     return batch_of(clean, [0.1 * k, 0.7, -0.3], parts)
 
 
-CFG = NftConfig(group=3, mode="off", draws=2, inner_epochs=2, ref_kl=1e-3, lr=1e-2, seed=4)
+CFG = NftConfig(group=3, mode="off", draws=2, inner_epochs=2, ref_kl=1e-3, optim=OptimizerConfig(lr=1e-2),
+                seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +197,9 @@ def test_config_refusals_are_one_line():
                     (dict(group=1), "group=1"), (dict(beta=0.0), "beta=0.0"), (dict(adv_clip=-1), "adv_clip=-1"),
                     (dict(ref_kl=-1e-4), "ref_kl=-0.0001"), (dict(draws=0), "draws=0"),
                     (dict(old_batch="all"), "old_batch='all'"), (dict(mode="fast"), "DiffusionNFT needs the strict"),
-                    (dict(kind="flow_sde", level=-1), "level=-1"), (dict(lr=0.0), "lr=0.0")):
+                    (dict(kind="flow_sde", level=-1), "level=-1"), (dict(optim=0.0), "lr=0.0")):
         with pytest.raises(TrainingError, match=msg) as err:
-            NftConfig(**kw)
+            NftConfig(**kw) if "optim" not in kw else NftConfig(optim=OptimizerConfig(lr=kw["optim"]))
         assert "\n" not in str(err.value)
     assert NftConfig(kind="cps").level == 0.7
     cfg = NftConfig(kind="flow_sde", level=0.45, draws=3, old_batch="request")

@@ -15,6 +15,7 @@ from h3lab.run import DenoiseInputs, RunSpec
 from h3lab.trajectory import record
 from h3lab.training import (
     Objective,
+    OptimizerConfig,
     SampleRequest,
     TrainConfig,
     TrainingError,
@@ -25,7 +26,8 @@ from h3lab.training import (
 )
 from h3lab.training.run import request_seed, step_batch
 
-CONFIG = TrainConfig(steps=3, batch_size=2, seed=5, mode="off", lr=1e-2, objective=Objective(audio_weight=0.5))
+CONFIG = TrainConfig(steps=3, batch_size=2, seed=5, mode="off",
+                     optim=OptimizerConfig(lr=1e-2, weight_decay=1e-2), objective=Objective(audio_weight=0.5))
 
 
 def weights_of(model) -> dict[str, torch.Tensor]:
@@ -174,7 +176,8 @@ def test_mismatched_models_and_bad_configs_are_refused(off_runs):
     for kwargs, match in (({"steps": 0}, "steps"), ({"batch_size": 1.5}, "batch_size"), ({"mode": "quick"}, "mode"),
                           ({"lr": -1.0}, "lr"), ({"betas": (0.9,)}, "betas")):
         with pytest.raises(TrainingError, match=match):
-            TrainConfig(**{"steps": 1, "batch_size": 1, **kwargs})
+            optim = {k: kwargs.pop(k) for k in ("lr", "betas") if k in kwargs}
+            TrainConfig(**{"steps": 1, "batch_size": 1, **kwargs}, optim=OptimizerConfig(**optim))
     with pytest.raises(TrainingError, match="dataset is empty"):
         train(model, [], CONFIG)
     with pytest.raises(TrainingError, match="must be a ClipRequest or SampleRequest"):
@@ -183,7 +186,8 @@ def test_mismatched_models_and_bad_configs_are_refused(off_runs):
 
 def test_strict_run_twice_is_byte_equal(tmp_path):
     """Strict at a tiny shape: 2 steps of one request; `verify` is the second run (every hash compared)."""
-    config = TrainConfig(steps=2, batch_size=1, seed=1, mode="strict", lr=1e-2)
+    config = TrainConfig(steps=2, batch_size=1, seed=1, mode="strict",
+                         optim=OptimizerConfig(lr=1e-2, weight_decay=1e-2))
     model = build_model(SMALL, "released", 41)
     run = train(model, [make_clip(SMALL, make_layout("fl2va"), seed=4)], config, keep_initial=False)
     assert run.manifest["trace"]["non_strict_calls"] == 0 and run.manifest["trace"]["mode"] == "strict"
@@ -201,7 +205,7 @@ def test_rollout_dataset_round_trip(tmp_path):
     inputs = DenoiseInputs.from_layout(layout, schedule, clip.text, clip.video, clip.audio)
     traj = record(RunSpec(inputs, schedule, mode="off"), model, keep=("latents",))
     data = rollout_requests(traj, weight=0.5)
-    config = TrainConfig(steps=1, batch_size=2, mode="off", lr=1e-3)
+    config = TrainConfig(steps=1, batch_size=2, mode="off", optim=OptimizerConfig(lr=1e-3, weight_decay=1e-2))
     run = train(build_model(SMALL, "float32", 51), data, config)
     assert [r["seed"] for r in run.steps[0]["requests"]] == [None, None]
     assert run.manifest["dataset"][1]["origin"] == {"kind": "rollout", "trajectory": traj.digest, "pass": 1, "item": 0}

@@ -16,7 +16,7 @@ from training_cases import SMALL, build_model, make_clip, make_layout
 from h3lab import cli, train
 from h3lab.components.residency import GiB, ResidencyError
 from h3lab.components.streaming import stream_blocks, streamer_of
-from h3lab.training import TrainConfig, add_lora, load
+from h3lab.training import OptimizerConfig, TrainConfig, add_lora, load
 from h3lab.training import train as train_run
 from h3lab.training.dataset import save_dataset
 
@@ -43,7 +43,8 @@ def _model(streamed: str | None):
 def _run(model, mode: str):
     layout = make_layout("fl2va")
     data = [make_clip(DEEP, layout, seed=s) for s in (1, 2)]
-    config = TrainConfig(steps=2, batch_size=1, mode=mode, gradient_checkpointing=True, lr=1e-2)  # an update between
+    config = TrainConfig(steps=2, batch_size=1, mode=mode, gradient_checkpointing=True,  # an update between
+                         optim=OptimizerConfig(lr=1e-2, weight_decay=1e-2))
     run = train_run(model, data, config)
     return run.digest, run.weights
 

@@ -28,12 +28,12 @@ the flow-matching target of a clean sample noised with `noise` is `x0 - noise`, 
   `adv_clip`, `ref_kl`, `draws` (noisings per request per iteration), `inner_epochs` (optimiser steps per
   iteration), `old_batch` ("group": one no-grad forward per (prompt, draw) over the G members; "request": one per
   member -- byte-equal in strict, the batch invariance contract), the run `seed`, the runtime `mode`,
-  `gradient_checkpointing`, AdamW's hyper-parameters and the `objective`. No CFG: H3's sampler has none to turn off.
+  `gradient_checkpointing`, AdamW's hyper-parameters (`optim`, an `OptimizerConfig`) and the `objective`. No CFG:
+  H3's sampler has none to turn off.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -45,9 +45,10 @@ from torch import nn
 from ...hashing import key_seed
 from ...stochastic import SDE_KINDS
 from ..grpo import ADVANTAGE_EPS
-from ..grpo_step import check_training_knobs
+from ..grpo_step import check_training_knobs, config_of, config_record
 from ..objective import Objective, SettingError, TrainingError, checked_int
 from ..optim import StrictAdamW
+from ..optim_config import OptimizerConfig
 
 KINDS = ("euler", *SDE_KINDS)
 OLD_BATCHES = ("group", "request")
@@ -109,11 +110,7 @@ class NftConfig:
     seed: int = 0
     mode: str = "strict"
     gradient_checkpointing: bool = False
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    master_weights: bool = True
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     objective: Objective = field(default_factory=Objective)
 
     def __post_init__(self) -> None:
@@ -138,16 +135,11 @@ class NftConfig:
         check_training_knobs(self, "DiffusionNFT")
 
     def optimizer(self, params: Sequence[tuple[str, nn.Parameter]]) -> StrictAdamW:
-        return StrictAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                           master_weights=self.master_weights)
+        return self.optim.build(params)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(betas=list(self.betas), objective=self.objective.to_dict())
-        return out
+        return config_record(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "NftConfig":
-        data = dict(data)
-        data.update(objective=Objective.from_dict(data["objective"]), betas=tuple(data["betas"]))
-        return cls(**data)
+        return config_of(cls, data)
