@@ -139,7 +139,7 @@ def sweep_forward(seqs, heads: int, head_dim: int, device: str, precompile: int 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from h3kernels import attention as attn
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     if seqs is None:
         seqs = DRY_SEQS if device == "cpu" else SWEEP_SEQS

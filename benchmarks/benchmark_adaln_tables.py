@@ -64,7 +64,7 @@ def build(config, device: str, seed: int):
 
 def schedule_groups(config, passes: int, device: str, tiny: bool) -> list[torch.Tensor]:
     """The (T,) timestep tensor of every pass of a t2va generation (what its tables are computed for)."""
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     layout, _ = make_inputs(config, "tiny-64x64x22f" if tiny else SCHEDULE_SHAPE, 1, "cpu", seed=0)
     schedule = DualSchedule.from_passes(passes)
@@ -72,7 +72,7 @@ def schedule_groups(config, passes: int, device: str, tiny: bool) -> list[torch.
 
 
 def forward(model, inputs, mode: str):
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     with runtime.use_mode(mode), torch.no_grad():
         return model(**inputs)
@@ -87,7 +87,7 @@ def timed_first_and_runs(fn, runs: int, device: str) -> tuple[float, list[float]
 # ------------------------------------------------------------------------------------------------- sections
 def section_tables(model, groups, device: str) -> list[dict]:
     """All passes at once vs one and two at a time (strict), and off's per-pass rule (see the module docstring)."""
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.model.adaln_tables import AdaLNTables, tables_of
 
     source = tables_of(model).source

@@ -43,7 +43,7 @@ def _fp32_reference(q, k, v):
 def bench_seq(S: int, heads: int, head_dim: int, device: str, backward: bool) -> list[dict]:
     import torch
     from h3kernels import attention as attn
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     gen = torch.Generator(device=device).manual_seed(S)
     q2, k2, v2 = (torch.randn(2, S, heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(3))

@@ -1,4 +1,4 @@
-"""One attention view at full size: the exact float64 probe of `h3lab.views.attention` over one block's Q and K,
+"""One attention view at full size: the exact float64 probe of `h3lab.research.views.attention` over one block's Q and K,
 summed over the packed layout's regions, against the strict attention forward of the same block (what the probe
 recomputes the probabilities of).
 
@@ -52,10 +52,10 @@ def _row(shape: str, rows: int, impl: str, times: list[float], peak: float, **ex
 
 
 def run_shape(shape: str, heads: int, dim: int, device: str, runs: int, chunk_gib: float) -> list[dict]:
-    from h3lab import runtime
-    from h3lab.layout import build_layout
-    from h3lab.views.attention import attention_map, chunk_rows
-    from h3lab.views.regions import layout_regions, select
+    from h3lab.execution import runtime
+    from h3lab.run.layout import build_layout
+    from h3lab.research.views.attention import attention_map, chunk_rows
+    from h3lab.research.views.regions import layout_regions, select
 
     frames, lh, lw, audio, text = SHAPES[shape]
     layout = build_layout("t2va", torch.ones(text, dtype=torch.long), frames, lh, lw, audio)
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     shapes = args.shapes or (["tiny-64x64x22f"] if args.tiny else list(FULL_SHAPES))
     heads, dim = (TINY_HEADS, TINY_HEAD_DIM) if args.tiny else (HEADS, HEAD_DIM)
     doc = header("attention_view", __file__, argv, device, heads=heads, head_dim=dim,
-                 arithmetic="float64 probe (h3lab.views.attention.ARITHMETIC); baseline: strict bf16 attention")
+                 arithmetic="float64 probe (h3lab.research.views.attention.ARITHMETIC); baseline: strict bf16 attention")
     for shape in shapes:
         doc["results"] += run_shape(shape, heads, dim, device, args.runs, args.chunk_gib)
         print(table([r for r in doc["results"] if r["shape"] == shape],

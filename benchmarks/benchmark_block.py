@@ -38,9 +38,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     device = prepare(parser, cpu=args.tiny, flag="--tiny")
 
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.config import H3Config
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
 
     config = H3Config.tiny() if args.tiny else H3Config.full()
     shapes = ["tiny-64x64x22f"] if args.tiny else ["512x512x22f", "864x480x56f"]

@@ -89,7 +89,7 @@ def shared_copy(model, device):
 
 
 def forward(model, inputs):
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     with runtime.use_mode("strict"), torch.no_grad():
         return model(**inputs)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch.distributed as dist
     from benchmark_forward import make_inputs, output_sha256
 
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.config import H3Config
     from h3lab.distributed import init_mesh, parallelize
 
@@ -293,7 +293,7 @@ def shared_device_main(args, argv, device: str) -> dict:
     from h3lab.distributed import init_mesh, parallelize
     from h3lab.distributed.replicas import replica_shared_transformer, weight_nbytes
     from h3lab.distributed.shard_load import random_sharded_transformer
-    from h3lab.trajectory import record
+    from h3lab.run.trajectory import record
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = H3Config.tiny() if args.tiny else H3Config.full()
@@ -471,7 +471,7 @@ def merge_shared(files: list[str], out: str, argv, notes: list[str] = ()) -> dic
 
 
 def runtime_trace():
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     return runtime.last_trace()
 

@@ -9,7 +9,7 @@
 Rows M in {2066, 7272} (512x512x22f and 864x480x56f), batch 1, hidden 5376, 56 heads x 128 (96 rotated), FFN 14336,
 bfloat16 activations as released (float32 where the model is float32: silu on the timestep MLP, the RoPE tables,
 the sinusoid, the video/audio projections that `pack_rows` casts, the output heads `select_rows` reads).
-Each op is timed as the model calls it (host-side checks included) against `h3lab.runtime`'s reference op in the
+Each op is timed as the model calls it (host-side checks included) against `h3lab.execution.runtime`'s reference op in the
 same process, two ways: `median_s` = `triton.testing.do_bench` (eager, L2 flushed between runs, median of all runs),
 which for ops of tens of microseconds measures Python launch overhead as much as the GPU; `gpu_s` = device time per
 call of 20 back-to-back calls queued behind a GPU sleep (`measure_gpu`), the time that counts inside a forward where
@@ -20,7 +20,7 @@ Checks stored on the strict rows: `ref_equal` (bytes equal to the torch referenc
 first row alone, the first half of the rows, and rows 7..M -- every row at another position in its tile -- give the
 bytes of the full call), `repeat_equal`, `bwd_repeat_equal`
 (two backward runs), and `rel_l2_vs_fp32` for strict and torch alike (against the float32 reference math).
-`--fusions` times instead each switchable epilogue fusion (`h3lab.runtime.FUSIONS`) against the unfused strict
+`--fusions` times instead each switchable epilogue fusion (`h3lab.execution.runtime.FUSIONS`) against the unfused strict
 sequence the model runs without it, at `FUSION_ROWS` (2,066 and 37,853 packed rows: 512x512x22f and 1344x768x124f)
 of the full width: `qk_norm_rope` vs rms_norm(q), rms_norm(k), rope(q), rope(k); `residual_norm_modulate` vs
 gated_residual then norm_modulate. Rows carry `variant` "fused" / "unfused" (impl "h3lab-strict") beside the torch
@@ -52,7 +52,7 @@ def cases(m: int, device: str, dims: dict):
     import torch
 
     from h3kernels import elementwise, modulate, norm_modulate, packing, rms_norm, rope, timestep
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     hid, heads, hd, rot, ffn, fdim = (dims[k] for k in ("HIDDEN", "HEADS", "HEAD_DIM", "ROTARY", "FFN", "FREQ_DIM"))
     gen = torch.Generator(device=device).manual_seed(m)
@@ -156,7 +156,7 @@ def fusion_cases(m: int, device: str, dims: dict) -> list[dict]:
     import torch
 
     from h3kernels import modulate, norm_modulate, qk_norm_rope, residual_norm_modulate, rms_norm, rope
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     hid, heads, hd, rot = (dims[k] for k in ("HIDDEN", "HEADS", "HEAD_DIM", "ROTARY"))
     gen = torch.Generator(device=device).manual_seed(m)
@@ -197,7 +197,7 @@ def run_fusion(c: dict, m: int, device: str, dims: dict, backward: bool) -> list
     import torch
 
     from h3kernels import registry
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     args, name = c["args"], c["name"]
     info = registry.STRICT_OPS[name].check(*args)
@@ -274,7 +274,7 @@ def run_case(c: dict, m: int, device: str, backward: bool) -> list[dict]:
     import torch
 
     from h3kernels import registry
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     strict, ref = registry.STRICT_OPS[c["op"]], runtime.REFERENCE_OPS[c["op"]]
     args = c["args"]

@@ -23,7 +23,7 @@ keeps the earlier results; a section that raises is recorded as an error and the
 5. `attention_fp8`: cuDNN / flash SDPA in bf16 at 37,853 rows against the same call on float8_e4m3fn inputs (a time,
    or the refusal torch gives).
 6. `drift`: fast against off over a `--drift-passes` trajectory at 512x512x22f (50 blocks): per pass the relative L2
-   of the velocities and of the latents, and the first drift (pass, layer, op) of one forward (h3lab.drift).
+   of the velocities and of the latents, and the first drift (pass, layer, op) of one forward (h3lab.research.drift).
 
 `--tiny` runs every section on H3Config.tiny() on the CPU (strict through the interpreter, fast through
 `fast.use_emulation()`), as a smoke test of this script.
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import fast, graphs, runtime
+    from h3lab.execution import fast, graphs, runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"built in {t1 - t0:.1f}s; fast.prepare quantised {prepared} weights in {time.time() - t1:.1f}s", flush=True)
 
     def h3(model, mode, inputs):
-        """mode: off | strict (eager: no CUDA graphs) | strict-graph (strict's CUDA graphs, h3lab.graphs) |
+        """mode: off | strict (eager: no CUDA graphs) | strict-graph (strict's CUDA graphs, h3lab.execution.graphs) |
         fast | fast-eager (no CUDA graphs) | fast-unfused (no fused FP8 producers) | fast-cudnn (cuDNN bf16
         attention instead of the FP8 kernel)."""
         base = mode.split("-")[0]
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     @section("drift")
     def _drift():
-        from h3lab.drift import Execution, first_drift
+        from h3lab.research.drift import Execution, first_drift
         from h3lab.run import denoise
 
         shape = "tiny-64x64x22f" if args.tiny else "512x512x22f"

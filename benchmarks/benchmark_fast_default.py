@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.cpu, flag="--cpu")
-    from h3lab import Session, fast, whatran
+    from h3lab import Session
+    from h3lab.execution import fast, whatran
     from h3lab.shapes import ClipSpec, matches, measure, prompt
 
     request = dict(width=64, height=64, frames=22, steps=args.steps, seed=42)

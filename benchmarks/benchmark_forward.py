@@ -3,7 +3,7 @@ process, on the full-size config with random weights (no weights can be download
 
 The Diffusers model is materialised on the GPU with seeded random weights in the released dtypes (bfloat16, the
 FP32_MODULES in float32); `H3Transformer` is then built on the meta device and *assigned the same parameter
-tensors* (shared storage, so both fit on one 139 GiB H200). For each shape (t2va layouts built by `h3lab.layout`):
+tensors* (shared storage, so both fit on one 139 GiB H200). For each shape (t2va layouts built by `h3lab.run.layout`):
 
 - `diffusers` and `h3lab-off` forwards: velocities compared byte for byte, medians of CUDA-event timings, peak memory;
 - `h3lab-strict`: timing, the ratio to Diffusers measured in the same run, byte-equality of velocities for batch
@@ -90,7 +90,7 @@ def build_h3lab_shared(config, diffusers_model, device):
 
 
 def make_inputs(config, shape: str, batch: int, device, seed: int):
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
 
     frames, lh, lw, audio, text = SHAPES[shape]
     layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio)
@@ -114,9 +114,9 @@ def make_inputs(config, shape: str, batch: int, device, seed: int):
 
 def t2va_spec(config, shape: str, passes: int, mode: str, device, seed: int = 42):
     """A `RunSpec` of `passes` over the t2va layout of `shape`: random bf16 text rows, seeded float32 noise rows."""
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
     from h3lab.run import DenoiseInputs, RunSpec
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     frames, lh, lw, audio, text = SHAPES[shape]
     layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False

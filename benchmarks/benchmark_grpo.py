@@ -56,9 +56,9 @@ def batch_order(group: int) -> list[int]:
 
 def group_inputs(config, shape, group: int, passes: int, device: str, seed: int):
     """t2va inputs of one prompt: shared text, each request its own initial noise; the DualSchedule of `passes`."""
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
     from h3lab.run import DenoiseInputs
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     frames, lh, lw, audio, text = shape
     layout = build_layout("t2va", torch.ones(text, dtype=torch.int64), frames, lh, lw, audio,
@@ -78,7 +78,7 @@ def rollout(model, layout, inputs, schedule, mode: str, level: float, seed: int,
     kept); seconds per pass (callback to callback, the recorder's hashing included)."""
     from h3lab.hashing import model_fingerprint
     from h3lab.run import RunSpec
-    from h3lab.trajectory import record
+    from h3lab.run.trajectory import record
 
     spec = RunSpec(inputs, schedule, mode=mode, layout=layout, fingerprint=model_fingerprint(model),
                    stepper="flow_sde", stepper_params={"level": level, "seed": seed,

@@ -141,7 +141,7 @@ def fp32_variant(variant: str):
             tiles[torch.float32] = gemm.Tile(64, 64, 32, 8, 4, 3, persistent=True, tma=True, precision="ieee")
     if flag == "nosplit" or base == "fma64":
         gemm.SPLIT_MAX_N = 0
-    from h3lab import graphs
+    from h3lab.execution import graphs
     from h3lab.training import step_graph
 
     # graphs replay the kernels they captured, whatever the tile tables say now: none may outlive a variant
@@ -356,8 +356,8 @@ def adapter_switch_check(model, request, objective, device: str) -> dict:
     """GRPO's reference policy through strict forward graphs: no-grad strict forwards of one sample with the adapter
     on (warm-up, capture, replay), then with it off (`adapter_disabled`), against the eager forwards. The adapter-off
     forward must be another graph signature (peft's switch changes no tensor) and give the eager adapter-off bytes."""
-    from h3lab import graphs, runtime
-    from h3lab.training.lora import adapter_disabled
+    from h3lab.execution import graphs, runtime
+    from h3lab.adapters.lora import adapter_disabled
 
     sample = request.sample(objective).to(device).canonical()
     kwargs = sample.model_kwargs()
@@ -464,7 +464,7 @@ def step_graph_compare(gradients, params, device: str, args, shape_name: str, ro
 
 
 def clip_request(config, shape, seed: int):
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
     from h3lab.training import ClipRequest
 
     frames, lh, lw, audio, text = shape

@@ -50,7 +50,7 @@ def _digest(t) -> str:
 def _request(config, tiny: bool, device):
     import torch
 
-    from h3lab.layout import build_layout
+    from h3lab.run.layout import build_layout
     from h3lab.training import ClipRequest
 
     text, frames, lh, lw, audio = (5, 2, 4, 4, 3) if tiny else (48, 3, 16, 24, 40)

@@ -84,7 +84,7 @@ def run_config(model, base, preset: dict, reuse: int, device: str, warmup_passes
 
 def make_like(spec, passes: int):
     """`spec`'s inputs and layout on a shorter schedule (the warm-up)."""
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     schedule = DualSchedule.from_passes(passes)
     return spec.replace(inputs=spec.inputs.resealed(spec.layout, schedule), schedule=schedule)
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
     from h3lab import presets
     from h3lab.config import H3Config
-    from h3lab.layout import pair_horizontal_tokens
+    from h3lab.run.layout import pair_horizontal_tokens
     from h3lab.run.fields import thaw
-    from h3lab.sampler import reuse_plan
+    from h3lab.run.sampler import reuse_plan
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

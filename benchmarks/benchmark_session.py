@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from h3lab.checkpoint.tiny import INTERFACE_CONFIG, make_tiny_snapshot
     from h3lab.config import H3Config
-    from h3lab.session import Session
+    from h3lab.app.session import Session
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -74,9 +74,9 @@ def digest(t) -> str:
 
 
 def _inputs(config, tiny: bool, device):
-    from h3lab.ablation import make_inputs
-    from h3lab.layout import build_layout
-    from h3lab.sampler import DualSchedule
+    from h3lab.research.ablation import make_inputs
+    from h3lab.run.layout import build_layout
+    from h3lab.run.sampler import DualSchedule
 
     text, frames, lh, lw, audio = (5, 2, 4, 4, 3) if tiny else (48, 3, 16, 24, 40)
     layout = build_layout("fl2va", [1] * text, frames, lh, lw, audio, anchors=("first",),
@@ -88,7 +88,7 @@ def _forward(model, x, dev):
     """One strict forward (pass 0): (video, audio, seconds, peak GiB of this process)."""
     import torch
 
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.run import model_forward
 
     cuda = dev.type == "cuda"

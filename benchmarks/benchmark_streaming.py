@@ -67,7 +67,7 @@ def build_model(config, device, seed: int):
 
 
 def forward(model, inputs, mode: str):
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     with runtime.use_mode(mode), torch.no_grad():
         return model(**inputs)

@@ -1,4 +1,4 @@
-"""Strict forwards with and without CUDA graphs against Diffusers, interleaved in one process (h3lab/graphs.py).
+"""Strict forwards with and without CUDA graphs against Diffusers, interleaved in one process (h3lab/execution/graphs.py).
 
 Models: Diffusers' `MiniMaxH3Transformer3DModel` with seeded random weights and `H3Transformer` sharing the same
 parameter tensors (benchmark_forward.py), all 50 blocks, batch 1, t2va at 512x512x22f (2,066 rows) and 864x480x56f
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.runs < 1:
         ap.error(f"--runs {args.runs}: must be at least 1")
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
-    from h3lab import graphs, runtime
+    from h3lab.execution import graphs, runtime
     from h3lab.config import H3Config
 
     torch.backends.cuda.matmul.allow_tf32 = False

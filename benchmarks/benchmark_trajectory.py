@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     device = prepare(ap, cpu=args.tiny, flag="--tiny")
 
-    from h3lab import runtime
-    from h3lab.arms import rollout, run_arm, sides
+    from h3lab.execution import runtime
+    from h3lab.research.arms import rollout, run_arm, sides
     from h3lab.config import H3Config
     from h3lab.hashing import device_lanes, model_fingerprint
     from h3lab.run import denoise, model_forward
-    from h3lab.trajectory import STEP_FIELDS, TrajectoryRecorder, record
+    from h3lab.run.trajectory import STEP_FIELDS, TrajectoryRecorder, record
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = H3Config.tiny() if args.tiny else H3Config.full()
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Where the recorder's time goes: the weight fingerprint (device scheme over every parameter, once per run),
     # the device checksum's throughput (Triton kernel vs the torch formulation), and one forward with every hook
     # point captured (drift's hash-only pass) against a plain strict forward.
-    from h3lab.drift import Execution, capture
+    from h3lab.research.drift import Execution, capture
 
     sync(device)
     t0 = time.perf_counter()

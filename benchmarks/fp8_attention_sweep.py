@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     def _qkv():
         if device != "cuda":
             return {"skipped": "torch._scaled_mm needs CUDA"}
-        from h3lab import fast
+        from h3lab.execution import fast
 
         out = []
         gen = torch.Generator(device=device).manual_seed(4)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         from benchmark_forward import build_diffusers, build_h3lab_shared, make_inputs
-        from h3lab import fast, graphs, runtime
+        from h3lab.execution import fast, graphs, runtime
         from h3lab.config import H3Config
 
         cfg = H3Config(**{**H3Config.full().to_diffusers(), "num_layers": args.blocks})

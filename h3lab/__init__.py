@@ -1,7 +1,9 @@
 """h3lab: a research workbench for MiniMax-H3 (see README.md and docs/ARCHITECTURE.md).
 
-Public names: `H3Config`, `H3Transformer`, `Session`, and the modules `runtime`, `checkpoint`, `sampler`,
-`layout`, `trajectory`, `drift`, `ablation`. `H3Transformer` and `Session` are lazy attributes (PEP 562):
+Public names: `H3Config`, `H3Transformer`, `Session`. The packages, bottom layer first: the foundations here
+(`errors`, `io_utils`, `hashing`, `config`), `schema`, `execution`, `checkpoint`, `run`, `model`, `adapters`,
+`stochastic`, `presets`, `distributed`, `shapes`, `training`, `components`, `research`, `app`, `frontends`
+(tests/foundation/test_imports.py holds the rules). `H3Transformer` and `Session` are lazy attributes (PEP 562):
 `import h3lab` loads only the config, so a submodule may import `__version__` from the package without a cycle.
 """
 
@@ -21,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return H3Transformer
     if name == "Session":
-        from .session import Session
+        from .app.session import Session
 
         return Session
     raise AttributeError(f"module 'h3lab' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 One operator per file: the private `@triton.jit` kernel(s), a host launcher that validates its inputs, an autograd
 wrapper (forward + backward), the float32 torch reference, and a docstring contract (accumulator dtype, reduction
 axis and order, tile sizes fixing that order, cast points, split policy, refused shapes). Each file registers its
-ops in `registry.STRICT_OPS` under the op names of `h3lab.runtime.REFERENCE_OPS`. This package imports only
+ops in `registry.STRICT_OPS` under the op names of `h3lab.execution.runtime.REFERENCE_OPS`. This package imports only
 torch and triton.
 """
 

@@ -7,7 +7,7 @@ only while every key tensor is the same live object with an unchanged `_version`
 any view, bumps it) and data pointer (`t.data = other` swaps the storage without a bump), otherwise the check runs
 again. Inference-mode tensors track no version and are never cached.
 
-`frozen()` (entered around a CUDA graph capture, `h3lab.graphs`): inside it a lookup never builds -- a miss
+`frozen()` (entered around a CUDA graph capture, `h3lab.execution.graphs`): inside it a lookup never builds -- a miss
 raises `IndexCacheMiss` at once, before any host sync could break the capture -- and every entry a lookup returns
 (and its `lazy` metadata) is appended to the list the context yields, so the graph can keep alive the device tensors
 it reads by address after the cache itself has dropped them. `lazy` refuses to compute inside it too.

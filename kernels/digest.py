@@ -1,7 +1,7 @@
 """Device checksum of a tensor's bytes: the two mod-p lanes of h3lab's `device-v1` hash scheme, in one Triton pass.
 
 Not a transformer operator (nothing registers it in the op table): it is the capture primitive of sealed
-trajectories and first-drift localisation (`h3lab.trajectory.device_lanes`), which hash every operator boundary and
+trajectories and first-drift localisation (`h3lab.run.trajectory.device_lanes`), which hash every operator boundary and
 the weights on the accelerator, so only 16 bytes per tensor ever reach the host.
 
 Contract

@@ -1,4 +1,4 @@
-"""Per-head RMSNorm and partial RoPE on (B, S, H, D) in one launch each, for `--mode fast` (h3lab/fast.py). NOT strict:
+"""Per-head RMSNorm and partial RoPE on (B, S, H, D) in one launch each, for `--mode fast` (h3lab/execution/fast.py). NOT strict:
 no op is registered and no bytes are promised (float32 arithmetic, one bfloat16 rounding, where torch's `off` ops
 round after every op).
 
@@ -11,7 +11,7 @@ contiguous, y = bf16(x / sqrt(mean_D(x*x) + eps) * weight) in float32 (the Q/K n
 y (B, S, H, D) bfloat16 contiguous: channels j < R: x[j] * c[j] + r[j] * s[j] with r = rotate_half(x[:R])
 (r[j] = -x[j + R/2] for j < R/2, x[j - R/2] after), c and s the tables rounded to bfloat16 first (as the `rope`
 op casts them), float32 arithmetic, one rounding; channels j >= R pass through. The bfloat16 rounding is
-`_strict_math.round_to` (exact on the interpreter too). The references are `h3lab.runtime.rms_norm` / `rope` (the
+`_strict_math.round_to` (exact on the interpreter too). The references are `h3lab.execution.runtime.rms_norm` / `rope` (the
 `off` ops). Refused (ValueError, one line): other dtypes or ranks, a non-unit D stride, tables of the wrong shape.
 """
 

@@ -1,4 +1,4 @@
-"""FP8 e4m3 attention forward for `--mode fast` (h3lab/fast.py). NOT a strict kernel: it registers no op and promises
+"""FP8 e4m3 attention forward for `--mode fast` (h3lab/execution/fast.py). NOT a strict kernel: it registers no op and promises
 no bytes (the reduction order follows the launch geometry like any flash kernel; only its accuracy is a contract).
 
 Contract

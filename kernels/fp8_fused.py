@@ -1,4 +1,4 @@
-"""Fused FP8 producers for `--mode fast` (h3lab/fast.py): the op that makes a projection's input also emits it as
+"""Fused FP8 producers for `--mode fast` (h3lab/execution/fast.py): the op that makes a projection's input also emits it as
 per-row float8_e4m3fn codes and scales, so the projection skips its own quantiser launch. NOT strict; no op is
 registered.
 
@@ -17,7 +17,7 @@ torch reference by one bfloat16 rounding step); the codes and scales are a funct
 with y = bf16(value * gate / (1 + exp(-gate))) in float32, and (q, s) of y as above.
 The bfloat16 rounding is `_strict_math.round_to` (integer arithmetic: Triton's CPU interpreter truncates the
 float32 -> bfloat16 cast; the GPU rounds to nearest even, as it does). The torch references are
-`h3lab.fast.norm_modulate_quant_reference` / `swiglu_quant_reference`.
+`h3lab.execution.fast.norm_modulate_quant_reference` / `swiglu_quant_reference`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-row FP8 e4m3 quantisation for `--mode fast` (h3lab/fast.py). NOT a strict kernel: it registers no op.
+"""Per-row FP8 e4m3 quantisation for `--mode fast` (h3lab/execution/fast.py). NOT a strict kernel: it registers no op.
 
 Contract
 --------
@@ -12,7 +12,7 @@ Triton's CPU interpreter rounds that conversion wrongly just below powers of two
 tests could not check the bytes; written out, the codes are the same bytes on the interpreter and the GPU, equal to
 torch's own float32 -> float8_e4m3fn cast (round to nearest even) of the same quotient. One program per row, two
 sweeps over the row in BLOCK columns (the amax, then the scaled cast; the second reads the row back from L2), int64
-row offsets. The same math in torch is `quantize_rows_reference` (h3lab/fast.py), which divides by a tensor (a
+row offsets. The same math in torch is `quantize_rows_reference` (h3lab/execution/fast.py), which divides by a tensor (a
 true division on every device: CUDA multiplies by the reciprocal when the divisor is a Python scalar, which
 makes the scales differ).
 """

@@ -1,4 +1,4 @@
-"""Registry of strict kernels, keyed by the op names of `h3lab.runtime.REFERENCE_OPS`.
+"""Registry of strict kernels, keyed by the op names of `h3lab.execution.runtime.REFERENCE_OPS`.
 
 A kernel file registers an entry with `register(op_name, run=fn, check=fn)`:
 - `check(*args, **kwargs)` validates a call without running it and returns the provenance dict

@@ -6,7 +6,7 @@ decoded clips lose on the held-out prompts, plus the attention view of one held-
                                 [--attention docs/screenshots/block_map_attention.png]
                                 [--view docs/screenshots/attention_view.png]
 
-- Configurations: the baseline, then each block b knocked out (`h3lab.views.knockout.knocked_out`: block b's output
+- Configurations: the baseline, then each block b knocked out (`h3lab.research.views.knockout.knocked_out`: block b's output
   replaced by its input; with `--scale s` its residual contribution scaled by s instead). Each runs the 12 held-out
   prompts of `h3lab.shapes.held_out_combos()` under every `--seeds` seed (t2va, 64x64, 22 frames, mode off, the CPU;
   the settings of scripts/eval_shapes.py), each decoded clip measured (`h3lab.shapes.measure`) and compared with its
@@ -43,7 +43,7 @@ COLUMNS = ATTRIBUTE_READS + ("all four",)
 
 def run_config(session, model, block, scale, seeds, steps) -> tuple[list[dict], list[float]]:
     """Every held-out prompt under every seed with `block` knocked out (None: the baseline)."""
-    from h3lab.views.knockout import knocked_out
+    from h3lab.research.views.knockout import knocked_out
 
     rows, seconds = [], []
     held = knocked_out(model, [block], scale) if block is not None else contextlib.nullcontext()
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from h3lab import Session, plots
+    from h3lab import Session
+    from h3lab.research import plots
 
     torch.set_num_threads(2)
     session = Session(args.snapshot, device="cpu")

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
 
     from test_refusals import _one_rank_fails
 
-    from h3lab.ablation import tiny_bench
-    from h3lab.ablation.distributed import run_row
+    from h3lab.research.ablation import tiny_bench
+    from h3lab.research.ablation.distributed import run_row
     from h3lab.checkpoint.tiny import random_snapshot
     from h3lab.distributed.launch import RankFailed, spawn
 

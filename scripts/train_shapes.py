@@ -30,7 +30,7 @@ What it does, in order (every draw from `--seed`; nothing is downloaded):
    prompts differing in one word are.
 4. the transformer (`TRANSFORMER`: >= 6 blocks, released classes and dtype policy) with the flow-matching objective of
    `h3lab.training.objective` on the latents the session would feed it (t2va and fl2va layouts from
-   `h3lab.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
+   `h3lab.run.layout.build_layout`, text from the snapshot's text encoder on the CPU, fl2va anchors through
    `VideoVAE.encode_condition`, targets the VAE posterior means through the wrappers' normalisation): sigma from
    `shifted_sigma` on the released shifts, `noise_mix`, conditioning rows at CONDITION_T, target x0 - noise on the
    generated rows. With `--partial-variants K`, the clips of seeds < K also train as t2va requests whose prompt
@@ -360,7 +360,7 @@ def load_vaes(snapshot: Path, device) -> tuple[torch.nn.Module, torch.nn.Module,
 # ------------------------------------------------------------------------------------------ the transformer
 def build_requests(snapshot: Path, specs, frames, audio, args, device):
     """Layout groups {key: dict(layout, text, video, audio)} of clean latent rows, as the session would feed them."""
-    from h3lab import layout as L
+    from h3lab.run import layout as L
     from h3lab.components.audio_vae import AudioVAE
     from h3lab.components.references import ImageRef, Keyframe
     from h3lab.components.text_encoder import TextEncoder
@@ -442,8 +442,9 @@ def train_transformer(groups, args, device, *, name="transformer", tasks=("t2va"
                       seconds=None, lr=None, init=None, seed_offset=4) -> tuple[torch.nn.Module, dict]:
     """Flow-matching training on the layout groups of `tasks`: from a seeded init, or from `init` (a state dict:
     transformer_ref/ starts from the trained transformer/ and is tuned on ref2va)."""
-    from h3lab import H3Transformer, runtime
-    from h3lab.sampler import draw_noise, noise_mix
+    from h3lab import H3Transformer
+    from h3lab.execution import runtime
+    from h3lab.run.sampler import draw_noise, noise_mix
     from h3lab.training.objective import CONDITION_T, Objective, shifted_sigma
 
     steps = args.dit_steps if steps is None else steps

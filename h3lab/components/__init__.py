@@ -9,6 +9,8 @@
 - `media`: ffmpeg-backed MP4/WAV/PNG writers and video/audio/image readers, `probe`.
 
 Names are imported lazily so `h3lab.components.media` alone never pulls in torch, transformers or diffusers.
+
+May import: the foundations, `execution`, `checkpoint`, `run`, `model`, `presets`, `distributed`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Contract
 - `augment_conditions(latents, generator, t=0.999) -> [(C, T, h, w)]`: x = t*x0 + (1-t)*noise with one float32
   `randn` draw of the condition's shape per condition, in order, from the request generator (on the generator's
   device, then moved) — the draws precede the video and audio noise of the request. The draw and the mix are
-  `h3lab.sampler.draw_noise` / `noise_mix`; the result is bit-equal to Diffusers' `randn_tensor` +
+  `h3lab.run.sampler.draw_noise` / `noise_mix`; the result is bit-equal to Diffusers' `randn_tensor` +
   `MiniMaxH3Scheduler.scale_noise`.
 - Reference audio rows are **not** noised: they are packed clean and held at t = 1.0 (`REFERENCE_AUDIO_T`), as the
   released pipeline does (facts section 6). The seed README says its runtime mixes 0.999 clean + 0.001 noise for
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import ValidationError
-from ..sampler import draw_noise, noise_mix
+from ..run.sampler import draw_noise, noise_mix
 from .audio_vae import AudioVAE
 from .references import AudioRef, ImageRef, Keyframe, Reference, VideoRef, _image
 from .video_vae import VideoVAE

@@ -27,7 +27,7 @@ import contextlib
 from typing import Any, Mapping
 
 from ..model.adaln_tables import tables_of
-from ..sampler import reuse_plan
+from ..run.sampler import reuse_plan
 from . import adaln_host, streaming
 from .residency import DEFAULT_SLOTS, ResidencyError
 

@@ -124,7 +124,7 @@ class ComponentStore:
 
     # -------------------------------------------------------------------------------------- snapshot
     def read_shifts(self) -> tuple[float, float]:
-        from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT
+        from ..run.sampler import AUDIO_SHIFT, VIDEO_SHIFT
 
         shifts = []
         for folder, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):

@@ -18,7 +18,7 @@ rows. Three things make that true here, and each file holds one:
 - `apply.py`        `apply_plan(model, mesh, TP_PLAN, CP_PLAN)` / `remove_plan(model)`: the plan applied to a built
                     `H3Transformer` from outside (weights sharded in place, the plans interpreted as hooks) and
                     undone; `parallelize(model, mesh)` (the model's plans); `wrap_placement` (a research wrapper,
-                    e.g. the ablation's fault probes in `h3lab.ablation.faults`, takes a placement's place).
+                    e.g. the ablation's fault probes in `h3lab.research.ablation.faults`, takes a placement's place).
 - `placement.py`    `Placement`: the interpretation of the plans (module hooks, the runtime's placement layer, the
                     hook view from each hook point's `Sharded` layout, the per-forward agreement of every rank);
                     `placement_of(model)`, `row_owner`.

@@ -15,7 +15,7 @@ weights (`gather_columns` along each tensor's split axis, in rank order: the ori
 model forgotten by `placement_of`. Afterwards the model's forward is byte-equal to a model never placed (tested).
 
 `wrap_placement(placement, wrap)`: a research wrapper (a `Placement` subclass built from the placement, e.g. the
-ablation's fault probes in `h3lab.ablation.faults`) takes the placement's place: the old hooks off, the new on, the
+ablation's fault probes in `h3lab.research.ablation.faults`) takes the placement's place: the old hooks off, the new on, the
 weights as they are.
 
 A new plan entry is one declaration in `plan.py`; e.g. cutting one more per-row argument of `norm_out` to the rank's

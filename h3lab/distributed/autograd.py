@@ -78,7 +78,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import runtime
+from ..execution import runtime
 from .collectives import _all_gather, gather_rows, heads_to_rows, rows_to_heads
 from .errors import DistributedError
 from .mesh import Mesh

@@ -75,7 +75,7 @@ import torch.distributed as dist
 from h3kernels import attention as strict_attention
 from h3kernels import gemm
 
-from .. import context
+from ..execution import context
 from .errors import DistributedError
 from .mailbox import mailbox
 from .mesh import Mesh

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import context, runtime
+from ..execution import context, runtime
 from ..errors import user_message
 from .errors import DistributedError
 from .mesh import Mesh

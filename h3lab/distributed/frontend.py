@@ -1,7 +1,7 @@
 """The torchrun front end: `torchrun --nproc-per-node N -m h3lab --tp T --cp C [--sp] [--row-parallel S]
 [--share-device] ...` (`--share-device`: every rank on one GPU, gloo + CUDA IPC slots; bytes only, see `mesh.py`).
 
-`h3lab.cli` calls `mesh_request(args)` (None unless a mesh flag is given or WORLD_SIZE > 1) and, with a mesh,
+`h3lab.frontends.cli` calls `mesh_request(args)` (None unless a mesh flag is given or WORLD_SIZE > 1) and, with a mesh,
 `run_on_mesh(args, mesh, action, session_factory)`:
 - every rank builds the mesh (`init_mesh`: under torchrun it starts the process group, NCCL for CUDA devices, gloo
   for `--device cpu`; a refused topology is the same one-line error on every rank) and a control channel;

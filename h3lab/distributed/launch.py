@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from .errors import DistributedError
 
 PRELOAD = ["torch", "triton", "h3kernels", "h3kernels.gemm", "h3kernels.attention", "h3lab.model", "h3lab.run",
-           "h3lab.drift", "h3lab.distributed"]
+           "h3lab.research.drift", "h3lab.distributed"]
 _started = False
 
 

@@ -48,7 +48,7 @@ made on every rank alike (checked). Reshaping hooks are refused on a sharded for
 
 Seams: `frame(seq_len)` (the rows this rank holds), `scatter` (block 0's cut of the packed rows) and `attention` (the
 served block attention) are the methods a research wrapper may override; `wrap_placement(placement, wrap)` puts such
-a wrapper in the placement's place on its model. The ablation matrix's fault probes (`h3lab.ablation.faults`) are
+a wrapper in the placement's place on its model. The ablation matrix's fault probes (`h3lab.research.ablation.faults`) are
 one; this module has no fault branch.
 """
 
@@ -67,7 +67,7 @@ from torch import nn
 
 from h3kernels import gemm
 
-from .. import context, runtime
+from ..execution import context, runtime
 from ..hashing import tensor_digest
 from ..model.hooks import HookPoint, sharded_layout, use_view
 from . import autograd as mesh_autograd
@@ -128,7 +128,7 @@ class Frame:
         return out
 
 
-# The running forward's frame is a field of the one execution context (`h3lab.context`: placement_frame).
+# The running forward's frame is a field of the one execution context (`h3lab.execution.context`: placement_frame).
 # model -> weakref to its Placement; the model holds the Placement (`_h3lab_placement`), so the pair is one cycle
 # the garbage collector frees (a strong value here would keep every parallelized model and its weights alive)
 _PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
+from ..execution import runtime
 from .collectives import _all_gather, gather_columns, gather_rows
 from .mesh import Mesh
 from .plan import is_lora_factor, plan_entry

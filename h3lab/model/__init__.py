@@ -7,6 +7,9 @@
 - `precision.py`    the `released` / `float32` dtype policies
 - `inputs.py`       forward input validation (`ModelInputError`)
 - `random_init.py`  `random_state_dict(config, seed)`: seeded random weights for studies without a checkpoint
+
+May import: the foundations, `checkpoint`, `execution` (the op table it is written against). Never the run
+spec, the adapters or the parallel code: those are applied to a built model from outside.
 """
 
 from .hooks import RESHAPABLE, HookError, HookPoint, HookSite, hook_points

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from .. import runtime
+from ..execution import runtime
 from ..errors import H3Error
 from .hooks import use_hooks
 

@@ -4,7 +4,7 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
 
 - `hook_points(config)` lists every `HookPoint(name, layer, op, rows, reshapable, sharded, tap)` in execution order
   (the last three have defaults, so `HookPoint(name, layer, op, rows)` still builds one). Each point is the output
-  of one op-table call (`op`, a name of `h3lab.runtime.OP_NAMES`), exactly the tensor the next op consumes:
+  of one op-table call (`op`, a name of `h3lab.execution.runtime.OP_NAMES`), exactly the tensor the next op consumes:
   `blocks.3.q` is the to_q projection (B, S, inner) before the head split, `blocks.3.attention` the attention output
   (B, S, H, D) before the head merge, `blocks.3.adaln_table` the AdaLN table viewed as (T*3, 6*hidden).
 - The tables below (`REFINER_POINTS`, `BLOCK_POINTS`, the stem and end tables) are the one declaration of the points:
@@ -35,7 +35,7 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
   of the module call — what the next op consumes — so a hook sees a wrapper's output. A `HookSite` is a plain
   callable, not an `nn.Module`, so `named_modules()` stays Diffusers' module tree (parallel plans, LoRA target
   lists and offload maps see exactly the Diffusers paths). The registry it fires is the one `use_hooks` made current
-  for the running forward (the `hooks` field of the execution context, `h3lab.context`; `H3Transformer.forward`
+  for the running forward (the `hooks` field of the execution context, `h3lab.execution.context`; `H3Transformer.forward`
   enters it, with None when no hook is registered): with no hook registered a point costs one context read and one
   `is None`.
 - Under gradient checkpointing a block's forward is replayed during backward; the hooks of that block run again
@@ -48,7 +48,7 @@ Contract (docs/ARCHITECTURE.md, "Hook points"):
 - `model.hook_context` is a caller-owned dict (the denoise loop sets e.g. `{"step": 3}` before each forward) that a
   hook holding the model may read; during a checkpoint replay it reads the dict of the forward being replayed.
 
-The trace (`h3lab.runtime.last_trace()`) records every op call with the name of the point its result is exposed at;
+The trace (`h3lab.execution.runtime.last_trace()`) records every op call with the name of the point its result is exposed at;
 ops internal to a point record that point (the silu and first linear of `time_mlp`, the silu of `adaln_table` /
 `final_table`), and the single `rope_table` call records `rope_cos` (it produces `rope_cos` and `rope_sin`). A
 module that outside code inserts records its own calls under `<point of the module it wraps>.<suffix>` (e.g.
@@ -64,7 +64,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import context
+from ..execution import context
 from ..config import H3Config
 from ..errors import H3Error
 
@@ -309,7 +309,7 @@ class HookRegistry:
 
 
 # ------------------------------------------------------------------------------------------------ call sites
-# The active registry and the hook view are fields of the one execution context (`h3lab.context`: hooks, hook_view).
+# The active registry and the hook view are fields of the one execution context (`h3lab.execution.context`: hooks, hook_view).
 
 
 class HookView(Protocol):

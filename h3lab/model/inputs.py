@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
+from ..execution import runtime
 from ..config import NUM_MODALITIES, H3Config
 from ..errors import H3Error
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from .. import runtime
+from ..execution import runtime
 from ..config import NUM_MODALITIES
 from .hooks import HookSite, active_hooks
 

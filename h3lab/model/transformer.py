@@ -32,7 +32,7 @@ Contract:
   `model.reset_buffers(device)` recomputes `inv_freq` (it is not in the state dict). `from_pretrained` delegates to
   `h3lab.checkpoint.loader.load_transformer`.
 - `model.fingerprint` (default "") is written into the runtime trace of every forward.
-- The checked forward goes through `h3lab.graphs.run`: the execution context's graph policy (`h3lab.context`) decides
+- The checked forward goes through `h3lab.execution.graphs.run`: the execution context's graph policy (`h3lab.execution.context`) decides
   whether it is a CUDA graph's capture or replay or the eager forward itself; the model never looks at the mode.
 """
 
@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .. import context, graphs, runtime
+from ..execution import context, graphs, runtime
 from ..config import NUM_MODALITIES, H3Config
 from .hooks import HookFn, HookPoint, HookRegistry, HookSite, hook_points, use_hooks
 from .inputs import ModelInputError, check_inputs, check_key_order

@@ -17,7 +17,7 @@ torch hooks / forward overrides to the model's blocks for the run's duration, an
 no special case for any of them. Importing this package registers the `preset` field provider
 (`h3lab.run.fields.FIELDS` names this module).
 
-May import: run spec, layout, sampler, runtime, config.
+May import: the foundations, `execution`, `run` (spec, layout, sampler), `schema`.
 """
 
 from ..run import FieldProvider, register_field

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ..sampler import reuse_plan
+from ..run.sampler import reuse_plan
 from ._blocks import skip_blocks
 from .errors import PresetError
 

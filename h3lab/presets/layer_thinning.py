@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import runtime
+from ..execution import runtime
 from ..config import NUM_MODALITIES
 from ._blocks import skip_blocks
 from .errors import PresetError

@@ -1,6 +1,6 @@
 """The presets' request-level rules: what `GenerationSettings` checks before anything loads, and the seed's warnings.
 
-Settings fields (h3lab.settings): `layers` (None = all blocks), `core_reuse` (1 = off), `token_reduction`,
+Settings fields (h3lab.schema.generation_settings): `layers` (None = all blocks), `core_reuse` (1 = off), `token_reduction`,
 `reference_rope`. `check_settings(s)` raises a one-line `PresetError` or returns notices:
 
 - layers: None or an integer >= 1; its range depends on the transformer's depth, which the session checks against

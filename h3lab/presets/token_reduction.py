@@ -9,7 +9,7 @@ mesh runs it, byte-equal to one process).
 
 It is a layout transform plus a bypass, applied through block hooks:
 
-- The layout transform is `h3lab.layout.pair_horizontal_tokens(run.layout)`: a reduced `PackedLayout` (its AdaLN
+- The layout transform is `h3lab.run.layout.pair_horizontal_tokens(run.layout)`: a reduced `PackedLayout` (its AdaLN
   rows, positions, key order) and the member table. A pair's position is the mean of its members' (the run's
   positions, after any RoPE adaptation); its AdaLN row is its first member's (pairs share tag and timestep kind).
 - Entering block `start` (a forward pre-hook): the full stream x (B, S, D) is kept as the bypass; the reduced stream
@@ -36,8 +36,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import runtime
-from ..layout import LayoutError, pair_horizontal_tokens
+from ..execution import runtime
+from ..run.layout import LayoutError, pair_horizontal_tokens
 from .errors import PresetError
 from .rope_adaptation import is_native_256
 
@@ -181,7 +181,7 @@ def _validate(value: dict) -> dict:
 
 
 def _apply(value: dict, run: Any):
-    from ..sampler import reuse_plan
+    from ..run.sampler import reuse_plan
     from .core_reuse import core_plan
 
     n = run.schedule.num_passes

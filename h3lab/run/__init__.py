@@ -7,9 +7,14 @@
   fields.py    the extension fields (adapters, factors, preset, placement, residency): `FieldProvider`, `register_field`
   spec.py      `RunSpec`, `Custom`; JSON description, sealed tensors, `sha256`
   loop.py      `resolve(spec, model)` -> `ResolvedRun`; `loop(run)`; `denoise(spec, model)` = resolve + loop
+  layout.py    `PackedLayout` and its builders: the packed rows of text, video and audio
+  sampler.py   schedules (`DualSchedule`), the Euler step, noise mix, reuse
+  artifact.py  `SealedArtifact`, the sealed-artifact base of trajectories, training runs and GRPO runs
+  trajectory.py  `Trajectory` (the sealed record of one run), `TrajectoryRecorder`, `load`, `VerifyReport`
 
-May import: model (through the objects it is given), sampler, layout, runtime, hashing. It never imports the rooms
-that register providers (ablation, arms, distributed, training, presets): they are named by module in the registries.
+May import: the foundations (errors, io_utils, hashing, config) and `execution`; the model only through the
+objects it is given. It never imports the rooms that register providers (adapters, ablation, arms, distributed,
+presets): they are named by module in the registries.
 """
 
 from .fields import EXTENSION_FIELDS, FIELDS, FieldProvider, register_field

@@ -2,10 +2,10 @@
 
 Fields, their JSON defaults, the room that provides them, in the order they are applied to a run:
 
-  adapters   ()  LoRA adapters, e.g. [{"name": ..., "sha256": ..., "scale": 1.0}]    h3lab.training
+  adapters   ()  LoRA adapters, e.g. [{"name": ..., "sha256": ..., "scale": 1.0}]    h3lab.adapters.field
   lora_scale {}  the adapter's strength per block and per modality of the output
-                 rows, e.g. {"blocks": [[0, 19, 0.0]], "audio": 0.3}                 h3lab.training
-  factors    ()  ablation factor names, e.g. ["A2", "H5"]                              h3lab.ablation
+                 rows, e.g. {"blocks": [[0, 19, 0.0]], "audio": 0.3}                 h3lab.adapters.lora_scale
+  factors    ()  ablation factor names, e.g. ["A2", "H5"]                              h3lab.research.ablation
   preset     {}  speed preset: layer thinning, core reuse, token reduction, RoPE
                  adaptation, residency, e.g. {"layers": 45, "token_reduction": true}  h3lab.presets
   placement  {}  device topology, e.g. {"tp": 2, "cp": 1, "sp": 1}; {} = one
@@ -60,9 +60,9 @@ DEFAULTS: dict[str, Any] = {"adapters": (), "lora_scale": MappingProxyType({}), 
                             "residency": MappingProxyType({})}
 
 FIELDS = Registry("run-spec field", {
-    "adapters": "h3lab.training",
-    "lora_scale": "h3lab.training",
-    "factors": "h3lab.ablation",
+    "adapters": "h3lab.adapters.field",
+    "lora_scale": "h3lab.adapters.lora_scale",
+    "factors": "h3lab.research.ablation",
     "preset": "h3lab.presets",
     "placement": "h3lab.distributed",
     "residency": "h3lab.components.store",

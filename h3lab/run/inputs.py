@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..sampler import DualSchedule
+from .sampler import DualSchedule
 from .registry import RunSpecError
 
 

@@ -41,8 +41,8 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 
-from .. import runtime
-from ..sampler import DualSchedule, extrapolate_velocity, reuse_plan
+from ..execution import runtime
+from .sampler import DualSchedule, extrapolate_velocity, reuse_plan
 from .fields import EXTENSION_FIELDS, is_default, provider, thaw
 from .inputs import DenoiseInputs
 from .registry import RunSpecError

@@ -5,7 +5,7 @@ extension field's provider -- is looked up by name at run time. A higher room (t
 the distributed, training and speed-preset rooms) registers its entries when it is imported; the run-spec room never
 imports it at module level. `Registry.get(name)` imports the module declared for a name (`modules`) the first time the
 name is asked for and it is not registered yet, so a spec that names, say, the `diffusers` stepper works without the
-caller importing `h3lab.arms` first. A name nobody provides is `None`; callers turn that into a one-line
+caller importing `h3lab.research.arms` first. A name nobody provides is `None`; callers turn that into a one-line
 `RunSpecError` (fail closed).
 """
 

@@ -14,7 +14,7 @@ stepper_params={}, custom=None, label="")`
                of the arms); `fingerprint` the checkpoint fingerprint ("" = not pinned; the recorder fills it in)
   layout       the `PackedLayout` the inputs were sealed from (None: factors that rebuild the layout or the plan --
                H1, H10, H11, H12 -- cannot apply); must hash to `inputs.layout_sha256` when both are given
-  factors      ablation factor names (provided by `h3lab.ablation`; canonical order; see `fields.py`)
+  factors      ablation factor names (provided by `h3lab.research.ablation`; canonical order; see `fields.py`)
   stepper      registered stepper name (`steppers.py`): "euler", "diffusers", "negated_velocity", "flow_sde", ...
   stepper_params  the stepper's parameters (a JSON object, validated by its provider; {} for steppers without
                any), e.g. {"level": {"video": 0.7, "audio": 0.7}, "seed": 5, "requests": [0, 1], "window": null}; in
@@ -70,10 +70,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .. import runtime
+from ..execution import runtime
 from ..hashing import digest_mismatch, json_sha256, tensor_digest
-from ..layout import PackedLayout
-from ..sampler import REUSE_MODES, DualSchedule, Schedule, ScheduleError, timesteps
+from .layout import PackedLayout
+from .sampler import REUSE_MODES, DualSchedule, Schedule, ScheduleError, timesteps
 from .fields import DEFAULTS, EXTENSION_FIELDS, check_field, is_default, thaw
 from .inputs import DenoiseInputs
 from .registry import RunSpecError

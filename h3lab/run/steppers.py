@@ -15,9 +15,9 @@ trajectory's pass entry), `tensors` name -> CPU tensor (kept with `keep=("noise"
 
 Registered names (`STEPPERS`):
   euler             the sampler's Euler step on the schedule's own grid per modality (`ScheduleStepper`, default);
-  diffusers         Diffusers' `MiniMaxH3Scheduler` pair, the P side of the experiment arms (`h3lab.arms`);
-  negated_velocity  x0 = x_t - sigma * v, the ablation factor H9 (`h3lab.ablation`);
-  reordered_euler   x_next = x_t + (sigma - sigma_next) * v, the ablation factor H13 (`h3lab.ablation`);
+  diffusers         Diffusers' `MiniMaxH3Scheduler` pair, the P side of the experiment arms (`h3lab.research.arms`);
+  negated_velocity  x0 = x_t - sigma * v, the ablation factor H9 (`h3lab.research.ablation`);
+  reordered_euler   x_next = x_t + (sigma - sigma_next) * v, the ablation factor H13 (`h3lab.research.ablation`);
   flow_sde, dance_sde, cps   the SDE transitions with a seeded Gaussian per pass and its log-density
                     (`h3lab.stochastic`), parameters {"level", "seed", "requests", "window"}.
 A room adds one with `register_stepper(name, factory)`: `factory(schedule) -> Stepper` for a stepper without
@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ..sampler import DualSchedule
+from .sampler import DualSchedule
 from .fields import freeze, thaw
 from .registry import Registry, RunSpecError
 
@@ -66,9 +66,9 @@ class StepperProvider:
 
 
 STEPPERS = Registry("stepper", {
-    "diffusers": "h3lab.arms",
-    "negated_velocity": "h3lab.ablation",
-    "reordered_euler": "h3lab.ablation",
+    "diffusers": "h3lab.research.arms",
+    "negated_velocity": "h3lab.research.ablation",
+    "reordered_euler": "h3lab.research.ablation",
     "flow_sde": "h3lab.stochastic",
     "dance_sde": "h3lab.stochastic",
     "cps": "h3lab.stochastic",

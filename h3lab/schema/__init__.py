@@ -23,7 +23,7 @@ actions=("one-shot", "repl", "replay"))`: `cli.session_from_args` passes it on w
 
 Fields of `GenerationSettings` itself (seed, size, steps, mode, the presets, ...) are declared here too
 (`builtin.py`, the presets' files) with their flags, commands, controls and summary parts; their rules stay in
-`GenerationSettings.__post_init__` (`h3lab.settings`), which checks them in a fixed order with the texts users see.
+`GenerationSettings.__post_init__` (`h3lab.schema.generation_settings`), which checks them in a fixed order with the texts users see.
 The schema's `rule`/`bounds` apply to the settings declared only here (extras). `Setting.command` and `.control`
 may customise every part (usage, parser, reply, the session check; `h3lab.schema.words` holds the word parsers).
 
@@ -39,11 +39,11 @@ record the value is sealed in (`seal`):
                          programs=("train grpo", "train nft"), seal="config"))
 
 Modules: `setting.py` (`Setting`, `Repl`, `Control`, the registry `SETTINGS`), `words.py` (REPL word parsers),
-`builtin.py` (the generation settings of `h3lab.settings`), `argv.py` (argparse flags and the flag -> settings
+`builtin.py` (the generation settings of `h3lab.schema.generation_settings`), `argv.py` (argparse flags and the flag -> settings
 conversion), `program.py` (the command lines' registries, their argparse flags, the sealed fields of parsed flags),
 `train_flags.py`, `encode_flags.py`, `cli_flags.py` (the declared flags of `h3lab train`, `h3lab encode` and the
 CLI). May import: errors, settings, runtime (builtin and argv only; `setting.py`, `program.py` and `words.py` import
-nothing of h3lab but errors, so `h3lab.settings` and the presets can declare at import); the three flag modules
+nothing of h3lab but errors, so `h3lab.schema.generation_settings` and the presets can declare at import); the three flag modules
 belong to the front ends' room (they read names of the training room and the runtime).
 """
 

@@ -9,8 +9,8 @@ import os
 import secrets
 from typing import Any
 
-from ..runtime import MODES
-from ..settings import DEFAULT_MODE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_WIDTH, DEFAULT_HEIGHT
+from ..execution.runtime import MODES
+from .generation_settings import DEFAULT_MODE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_WIDTH, DEFAULT_HEIGHT
 from .setting import Control, Repl, Setting, declare
 from .words import int_word, one, p_seconds, size
 

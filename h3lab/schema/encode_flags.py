@@ -1,7 +1,7 @@
 """The flags of `h3lab encode`, each declared once (`h3lab.schema.program`).
 
 None is sealed by a declaration: the dataset seals what the clips became (their latents, layouts and prompts,
-`training.save_dataset`), not the flags that chose them; `h3lab.encode` reads the values and checks the pair
+`training.save_dataset`), not the flags that chose them; `h3lab.frontends.encode` reads the values and checks the pair
 `--width` / `--height` and the output folder.
 """
 

@@ -1,6 +1,6 @@
 """The `lora_scale` setting: the strength of the loaded LoRA adapter per block and per modality of the output rows,
 declared once -- `--lora-scale "blocks 0-19:0, audio:0.3"`, `!lora-scale SPEC|off`, the panel's "lora" row, the
-summary part "LoRA scale ..." and the sealed `RunSpec.lora_scale` (applied by `h3lab.training.lora_scale`).
+summary part "LoRA scale ..." and the sealed `RunSpec.lora_scale` (applied by `h3lab.adapters.lora_scale`).
 
 Grammar (`parse`): items separated by commas, each `TARGET:SCALE` with SCALE a finite number --
   `blocks A-B` / `blocks A` / `block A`   transformer blocks A..B (0-based, inclusive)
@@ -188,7 +188,7 @@ declare(Setting(
     "the loaded LoRA adapter's strength per block and per modality of the output rows, e.g. "
     "\"blocks 0-19:0, audio:0.3\" (targets: blocks A-B, block A, refiner, video, audio, text; default 1 everywhere)",
     order=140, rule=_rule, spec=_spec, metavar="SPEC",
-    maps="RunSpec.lora_scale (normal form; h3lab.training.lora_scale scales each LoRA layer's delta)",
+    maps="RunSpec.lora_scale (normal form; h3lab.adapters.lora_scale scales each LoRA layer's delta)",
     command=Repl(usage="!lora-scale SPEC|off", summary="LoRA strength per block and per modality (video/audio/text)",
                  parse=_p_scale, reply=_reply, complete=(("off", "blocks", "video:", "audio:", "text:"),)),
     control=Control("LoRA scale", kind="text", row="lora", width="320px", off=""),

@@ -1,7 +1,7 @@
 """`Setting`, its REPL (`Repl`) and panel (`Control`) parts, and the one registry `SETTINGS` they are declared in.
 
-A `Setting` is data: the front ends read it (`h3lab.schema.argv` builds the argparse flags, `h3lab.commands` the
-`@command` entries, `h3lab.widgets` the panel's controls, `GenerationSettings.summary` the summary), nothing here
+A `Setting` is data: the front ends read it (`h3lab.schema.argv` builds the argparse flags, `h3lab.frontends.commands` the
+`@command` entries, `h3lab.frontends.widgets` the panel's controls, `GenerationSettings.summary` the summary), nothing here
 imports a front end. See `h3lab.schema` for how to declare one.
 
 Targets: "generation" -- a value of `GenerationSettings` (a dataclass field there, or an *extra* the settings hold
@@ -198,7 +198,7 @@ class Schema:
         self._loaded = False
 
     def load(self) -> None:
-        """Import the declaring modules once (lazily: `h3lab.settings` imports the presets, which declare here)."""
+        """Import the declaring modules once (lazily: `h3lab.schema.generation_settings` imports the presets, which declare here)."""
         if not self._loaded:
             self._loaded = True
             for module in self.modules:

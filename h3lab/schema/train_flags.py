@@ -6,15 +6,15 @@ rollout; `--stepper` and `--level`, whose defaults differ) is one declaration pe
 holds the value: "config" (`TrainConfig` / `GrpoConfig` / `NftConfig`), "optim" (their `OptimizerConfig`),
 "objective" (their `Objective`), "job" (`TrainJob` / `GrpoJob`); the values of a flag without one are not sealed
 (`--resume`, `--gpu-memory`, the mesh degrees: a record beside the run) or are combined by the front end
-(`--reward` / `--reward-server`: exactly one, `h3lab.train`). The configs and jobs check the values; their
+(`--reward` / `--reward-server`: exactly one, `h3lab.frontends.train`). The configs and jobs check the values; their
 `SettingError`s name the flag through these declarations. `--stepper`'s choices are read from the stepper registry
 (`stochastic.sde_steppers`) when a parser is built.
 """
 
 from __future__ import annotations
 
-from ..runtime import MODES
-from ..training.lora import PROJECTIONS
+from ..execution.runtime import MODES
+from ..adapters.lora import PROJECTIONS
 from ..training.nft.objective import OLD_BATCHES
 from ..training.objective import SettingError
 from .program import declare_flag

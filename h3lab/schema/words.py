@@ -1,7 +1,7 @@
 """The words of a REPL command: parsers `(name, words) -> tuple` that check the words after a command's name.
 
 Each raises a one-line `CommandError` naming the command, the words and the expected form, and converts nothing it
-cannot check (ranges are the settings' rules). `h3lab.commands` and the generated setting commands share them.
+cannot check (ranges are the settings' rules). `h3lab.frontends.commands` and the generated setting commands share them.
 """
 
 from __future__ import annotations

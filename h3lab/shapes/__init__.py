@@ -6,6 +6,8 @@ templated prompts, and the measurements that read the same attributes back from 
                 vocabularies, the training / held-out split of attribute combinations
 - `measure.py`  `measure(frames, audio)`: dominant colour, centroid-track direction, dominant tone, pan track;
                 `matches` per attribute of `READS`
+
+May import: the foundations and `checkpoint`.
 """
 
 from .clips import (ATTRIBUTES, COLOURS, DIRECTIONS, SHAPES, TONES, ClipSpec, first_last, held_out_combos,

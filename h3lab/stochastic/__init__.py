@@ -3,6 +3,8 @@ coefficient-preserving `cps` -- as pure math (`transitions.py`: the Gaussian of 
 exact float32 log-density, the seeded per-pass noise) and as named steppers of a `RunSpec` (`steppers.py`: the
 parameters sealed in `RunSpec.stepper_params`, a MixGRPO window, the per-pass record the trajectory seals), and
 a sealed pass read back for training (`records.py`: `recorded_transition`, `PassTransition.logprob(v)`).
+
+May import: the foundations, `run`, `schema`.
 """
 
 from .records import PassTransition, recorded_transition

@@ -35,7 +35,7 @@ import torch
 
 from ..hashing import tensor_digest
 from ..run import STEPPERS, RunSpecError, StepperProvider, register_stepper
-from ..sampler import DualSchedule
+from ..run.sampler import DualSchedule
 from .transitions import (MODALITIES, SDE_KINDS, TransitionError, check_level, gaussian_logprob, pass_noise,
                           transition_mean_std)
 

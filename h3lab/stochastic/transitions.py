@@ -1,7 +1,7 @@
 """The stochastic transition contract: one pass of an SDE sampler as a Gaussian, in H3's own sign convention, its exact
 float32 log-density, and the seeded noise each pass draws. Pure functions over tensors; no model, no run spec.
 
-Sign convention (checked against the released `MiniMaxH3Scheduler.step` and `h3lab.sampler.euler_step`)
+Sign convention (checked against the released `MiniMaxH3Scheduler.step` and `h3lab.run.sampler.euler_step`)
 ------------------------------------------------------------------------------------------------------
 H3's velocity is data-ward: with sigma the noise level of x (t = 1 - sigma the timestep the model sees),
 
@@ -77,7 +77,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ValidationError
-from ..sampler import euler_step
+from ..run.sampler import euler_step
 
 SDE_KINDS = ("flow_sde", "dance_sde", "cps")
 MODALITIES = ("video", "audio")

@@ -11,13 +11,8 @@ verifiable training runs.
 - `optim.py`          `StrictAdamW`
 - `data_parallel.py`  `data_parallel_gradients` over a torch.distributed group (gather + the same tree)
 - `run.py`            `TrainConfig`, `train`, `TrainingRun.seal`, `load`, `verify`
-- `lora.py`           `add_lora` / `remove_lora` through peft, `LoraLinear` (factors on the op table), PEFT-format
-                      adapter files (`save_adapter`, `adapter_files`, `adapter_digest`)
-- `adapter_file.py`   `read_adapter` (PEFT directory or Diffusers .safetensors, checked before any model loads),
-                      `check_shapes`, `files_digest`
-- `adapters.py`       the `RunSpec.adapters` provider (`adapter_entry`, apply = inject for the run, refuse changed bytes)
-- `lora_scale.py`     the `RunSpec.lora_scale` provider: the adapter's delta scaled per block and per modality of the
-                      output rows (`LayerScale` on each LoRA layer for the run)
+- LoRA itself (`add_lora`, adapter files, the `RunSpec.adapters` and `lora_scale` providers) is `h3lab.adapters`,
+  shared with inference; this package re-exports its names
 - `rewards.py`        RL rewards: `Reward`, `RewardSample`, `score`, `resolve_reward` (NAME, module:function, a
                       weighted sum, a reward server URL); the shipped examples, `prompt_match` (h3-shapes)
 - `reward_base.py`    the reward types (`Reward`, `RewardSample`, `score`, `score_parts`)
@@ -33,12 +28,15 @@ verifiable training runs.
 - `rl_run.py`         the sealed-run loop GRPO and DiffusionNFT share (train, resume, manifest, load, verify)
 - `nft/`              DiffusionNFT (`h3lab.training.nft`: `NftConfig`, `nft_iteration`, `nft_train`, `verify`,
                       `NftJob` of `h3lab train nft`)
+
+May import: the foundations, `schema`, `execution`, `checkpoint`, `run`, `model`, `adapters`, `stochastic`,
+`shapes`. Never `components`, `research`, `app` or the front ends.
 """
 
-from . import adapters as _adapters  # noqa: F401 - registers the RunSpec.adapters provider
-from . import lora_scale as _lora_scale  # noqa: F401 - registers the RunSpec.lora_scale provider
-from .adapter_file import AdapterFile, check_shapes, read_adapter
-from .adapters import adapter_entry
+from ..adapters import field as _adapters  # noqa: F401 - registers the RunSpec.adapters provider
+from ..adapters import lora_scale as _lora_scale  # noqa: F401 - registers the RunSpec.lora_scale provider
+from ..adapters.adapter_file import AdapterFile, check_shapes, read_adapter
+from ..adapters.field import adapter_entry
 from .combine import TreeAccumulator, tree_nodes, tree_sum, tree_sum_nodes
 from .data_parallel import data_parallel_gradients, rank_block
 from .objective import (
@@ -54,7 +52,7 @@ from .objective import (
 from .optim import StrictAdamW
 from .optim_config import OptimizerConfig
 from .run import RunVerifyReport, TrainConfig, TrainingRun, load, train, verify
-from .lora import (
+from ..adapters.lora import (
     PROJECTIONS,
     AdapterError,
     add_lora,

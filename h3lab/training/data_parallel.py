@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..trajectory import TraceSummary
+from ..run.trajectory import TraceSummary
 from .combine import tree_nodes, tree_sum, tree_sum_nodes
 from .objective import Objective, TrainingError
 from .step import RequestGradient, StepResult, for_each_request, model_device, trainable_parameters

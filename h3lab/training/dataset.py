@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..artifact import MANIFEST, SealedArtifact
+from ..run.artifact import MANIFEST, SealedArtifact
 from .objective import ClipRequest, SampleRequest, TrainingError, rollout_requests
 from .run import _dataset_entry, _named_digests, _request_from
 
@@ -92,7 +92,7 @@ def load_dataset(path: str | os.PathLike) -> tuple[list[Any], str]:
 
 def rollout_dataset(rollouts: Sequence[tuple[str | os.PathLike, float]]) -> tuple[list[SampleRequest], str]:
     """(requests, digest): every pass of each sealed rollout, weighted by its reward (module docstring)."""
-    from ..trajectory import TrajectoryError, load
+    from ..run.trajectory import TrajectoryError, load
 
     requests: list[SampleRequest] = []
     for path, reward in rollouts:

@@ -54,7 +54,7 @@ from .grpo_run import GrpoRun, grpo_train
 from .grpo_run import load as load_run
 from .grpo_step import GrpoConfig, batch_from_rollout
 from .job_folder import JOB, check_job_folder
-from .lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
+from ..adapters.lora import PROJECTIONS, add_lora, parse_targets, remove_lora, save_adapter
 from .objective import TrainingError
 from .rewards import Reward, resolve_reward, score_parts
 
@@ -68,7 +68,7 @@ def rollout_seed(seed: int, iteration: int) -> int:
 
 def read_prompts(path: str | os.PathLike) -> list[str]:
     """The prompts of a prompt file (module docstring); one-line errors naming the file and line."""
-    from ..settings import check_prompt
+    from ..schema.generation_settings import check_prompt
 
     p = Path(path).expanduser()
     if not p.is_file():
@@ -160,8 +160,8 @@ class GrpoJob:
 
     def check(self, resume: bool = False) -> "GrpoJob":
         """Every value, path and the prompts, before any model loads (module docstring)."""
-        from ..devices import resolve_device
-        from ..settings import GenerationSettings
+        from ..execution.devices import resolve_device
+        from ..schema.generation_settings import GenerationSettings
         from .job import _check_targets, _snapshot_config, check_alpha
         from .objective import checked_int
 

@@ -17,7 +17,7 @@ from .rewards import RewardSample, resolve_reward, score
 
 def reward_samples(rollout: Any, decoded: bool) -> list[RewardSample]:
     """One `RewardSample` per rollout request, in request order."""
-    from ..settings import AUDIO_SAMPLE_RATE
+    from ..schema.generation_settings import AUDIO_SAMPLE_RATE
 
     return [RewardSample(prompt=rollout.prompts[r.prompt_index], seed=int(r.seed), index=int(r.request),
                          frames=r.frames if decoded else None,
@@ -31,8 +31,8 @@ def rollout_report(session: Any, prompt: str, *, group: int, reward: str, settin
     """The REPL's `!rollout`: G `kind` rollouts of `prompt` with the current `settings` (canvas, frames, steps, mode,
     seed; the session's adapter, if any), each request's reward and group advantage, and the ratio
     exp(logp_replay - logp_rollout) of every (request, SDE pass, modality) replayed alone (`replay_ratios`)."""
-    from .adapters import attached
-    from .adapter_file import read_adapter
+    from ..adapters.field import attached
+    from ..adapters.adapter_file import read_adapter
     from .grpo import group_advantages, ratio_stats
     from .grpo_step import replay_ratios
 

@@ -20,7 +20,7 @@ iterations; `on_iteration` and `resume` as `rl_run.train` (the loop GRPO and Dif
 
 `load(path)` re-hashes every tensor and the digest. `verify(run, model)` puts the initial trainable weights into the
 model, re-runs every iteration from the sealed transitions and rewards (not the rollouts: a rollout trajectory is
-sealed and verified on its own, `h3lab.trajectory.verify`) and compares each iteration record field by field; it
+sealed and verified on its own, `h3lab.run.trajectory.verify`) and compares each iteration record field by field; it
 leaves the model's weights as it found them. Hashes use `tensor_digest` under the model device's scheme.
 """
 

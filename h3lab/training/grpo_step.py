@@ -48,10 +48,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import runtime
+from ..execution import runtime
 from ..stochastic import SDE_KINDS, transition_logprob, transition_mean_std
 from ..stochastic.transitions import TransitionError, check_level
-from ..trajectory import TraceSummary
+from ..run.trajectory import TraceSummary
 from .combine import TreeAccumulator
 from .grpo import (
     ADVANTAGE_EPS,
@@ -62,7 +62,7 @@ from .grpo import (
     reference_kl,
     truncated_weight,
 )
-from .lora import adapter_disabled, has_lora
+from ..adapters.lora import adapter_disabled, has_lora
 from .objective import MODALITIES, Objective, SettingError, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
 from .optim_config import RECORD_KEYS, OptimizerConfig
@@ -314,7 +314,7 @@ def batch_from_trajectories(trajectories: Sequence[Any], kind: str, rewards: tor
 
 
 def batch_from_rollout(rollout: Any, rewards: torch.Tensor, parts: list | None = None) -> RolloutBatch:
-    """`batch_from_trajectories` of an `h3lab.rollout.Rollout` (its trajectories and stepper)."""
+    """`batch_from_trajectories` of an `h3lab.app.rollout.Rollout` (its trajectories and stepper)."""
     return batch_from_trajectories(rollout.trajectories, rollout.stepper, rewards, parts)
 
 

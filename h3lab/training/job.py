@@ -47,9 +47,9 @@ from typing import Any, Callable
 import torch
 
 from ..io_utils import atomic_save_safetensors, atomic_write_dir, atomic_write_json
-from .adapter_file import read_adapter
+from ..adapters.adapter_file import read_adapter
 from .dataset import check_fits, load_dataset, rollout_dataset
-from .lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
+from ..adapters.lora import PROJECTIONS, add_lora, adapter_files, match_targets, parse_targets, remove_lora, save_adapter
 from .job_folder import JOB, check_job_folder
 from .objective import TrainingError, checked_int
 from .run import RunState, TrainConfig, train
@@ -96,7 +96,7 @@ class TrainJob:
     # ---------------------------------------------------------------------------------------------- checks
     def check(self, resume: bool = False) -> "TrainJob":
         """Every value, path and the data, before any model loads; returns the job with its data and paths filled."""
-        from ..devices import resolve_device
+        from ..execution.devices import resolve_device
 
         if self.variant not in VARIANTS:
             raise TrainingError(f"--variant {self.variant!r}: must be one of {', '.join(VARIANTS)}")
@@ -143,7 +143,7 @@ class TrainJob:
 
 
 def _snapshot_config(snapshot: Path, variant: str):
-    from .adapters import snapshot_config
+    from ..adapters.field import snapshot_config
 
     return snapshot_config(snapshot, variant)
 
@@ -195,7 +195,7 @@ def read_checkpoint(path: Path, model) -> RunState:
     from safetensors.torch import load_file
 
     from ..errors import H3Error
-    from .lora import load_adapter_weights
+    from ..adapters.lora import load_adapter_weights
 
     remedy = "remove that checkpoint folder to resume from the start"
     for name in ("state.json", "optimizer.safetensors"):
@@ -239,7 +239,7 @@ def _differences(recorded: Any, now: Any, prefix: str = "") -> list[tuple[str, A
 def load_model(job: TrainJob, device=None):
     """The job's base transformer, loaded from its snapshot onto its device (`device`: a mesh rank's, instead)."""
     from ..model import H3Transformer
-    from ..devices import resolve_device
+    from ..execution.devices import resolve_device
 
     device = resolve_device(job.device) if device is None else device
     model = H3Transformer.from_pretrained(job.snapshot, subfolder=job.variant, device=device)

@@ -1,6 +1,6 @@
 """The H3 flow-matching objective in the released sampler's conventions, and the requests it is computed over.
 
-Conventions (taken from `h3lab.sampler`, RFC section 1): the model predicts the *data-ward* velocity v, and
+Conventions (taken from `h3lab.run.sampler`, RFC section 1): the model predicts the *data-ward* velocity v, and
 `x0 = x_t + sigma * v`; the model is conditioned on `t = 1 - sigma` (t = 1 clean); the forward process is the
 sampler's `noise_mix`, `x_t = t * x0 + (1 - t) * noise`; video and audio carry separate sigmas, each drawn on its
 own schedule's shift. Regressing v onto `x0 - noise` is therefore exactly the sampler's relation read backwards:
@@ -52,9 +52,9 @@ from typing import Any
 import torch
 
 from ..errors import H3Error
-from ..layout import PackedLayout
-from ..sampler import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, draw_noise, noise_mix
-from ..trajectory import Trajectory
+from ..run.layout import PackedLayout
+from ..run.sampler import AUDIO_SHIFT, CONDITION_T, VIDEO_SHIFT, draw_noise, noise_mix
+from ..run.trajectory import Trajectory
 
 MODALITIES = ("video", "audio")
 

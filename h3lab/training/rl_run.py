@@ -45,11 +45,11 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import nn
 
-from ..artifact import MANIFEST, SealedArtifact, code_provenance
+from ..run.artifact import MANIFEST, SealedArtifact, code_provenance
 from ..hashing import tensor_digest
-from ..trajectory import TraceSummary
+from ..run.trajectory import TraceSummary
 from .combine import TreeAccumulator
-from .lora import adapter_digest, base_fingerprint, config_json, has_lora
+from ..adapters.lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import TrainingError
 from .run import _scheme, check_stored_weights, check_trainable
 from .optim import StrictAdamW

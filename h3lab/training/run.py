@@ -61,13 +61,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .. import runtime
-from ..artifact import MANIFEST, SealedArtifact, code_provenance, stored_mismatch
+from ..execution import runtime
+from ..run.artifact import MANIFEST, SealedArtifact, code_provenance, stored_mismatch
 from ..hashing import key_seed, tensor_digest
-from ..layout import PackedLayout
-from ..trajectory import TraceSummary
+from ..run.layout import PackedLayout
+from ..run.trajectory import TraceSummary
 from .data_parallel import data_parallel_gradients
-from .lora import adapter_digest, base_fingerprint, config_json, has_lora
+from ..adapters.lora import adapter_digest, base_fingerprint, config_json, has_lora
 from .objective import ClipRequest, Objective, SampleRequest, TrainingError, TrainingSample, checked_int
 from .optim import StrictAdamW
 from .optim_config import RECORD_KEYS, OptimizerConfig

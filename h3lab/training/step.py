@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .. import runtime
+from ..execution import runtime
 from ..hashing import tensor_digest
-from ..trajectory import TraceSummary
+from ..run.trajectory import TraceSummary
 from . import step_graph
 from .combine import TreeAccumulator
 from .objective import Objective, TrainingError, TrainingSample, flow_matching_loss

@@ -16,14 +16,14 @@ train context (forward in the runtime mode, the flow-matching loss, `loss.backwa
   caller's rule: `request_gradient` passes other calls straight to the eager body), and what every graph of a model
   needs (`graphs.shared_refusal`: no hook, op override, placement, nested capture or inference mode; no torch
   forward hook on any module). Every other call is `body(sample)` itself with the reason in `last_path()`.
-- Signature: the digest of the execution context (`h3lab.context`: the runtime mode and every other field) bound to
+- Signature: the digest of the execution context (`h3lab.execution.context`: the runtime mode and every other field) bound to
   the call (`graphs.bound_context`, front "step"), and nothing else. Bound, it holds the model (weakly held here) and
   its modules' identities, every adapter layer's Python state (`module_tree.adapter_state`), the strict kernels' tile
   tables (`runtime.kernel_settings`), fingerprint, train mode and checkpointing flag; the trainable parameters'
   names, identities, data pointers, dtypes and shapes -- not their `_version`: the optimiser updates them in place
   between steps, and the graph reads them by address, which is the
   point; every other parameter and buffer's identity, data pointer, dtype and `_version` (a frozen weight written in
-  place is a new signature, as in `h3lab.graphs`); the objective's weights, the request's weight and
+  place is a new signature, as in `h3lab.execution.graphs`); the objective's weights, the request's weight and
   conditioning-row counts (they are constants of the loss); each sample tensor's name, shape, dtype, strides and
   device; and the bytes of every integer sample tensor (the layout: the strict kernels' validated index maps and the
   AdaLN row index are built from it before capture and baked into the graph), read to the host in one copy a call.
@@ -62,13 +62,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import context, graphs, module_tree, runtime
+from ..execution import context, graphs, module_tree, runtime
 from ..model.transformer import checkpoint_rng_state
 
 MAX_ROWS = 16384  # as strict forwards (`graphs.STRICT_MAX_ROWS`): past it a step is GPU-bound and the pool is large
 MAX_GRAPHS = 2
 SCOPE = "training micro-batch"
-# The switch is the "step" front of the execution context's graph policy (`h3lab.context`); the path is a record.
+# The switch is the "step" front of the execution context's graph policy (`h3lab.execution.context`); the path is a record.
 _last_path: contextvars.ContextVar[dict] = contextvars.ContextVar("h3lab_step_graph_path", default={})
 
 

@@ -11,16 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab import trajectory as T
-from h3lab.ablation import make_inputs
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import make_inputs
 from h3lab.components import adaln_host, execution, residency_field
 from h3lab.components import streaming as S
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.model.adaln_tables import AdaLNTablesError, serve_tables, tables_of
 from h3lab.model.random_init import random_state_dict
 from h3lab.run import RunSpec, denoise, model_forward
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 CONFIG = H3Config(num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=3, num_refiner_layers=1,
                   ffn_dim=24, in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=12, freq_dim=8,

@@ -14,10 +14,10 @@ from h3lab.components import ExecutionPlan
 from h3lab.components import streaming as S
 from h3lab.components.store import ComponentStore
 from h3lab.errors import ValidationError
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.model import random_state_dict
 from h3lab.run import RunSpec
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 CPU = torch.device("cpu")
 
@@ -49,7 +49,7 @@ def test_the_plan_hands_the_spec_its_fields_and_they_keep_the_result_hash():
     assert sharded.placement_value() == {"tp": 2, "cp": 1, "sp": False, "row_parallel": "auto"}
     cfg = H3Config.tiny()
     layout = build_layout("t2va", torch.ones(4, dtype=torch.long), 2, 4, 4, 2, patch_size=cfg.patch_size)
-    from h3lab.ablation import make_inputs
+    from h3lab.research.ablation import make_inputs
 
     schedule = DualSchedule.build(3)
     base = RunSpec(make_inputs(cfg, layout, schedule, seed=2), schedule, layout=layout)

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from h3lab import H3Config, H3Transformer
-from h3lab import trajectory as T
-from h3lab.ablation import make_inputs
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import make_inputs
 from h3lab.components import streaming as S
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.model.random_init import random_state_dict
 from h3lab.run import RunSpec, denoise
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 # 1 refiner block + 5 transformer blocks: more units than slots, so the ring wraps inside one forward.
 CONFIG = H3Config(num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=5, num_refiner_layers=1,

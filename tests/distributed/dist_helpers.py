@@ -38,8 +38,8 @@ def build_layout(name: str):
     """The three layouts of the model-level tests; none of their row counts is a multiple of 2 or 3:
     t2va 11 rows (CP3 shards 4 + 4 + 3), fl2va 15 (first-frame anchor; CP2 8 + 7), ref2va 17 (an image and an
     audio reference; CP2 9 + 8, then SP 5 + 4 and 4 + 4)."""
-    from h3lab.layout import Reference
-    from h3lab.layout import build_layout as build
+    from h3lab.run.layout import Reference
+    from h3lab.run.layout import build_layout as build
 
     p = CONFIG.patch_size
     if name == "t2va":
@@ -70,9 +70,9 @@ def build_model(layers: int = 2):
 
 def build_spec(layout_name: str, passes: int = 3, mode: str = "strict"):
     """A sealed strict run of `passes` passes on a layout: seeded text, anchor and noise rows."""
-    from h3lab.ablation import make_inputs
+    from h3lab.research.ablation import make_inputs
     from h3lab.run import RunSpec
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     layout = build_layout(layout_name)
     schedule = DualSchedule.build(passes + 1)
@@ -82,7 +82,7 @@ def build_spec(layout_name: str, passes: int = 3, mode: str = "strict"):
 
 def fl2va_forward(model):
     """One strict forward of the 1-pass fl2va run on `model` (plain or parallelized): (video, audio, its trace)."""
-    from h3lab import runtime
+    from h3lab.execution import runtime
     from h3lab.run import model_forward
 
     x = build_spec("fl2va", passes=1).inputs

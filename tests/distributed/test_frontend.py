@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.distributed import TopologyError
 from h3lab.model import H3Transformer
-from h3lab.trajectory import load, verify
+from h3lab.run.trajectory import load, verify
 
 REPLAY = """\
 !size 64x64
@@ -77,9 +77,9 @@ def _repl_rank(rank: int, world: int, snapshot: str, out_dir: str) -> dict:
 
     from h3lab.distributed import init_mesh
     from h3lab.distributed.frontend import run_on_mesh
-    from h3lab.repl import run_repl
-    from h3lab.session import Session
-    from h3lab.settings import GenerationSettings
+    from h3lab.frontends.repl import run_repl
+    from h3lab.app.session import Session
+    from h3lab.schema.generation_settings import GenerationSettings
 
     mesh = init_mesh(tp=2, device="cpu")
     factory = lambda: Session(snapshot, device="cpu", mesh=mesh)  # noqa: E731
@@ -148,7 +148,7 @@ import os, signal, sys
 if os.environ["RANK"] == "1":  # SIGKILL mid-generation: at the first TP gather of a forward, rank 0 computing its own
     import h3lab.distributed.collectives as collectives
     collectives._all_gather = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-from h3lab.cli import main
+from h3lab.frontends.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 KILLED_REPLAY = """\

@@ -14,7 +14,7 @@ import json
 import pytest
 from harness import run_ranks
 
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 REQUEST = dict(width=32, height=32, frames=5, steps=3, mode="strict", seed=7)
 ONE_PASS = dict(steps=1)  # layer thinning and token reduction change every pass: one shows it

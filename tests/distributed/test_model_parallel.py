@@ -33,7 +33,7 @@ from harness import run_ranks
 from rank_cases import of_case, prefixed
 
 from h3lab.distributed import init_mesh, parallelize
-from h3lab.trajectory import record
+from h3lab.run.trajectory import record
 
 CASES = {  # name: (placement, layout, blocks)
     "tp2": ({"tp": 2}, "t2va", 1),
@@ -108,7 +108,7 @@ def _batch2(model, spec):
     captured at every capture point (`drift.capture`, forward scope): (the points' digests as JSON, the video and
     audio velocities of both items: what the model call returns, taken by a torch forward hook registered after
     the placement's own)."""
-    from h3lab.drift import Execution, capture
+    from h3lab.research.drift import Execution, capture
 
     x = spec.inputs
     g = torch.Generator().manual_seed(9)

@@ -17,7 +17,7 @@ import torch
 from dist_helpers import CONFIG, build_model, build_spec
 from harness import run_ranks
 
-from h3lab import runtime
+from h3lab.execution import runtime
 from h3lab.distributed import CP_PLAN, TP_PLAN, DistributedError, apply_plan, init_mesh, placement_of, remove_plan
 from h3lab.distributed.placement import row_owner
 from h3lab.distributed.plan import RowSplit

@@ -16,10 +16,10 @@ import torch
 from dist_helpers import CONFIG, build_model, build_spec
 from harness import run_ranks
 
-from h3lab import runtime
+from h3lab.execution import runtime
 from h3lab.distributed import DistributedError, TopologyError, init_mesh, parallelize
 from h3lab.run import RunSpecError, model_forward
-from h3lab.trajectory import record
+from h3lab.run.trajectory import record
 
 
 def test_one_process_refusals():
@@ -140,7 +140,7 @@ def test_cp_larger_than_the_rows_is_refused_on_every_rank():
 
 
 def test_cli_mesh_flags_fail_before_any_work(capsys, tmp_path):
-    from h3lab import cli
+    from h3lab.frontends import cli
 
     for argv, message in (
         (["--tp", "2", "-p", "a fox", "-o", ""], "--tp 2 --cp 1 needs 2 rank(s), this launch has 1: run torchrun "

@@ -93,10 +93,10 @@ def test_each_rank_reads_its_slice_of_every_layout(layouts, layout):
 
 
 def _sharded_forward(rank: int, world: int, path: str) -> dict:
-    from h3lab import runtime
-    from h3lab.ablation import make_inputs
+    from h3lab.execution import runtime
+    from h3lab.research.ablation import make_inputs
     from h3lab.run import model_forward
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     mesh = init_mesh(tp=2, device="cpu", config=CONFIG)
     model = load_sharded_transformer(path, mesh)
@@ -110,10 +110,11 @@ def _sharded_forward(rank: int, world: int, path: str) -> dict:
 
 
 def test_a_model_holding_only_its_shard_runs_byte_equal_to_one_process(layouts):
-    from h3lab import H3Transformer, runtime
-    from h3lab.ablation import make_inputs
+    from h3lab import H3Transformer
+    from h3lab.execution import runtime
+    from h3lab.research.ablation import make_inputs
     from h3lab.run import model_forward
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     path = layouts["minimax"]
     results = run_ranks(_sharded_forward, 2, str(path), timeout=240)

@@ -1,4 +1,4 @@
-"""h3lab/context.py: the one execution context. Every field is in the digest (a field added later is covered: the
+"""h3lab/execution/context.py: the one execution context. Every field is in the digest (a field added later is covered: the
 test walks the dataclass fields and fails for a field without a changed value here), equal contexts give equal
 digests in another process, the setters of the runtime, fast mode, the graph fronts, hooks and LoRA are thin ones
 over the one context variable, and no execution state is left in a context variable of its own."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3lab import context, fast, graphs, runtime
+from h3lab.execution import context, fast, graphs, runtime
 from h3lab.distributed import collectives
 from h3lab.model import hooks, transformer
 from h3lab.training import step_graph
@@ -97,7 +97,7 @@ def test_a_bound_context_digests_as_the_same_fields_built_directly():
 
 _CHILD = """
 import torch
-from h3lab import context, runtime
+from h3lab.execution import context, runtime
 with runtime.use_mode("strict"):
     ctx = context.current().replace(fp8_attention="off", lora_streams=torch.tensor([2, 0, 1]), follow_pass=4,
                                     kernel_tables=((1, 2), ("a", 3.5)))
@@ -143,8 +143,8 @@ def test_bad_fields_and_switches_are_refused_in_one_line():
 
 
 def test_no_execution_state_outside_the_one_context():
-    """Context variables left in h3lab and h3kernels are records of what ran (module contract of h3lab/context.py)."""
-    allowed = {"h3lab/context.py": 1, "h3lab/runtime.py": 2, "h3lab/graphs.py": 1, "h3lab/training/step_graph.py": 1,
+    """Context variables left in h3lab and h3kernels are records of what ran (module contract of h3lab/execution/context.py)."""
+    allowed = {"h3lab/execution/context.py": 1, "h3lab/execution/runtime.py": 2, "h3lab/execution/graphs.py": 1, "h3lab/training/step_graph.py": 1,
                "h3lab/components/streaming.py": 1, "h3lab/distributed/collectives.py": 1, "kernels/_index_cache.py": 1}
     found = {}
     for root in ("h3lab", "kernels"):

@@ -210,7 +210,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, str]]) -> str:
 
 def test_no_import_cycles_under_h3lab():
     graph = import_graph()
-    assert "h3lab.session" in graph and "h3lab.checkpoint.loader" in graph and len(graph) > 30
+    assert "h3lab.app.session" in graph and "h3lab.checkpoint.loader" in graph and len(graph) > 30
     cycles = find_cycles(graph)
     assert not cycles, "import cycles under h3lab/:\n" + "\n".join(describe(c, graph) for c in cycles)
 
@@ -270,18 +270,17 @@ def test_the_check_sees_function_level_lazy_and_relative_imports(tmp_path):
     assert find_cycles(import_graph(tmp_path, "pkg")) == []
 
 
-FRONT_ENDS = ("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.plots", "h3lab.commands",
-              "h3lab.replay", "prompt_toolkit", "ipywidgets", "matplotlib")
+FRONT_ENDS = ("h3lab.frontends", "h3lab.research.plots", "prompt_toolkit", "ipywidgets", "matplotlib")
 
 
 def test_importing_the_session_loads_no_front_end():
     probe = (
-        "import sys, h3lab.session\n"
+        "import sys, h3lab.app.session\n"
         f"print(sorted(m for m in {FRONT_ENDS!r} if any(k == m or k.startswith(m + '.') for k in sys.modules)))"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[]", f"`import h3lab.session` loaded front ends: {proc.stdout.strip()}"
+    assert proc.stdout.strip() == "[]", f"`import h3lab.app.session` loaded front ends: {proc.stdout.strip()}"
 
 
 # ------------------------------------------------------------------------------------------------ the layer table
@@ -289,51 +288,35 @@ def test_importing_the_session_loads_no_front_end():
 # layer). A module belongs to the room of its longest matching prefix. docs/ARCHITECTURE.md ("Layers") holds the same
 # table; the test reads it back.
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # room -> (module prefixes, rooms it may import)
-    "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config", "h3lab.devices",
-              "h3lab.arithmetic"), ()),
+    "base": (("h3lab", "h3lab.errors", "h3lab.io_utils", "h3lab.hashing", "h3lab.config"), ()),
     "schema": (("h3lab.schema",), ("base",)),
-    "runtime": (("h3lab.runtime", "h3lab.context", "h3lab.fast", "h3lab.graphs", "h3lab.module_tree",
-                 "h3lab.fast_weights"), ()),
+    "execution": (("h3lab.execution",), ("base",)),
     "checkpoint": (("h3lab.checkpoint",), ("base",)),
-    "layout": (("h3lab.layout",), ("base",)),
-    "sampler": (("h3lab.sampler",), ("base",)),
-    "model": (("h3lab.model",), ("base", "checkpoint", "runtime")),
-    "run": (("h3lab.run",), ("base", "layout", "runtime", "sampler")),
-    "stochastic": (("h3lab.stochastic",), ("base", "run", "sampler", "schema")),
-    "presets": (("h3lab.presets",), ("base", "layout", "run", "runtime", "sampler", "schema")),
-    "settings": (("h3lab.settings", "h3lab.schema.builtin", "h3lab.schema.argv"), ("base", "presets", "runtime",
-                                                                                    "schema")),
-    "distributed": (("h3lab.distributed",), ("base", "checkpoint", "model", "run", "runtime")),
-    "research": (("h3lab.trajectory", "h3lab.drift", "h3lab.arms", "h3lab.artifact"), ("base", "model", "run", "runtime", "sampler")),
+    "run": (("h3lab.run",), ("base", "execution")),
+    "model": (("h3lab.model",), ("base", "checkpoint", "execution")),
+    "adapters": (("h3lab.adapters",), ("base", "execution", "model", "run", "schema")),
+    "stochastic": (("h3lab.stochastic",), ("base", "run", "schema")),
+    "presets": (("h3lab.presets",), ("base", "execution", "run", "schema")),
+    "settings": (("h3lab.schema.generation_settings", "h3lab.schema.builtin", "h3lab.schema.argv"), ("base",
+        "execution", "presets", "schema")),
+    "distributed": (("h3lab.distributed",), ("base", "checkpoint", "execution", "model", "run")),
     "shapes": (("h3lab.shapes",), ("base", "checkpoint")),
-    "training": (("h3lab.training",), ("base", "checkpoint", "layout", "model", "research", "run", "runtime",
-                                       "sampler", "schema", "settings", "shapes", "stochastic")),
-    "ablation": (("h3lab.ablation",), ("base", "checkpoint", "distributed", "layout", "model", "research", "run",
-                                       "runtime", "sampler", "training")),
-    "components": (("h3lab.components",), ("base", "checkpoint", "distributed", "model", "presets", "run",
-                                           "sampler")),
-    "pipeline": (("h3lab.pipeline",), ("base", "components", "layout", "presets", "run", "sampler", "schema",
-                                       "settings")),
-    "plots": (("h3lab.plots",), ("base", "components", "sampler", "settings")),
-    "preview": (("h3lab.preview",), ("base",)),
-    "views": (("h3lab.views",), ("base", "layout", "model", "research", "run", "runtime", "sampler", "shapes")),
-    "session": (("h3lab.session", "h3lab.generation", "h3lab.results", "h3lab.request_checks", "h3lab.reruns",
-                 "h3lab.caches", "h3lab.commands", "h3lab.replay", "h3lab.diagnostics", "h3lab.whatran", "h3lab.sealed",
-                 "h3lab.rollout", "h3lab.clips_in", "h3lab.clips_manifest", "h3lab.keep", "h3lab.memory_plan",
-                 "h3lab.phases", "h3lab.prepared"),
-                ("ablation", "base", "checkpoint", "components", "layout", "model", "pipeline", "plots", "presets",
-                 "preview", "research", "run", "runtime", "sampler", "schema", "settings", "stochastic", "training",
-                 "views")),
-    "front ends": (("h3lab.cli", "h3lab.repl", "h3lab.widgets", "h3lab.panel", "h3lab.train", "h3lab.encode",
-                    "h3lab.verify", "h3lab.__main__", "h3lab.schema.train_flags", "h3lab.schema.encode_flags",
-                    "h3lab.schema.cli_flags"),
-                   ("base", "checkpoint", "components", "distributed", "plots", "preview", "runtime", "schema",
-                    "session", "settings", "stochastic", "training")),
+    "training": (("h3lab.training",), ("adapters", "base", "checkpoint", "execution", "model", "run", "schema",
+        "settings", "shapes", "stochastic")),
+    "components": (("h3lab.components",), ("base", "checkpoint", "distributed", "execution", "model", "presets",
+        "run")),
+    "research": (("h3lab.research",), ("base", "checkpoint", "components", "distributed", "execution", "model", "run",
+        "settings", "shapes", "training")),
+    "app": (("h3lab.app",), ("adapters", "base", "checkpoint", "components", "execution", "model", "presets",
+        "research", "run", "schema", "settings", "stochastic", "training")),
+    "frontends": (("h3lab.frontends", "h3lab.__main__", "h3lab.schema.train_flags", "h3lab.schema.encode_flags",
+        "h3lab.schema.cli_flags"), ("adapters", "app", "base", "checkpoint", "components", "distributed", "execution",
+        "model", "presets", "research", "run", "schema", "settings", "shapes", "stochastic", "training")),
 }
 # The modules that may import the strict kernels (`h3kernels`): the runtime's op table, the device digest of
 # hashing, and the distributed room's strict collectives and row-parallel tree.
-KERNEL_IMPORTERS = {"h3lab.runtime", "h3lab.fast", "h3lab.hashing", "h3lab.distributed.collectives", "h3lab.distributed.placement",
-                    "h3lab.distributed.shards"}
+KERNEL_IMPORTERS = {"h3lab.execution.runtime", "h3lab.execution.fast", "h3lab.hashing",
+                    "h3lab.distributed.collectives", "h3lab.distributed.placement", "h3lab.distributed.shards"}
 
 
 def room_of(module: str) -> str | None:
@@ -387,6 +370,20 @@ def _architecture_table() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         allowed = () if cells[2] in ("—", "-") else tuple(r.strip() for r in cells[2].split(", "))
         table[cells[0]] = (modules, allowed)
     return table
+
+
+# The generation path applies adapters through `h3lab.adapters`; in the session layer only the RL report, clip
+# encoding and sealed-run verification import `h3lab.training`.
+INFERENCE = ("h3lab.adapters", "h3lab.app.generation", "h3lab.app.pipeline", "h3lab.app.prepared", "h3lab.app.phases",
+             "h3lab.app.reruns", "h3lab.app.rollout", "h3lab.app.keep", "h3lab.app.results", "h3lab.app.request_checks",
+             "h3lab.app.memory_plan")
+
+
+def test_inference_never_imports_training():
+    graph = import_graph()
+    bad = sorted(f"{a} -> {b} at {where}" for a, targets in graph.items() if a.startswith(INFERENCE)
+                 for b, where in targets.items() if b == "h3lab.training" or b.startswith("h3lab.training."))
+    assert not bad, "inference imports h3lab.training:\n" + "\n".join(bad)
 
 
 def test_the_architecture_notes_hold_the_layer_table():

@@ -4,7 +4,7 @@ which exceptions from a kernel's check mean "strict cannot serve"."""
 import pytest
 import torch
 
-from h3lab import runtime
+from h3lab.execution import runtime
 
 
 def test_unknown_mode_and_override_are_refused():

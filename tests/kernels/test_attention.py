@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from h3kernels import attention as attn
 from h3kernels import registry
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -8,7 +8,7 @@ import torch
 from h3kernels import elementwise as K
 from h3kernels import registry
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 SHAPE = (3, 50, 24)  # 3600 elements: 4 flat 1024-blocks, the last ragged

@@ -8,7 +8,7 @@ import torch
 
 from strict_testing import randn
 from h3kernels.fast_qk import head_rms_norm, rope
-from h3lab import runtime
+from h3lab.execution import runtime
 
 
 def _within_one_bf16_step(y, ref):

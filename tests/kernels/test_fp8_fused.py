@@ -1,4 +1,4 @@
-"""kernels/fp8_fused.py through Triton's interpreter against the float32 torch references in h3lab/fast.py: the
+"""kernels/fp8_fused.py through Triton's interpreter against the float32 torch references in h3lab/execution/fast.py: the
 bfloat16 rows within one bfloat16 rounding step of the float32 reference, the e4m3 codes and scales byte-equal to
 the reference quantisation of those rows, and bad inputs refused in one line."""
 
@@ -9,7 +9,7 @@ import torch
 
 from strict_testing import randn
 from h3kernels.fp8_fused import MAX_COLS, norm_modulate_quant, swiglu_quant
-from h3lab import fast
+from h3lab.execution import fast
 
 
 def _within_one_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> None:

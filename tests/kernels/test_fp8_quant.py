@@ -12,7 +12,7 @@ import triton.language as tl
 
 from strict_testing import randn
 from h3kernels.fp8_quant import e4m3_code, quantize_rows
-from h3lab import fast
+from h3lab.execution import fast
 
 
 @triton.jit

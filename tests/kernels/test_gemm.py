@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from h3kernels import gemm, registry
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 DTYPES = [torch.bfloat16, torch.float32]
 OPS = {"linear": gemm.linear, "linear_tree": gemm.linear_tree}

@@ -10,7 +10,7 @@ import torch
 
 from h3kernels import _launch, gemm, registry
 from h3kernels._launch import LeanKernel, LeanLaunchError, launch_key
-from h3lab import runtime
+from h3lab.execution import runtime
 
 
 def _key(*args, **kwargs):

@@ -8,7 +8,7 @@ import torch
 from h3kernels import registry
 from h3kernels import modulate as K
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 B, S, D, T = 2, 37, 24, 2  # 2 timesteps x 3 modalities -> R = 6 table rows

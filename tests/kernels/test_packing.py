@@ -8,7 +8,7 @@ import torch
 from h3kernels import packing as K
 from h3kernels import registry
 from strict_testing import randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 S, B, D = 23, 2, 24
 NT, NV, NA = 5, 12, 6  # text, video, audio rows

@@ -11,7 +11,7 @@ from h3kernels import norm_modulate as NM
 from h3kernels import registry
 from h3kernels import residual_norm_modulate as K
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 EPS = 1e-5  # H3Config.norm_eps
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from h3kernels import registry
 from h3kernels import rms_norm as K
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 EPS = 1e-5
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

@@ -8,7 +8,7 @@ import torch
 from h3kernels import registry
 from h3kernels import rope as K
 from strict_testing import assert_error_within, randn
-from h3lab import runtime
+from h3lab.execution import runtime
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 # (H, D, F): tiny (12 of 16 channels rotate), released head geometry (96 of 128) with 3 heads.

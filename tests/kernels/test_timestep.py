@@ -9,7 +9,7 @@ import torch
 from h3kernels import registry
 from h3kernels import timestep as K
 from strict_testing import assert_error_within
-from h3lab import runtime
+from h3lab.execution import runtime
 
 
 def _t(n, seed=0):

@@ -10,7 +10,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 from model_cases import CONFIGS, random_state_dict, small_case, weighted_loss
 from torch import nn
 
-from h3lab import H3Transformer, runtime
+from h3lab import H3Transformer
+from h3lab.execution import runtime
 from h3lab.model import HookError
 from h3lab.model.layers import Linear, RMSNorm
 

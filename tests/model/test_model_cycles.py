@@ -8,8 +8,9 @@ import gc
 
 import torch
 
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab.layout import build_layout
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
+from h3lab.run.layout import build_layout
 
 
 def _inputs(cfg: H3Config) -> dict:
@@ -55,6 +56,6 @@ def test_strict_forward_leaves_no_cycle_of_h3lab_objects():
     model = H3Transformer(cfg).eval()
     ours = [o for o in _garbage_after(model, _inputs(cfg), "strict")
             if type(o).__module__.startswith(("h3lab", "h3kernels"))
-            or getattr(o, "__module__", None) in ("h3lab.runtime",)
+            or getattr(o, "__module__", None) in ("h3lab.execution.runtime",)
             or isinstance(o, (runtime.Ops, runtime.Trace, runtime.OpRecord))]
     assert ours == []

@@ -9,7 +9,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from model_cases import CONFIGS, forward_inputs, layout, model_pair, small_case, weighted_loss
 
-from h3lab import H3Config, H3Transformer, runtime
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
 from h3lab.config import FP32_MODULES
 from h3lab.model.precision import keeps_float32
 

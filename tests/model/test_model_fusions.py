@@ -8,7 +8,8 @@ import torch
 from model_cases import CONFIGS, random_state_dict, small_case, weighted_loss
 from torch import nn
 
-from h3lab import H3Transformer, context, runtime
+from h3lab import H3Transformer
+from h3lab.execution import context, runtime
 
 FUSED = ("qk_norm_rope", "residual_norm_modulate")
 

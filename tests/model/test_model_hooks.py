@@ -6,7 +6,8 @@ import pytest
 import torch
 from model_cases import CONFIGS, small_case
 
-from h3lab import H3Transformer, runtime
+from h3lab import H3Transformer
+from h3lab.execution import runtime
 from h3lab.model import HookError, HookPoint
 
 REFINER = "norm1 q k v q_norm k_norm attention o_proj residual1 norm2 ffn_up swiglu ffn_down residual2".split()

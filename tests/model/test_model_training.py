@@ -6,7 +6,8 @@ import pytest
 import torch
 from model_cases import CONFIGS, random_state_dict, small_case, weighted_loss
 
-from h3lab import H3Transformer, runtime
+from h3lab import H3Transformer
+from h3lab.execution import runtime
 
 
 def build(config, policy, seed=0):

@@ -9,7 +9,7 @@ from matplotlib.image import AxesImage
 from matplotlib.text import Text
 from PIL import Image
 
-from h3lab import plots
+from h3lab.research import plots
 
 MAX_PX = (1000, 1400)  # width, height of a saved PNG
 

@@ -1,6 +1,6 @@
 """A real browser on the quick-start notebook: JupyterLab on loopback (a free port, a token, no browser of its own),
 headless Chromium through Playwright (Debian's chromium via `executable_path`; `scripts/browser_setup.sh` installs
-both), every cell run. The Workbench must list the ablation toggles of `h3lab.session.ablation_factors()`, the strict
+both), every cell run. The Workbench must list the ablation toggles of `h3lab.app.session.ablation_factors()`, the strict
 set-up line and the "what ran" line; an ablation toggle is clicked, then Generate, and the panel must then say what ran
 (the mode, the op counts, the factor switched on), show a `<video>` that the browser can play (metadata decoded,
 duration > 0, at least 320 px wide) and the latent strip `<img>` (decoded, non-empty). A screenshot goes to
@@ -197,7 +197,7 @@ def test_quickstart_workbench_in_chromium(tmp_path):
                 assert failed == [], f"notebook cells failed in the browser: {failed}"
                 assert page.locator(".h3lab-workbench video").count() == 0  # nothing before Generate
                 # The ablation toggles: every factor `!ablate` offers, one button each.
-                from h3lab.session import ablation_factors
+                from h3lab.app.session import ablation_factors
 
                 factors = list(ablation_factors())
                 toggles = page.locator(".h3lab-ablations .h3lab-ablation")

@@ -14,7 +14,7 @@ from test_browser import NOTEBOOK_RUN_S, _require_browser, launch, open_and_run,
 pytestmark = pytest.mark.browser
 
 SETUP = """from h3lab import Session
-from h3lab.widgets import Workbench
+from h3lab.frontends.widgets import Workbench
 wb = Workbench(Session(device="cpu"), prompt="a blue square moves right, a middle tone", seed=42, steps=8,
                mode="off")
 for steps in (8, 12):

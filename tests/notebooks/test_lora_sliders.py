@@ -1,4 +1,4 @@
-"""The panel's LoRA-strength sliders (`h3lab.panel.lora_sliders`) over the `lora_scale` text: sliders write the
+"""The panel's LoRA-strength sliders (`h3lab.frontends.panel.lora_sliders`) over the `lora_scale` text: sliders write the
 normal form, a typed text moves the sliders, an invalid text leaves them, reset clears, blocks beyond the sliders
 are kept; the panel places them where the DiT's depth is known."""
 
@@ -8,10 +8,10 @@ import types
 import ipywidgets as W
 import pytest
 
-from h3lab.panel.layout import PanelLayout
-from h3lab.panel.lora_sliders import LoraScaleSliders
+from h3lab.frontends.panel.layout import PanelLayout
+from h3lab.frontends.panel.lora_sliders import LoraScaleSliders
 from h3lab.schema.lora_scale import parse
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 
 
 def test_sliders_write_the_normal_form_and_follow_the_text():
@@ -56,8 +56,8 @@ def test_the_panel_places_the_sliders_where_the_depth_is_known():
 
 
 def test_the_workbench_gives_its_sliders_the_embedded_default_depth(tmp_path):
-    from h3lab.session import Session
-    from h3lab.widgets import Workbench
+    from h3lab.app.session import Session
+    from h3lab.frontends.widgets import Workbench
 
     wb = Workbench(Session(device="cpu"), out_dir=tmp_path)
     assert len(wb.view.lora_sliders.blocks) == 6

@@ -9,7 +9,7 @@ from nb_helpers import NOTEBOOKS, execute, images, long_lines, stderr, text_of, 
 
 
 def test_performance_runs_on_the_repository_folder():
-    from h3lab import plots
+    from h3lab.research import plots
 
     nb = execute("04_performance")  # the committed results, whatever is there (possibly nothing yet)
     docs, problems = plots.load_benchmarks(NOTEBOOKS.parent / "benchmarks" / "results")

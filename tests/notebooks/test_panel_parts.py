@@ -1,4 +1,4 @@
-"""The Workbench's parts (`h3lab.panel`) as the Workbench exposes them, without a model: every widget of the layout is
+"""The Workbench's parts (`h3lab.frontends.panel`) as the Workbench exposes them, without a model: every widget of the layout is
 `wb.<name>`, an unknown name is an AttributeError naming it, and a declared setting whose control would take the name
 of a layout widget, a Workbench attribute or a method is refused when the panel is built."""
 
@@ -6,12 +6,12 @@ import types
 
 import pytest
 
-from h3lab.panel.layout import PanelLayout
+from h3lab.frontends.panel.layout import PanelLayout
 from h3lab.schema import SETTINGS, Control, Setting, declare
 
 
 def _bench(tmp_path):
-    from h3lab.widgets import Workbench
+    from h3lab.frontends.widgets import Workbench
 
     session = types.SimpleNamespace(keep=(), device="cpu", model_name="fake")
     return Workbench(session, out_dir=tmp_path, prompt="a fox", steps=3)

@@ -1,4 +1,4 @@
-"""`h3lab.plots`: every figure is checked for its content (axes, image arrays and their shapes, labels, titles,
+"""`h3lab.research.plots`: every figure is checked for its content (axes, image arrays and their shapes, labels, titles,
 colours), on fresh random inputs and on real tiny-session objects, not only for raising no error."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from matplotlib.colors import to_rgba
 from matplotlib.image import AxesImage
 
-from h3lab import plots
-from h3lab.plots import PlotError
+from h3lab.research import plots
+from h3lab.research.plots import PlotError
 
 from figure_checks import assert_readable, small_fonts, tick_label_overlaps
 from nb_helpers import write_benchmark_sample
@@ -343,7 +343,7 @@ def test_ablation_table_cells_and_pass_fail_colours():
 
 
 def test_ablation_table_of_real_rows(tiny_snapshot):
-    from h3lab import ablation
+    from h3lab.research import ablation
 
     bench = ablation.tiny_bench(str(tiny_snapshot))
     rows = ablation.run_matrix(bench, names=["A1", "H9", "A4"])  # off-mode probes and a distributed row (2 ranks)
@@ -361,7 +361,7 @@ def test_ablation_table_of_real_rows(tiny_snapshot):
 
 # ================================================================================================== sigmas
 def test_sigma_grids_plot_both_schedules():
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     sched = DualSchedule.from_passes(5)
     fig = plots.PLOTS["sigmas"](sched)

@@ -1,4 +1,4 @@
-"""The panel's research tabs (`h3lab.panel.views`, `wb.research`) without a browser: after two generations on one
+"""The panel's research tabs (`h3lab.frontends.panel.views`, `wb.research`) without a browser: after two generations on one
 seed, "show attention" draws the last run's attention view and its table, "compare last two" the A/B figure and
 table; a request without enough runs, or a bad region, is one line in the tab."""
 
@@ -8,7 +8,7 @@ import io
 
 from PIL import Image
 
-from h3lab.widgets import Workbench
+from h3lab.frontends.widgets import Workbench
 from nb_helpers import TINY_REQUEST
 
 WAIT_S = 300

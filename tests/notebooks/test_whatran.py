@@ -1,4 +1,4 @@
-"""`h3lab.whatran`: the "what ran" line from a trace summary (pure), and what strict needs in a running process --
+"""`h3lab.execution.whatran`: the "what ran" line from a trace summary (pure), and what strict needs in a running process --
 checked in fresh interpreters, because Triton decides interpreter or compiler when the kernels are created. The fresh
 interpreters open the random 2-block tiny snapshot (`tiny_snapshot`): when Triton chooses is the same for any
 snapshot, and its strict pass runs several times faster under the interpreter than the 6-block embedded default's."""
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from h3lab import whatran
+from h3lab.execution import whatran
 
 SUMMARY = {"mode": "strict", "device": "cpu", "forwards": 20, "untraced_forwards": 0,
            "ops": {"linear": {"strict": 520}, "attention": {"strict": 80}, "rope": {"strict": 160}}}
@@ -76,7 +76,7 @@ def _fresh(code: str, interpret: bool | None, snapshot) -> dict:
 def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel(tiny_snapshot):
     got = _fresh("""
         import json, os
-        from h3lab import Session, whatran
+        from h3lab import Session; from h3lab.execution import whatran
         before = whatran.strict_setup("cpu")
         session = Session(SNAPSHOT)
         after_session = whatran.strict_setup(session.device)
@@ -98,7 +98,7 @@ def test_strict_can_be_set_up_in_a_running_process_before_the_first_kernel(tiny_
 def test_after_the_first_generation_strict_needs_a_fresh_kernel(tiny_snapshot):
     got = _fresh("""
         import json, os
-        from h3lab import Session, whatran
+        from h3lab import Session; from h3lab.execution import whatran
         session = Session(SNAPSHOT)
         off = session.generate("A fox.", width=32, height=32, frames=22, steps=1, seed=1, mode="off")
         auto = session.generate("A fox.", width=32, height=32, frames=22, steps=1, seed=1, mode="auto")

@@ -1,4 +1,4 @@
-"""`h3lab.widgets.Workbench` without a browser: construct the panel over a real tiny session, set the controls as the
+"""`h3lab.frontends.widgets.Workbench` without a browser: construct the panel over a real tiny session, set the controls as the
 browser does (comm state updates) or call the handlers the buttons call, wait for the worker and media threads, and
 check what the panel shows."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from h3lab import whatran
-from h3lab.session import ablation_factors
-from h3lab.widgets import Workbench
+from h3lab.execution import whatran
+from h3lab.app.session import ablation_factors
+from h3lab.frontends.widgets import Workbench
 from nb_helpers import TINY_REQUEST
 
 WAIT_S = 300

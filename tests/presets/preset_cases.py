@@ -4,13 +4,13 @@ seeded inputs, and run specs over them."""
 
 import torch
 
-from h3lab.ablation import make_inputs
+from h3lab.research.ablation import make_inputs
 from h3lab.config import H3Config
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.model import H3Transformer
 from h3lab.model.random_init import random_state_dict
 from h3lab.run import RunSpec
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 
 def deep_config(num_layers: int, refiner: int = 1) -> H3Config:

@@ -9,7 +9,7 @@ from preset_cases import Calls, deep_model, fl2va_layout, spec_for
 
 from h3lab.presets import PresetError, core_plan
 from h3lab.run import denoise, resolve
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 
 
 def _capture(model):

@@ -7,8 +7,8 @@ import torch
 from preset_cases import deep_model, fl2va_layout, spec_for
 
 from h3lab import presets
-from h3lab import trajectory as T
-from h3lab.layout import build_layout
+from h3lab.run import trajectory as T
+from h3lab.run.layout import build_layout
 from h3lab.presets import PresetError
 from h3lab.run import FIELDS
 

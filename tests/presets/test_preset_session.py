@@ -8,18 +8,19 @@ import re
 import pytest
 from preset_cases import deep_model
 
-from h3lab import commands, presets
+from h3lab.frontends import commands
+from h3lab import presets
 from h3lab.errors import H3Error
 from h3lab.run.fields import thaw
-from h3lab.session import Session
-from h3lab.settings import GenerationSettings
+from h3lab.app.session import Session
+from h3lab.schema.generation_settings import GenerationSettings
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
 
 
 @pytest.fixture(scope="module")
 def session(deep_snapshot):
-    from h3lab.cli import quiet_libraries
+    from h3lab.frontends.cli import quiet_libraries
 
     quiet_libraries()
     return Session(deep_snapshot, device="cpu")
@@ -92,7 +93,7 @@ def test_repl_commands_validate_before_anything_loads(deep_snapshot):
 
 
 def test_one_shot_cli_prints_the_preset(deep_snapshot, tmp_path, capsys, monkeypatch):
-    from h3lab import cli
+    from h3lab.frontends import cli
 
     monkeypatch.chdir(tmp_path)
     rc = cli.main(["-d", str(deep_snapshot), "-p", "a fox", "--width", "64", "--height", "64", "--steps", "3",

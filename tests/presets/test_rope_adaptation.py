@@ -8,10 +8,10 @@ import pytest
 import torch
 from preset_cases import deep_model, spec_for
 
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.presets import PresetError, preset_for
 from h3lab.run import denoise
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 
 
 def _layout(latent: int):

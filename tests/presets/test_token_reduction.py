@@ -6,11 +6,11 @@ import pytest
 import torch
 from preset_cases import deep_model, fl2va_layout, spec_for
 
-from h3lab.layout import PackedLayout, build_layout, pair_horizontal_tokens
+from h3lab.run.layout import PackedLayout, build_layout, pair_horizontal_tokens
 from h3lab.presets import DEFAULT_SCHEDULE, PresetError
 from h3lab.presets.token_reduction import check_schedule
 from h3lab.run import denoise
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 
 
 @pytest.mark.parametrize("width", [6, 8])  # a 3-wide grid (one singleton column) and a 4-wide one

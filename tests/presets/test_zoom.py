@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from h3lab import preview
+from h3lab.frontends import preview
 from h3lab.errors import H3Error
-from h3lab.preview import TerminalPreview, check_zoom
+from h3lab.frontends.preview import TerminalPreview, check_zoom
 
 FRAME = np.random.default_rng(3).integers(0, 255, (48, 80, 3), dtype=np.uint8)  # H 48, W 80
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from h3lab import ablation as A
+from h3lab.research import ablation as A
 
 RFC_ROWS = (
     [f"A{i}" for i in range(8)] + [f"C{i}" for i in range(3)] + [f"H{i}" for i in range(1, 18)]
@@ -143,11 +143,11 @@ def test_unknown_row_raises(bench):
 
 
 def test_faults_wrap_a_placement_and_need_cp(bench):
-    """Fault injection is a wrapper around a placement (h3lab.ablation.faults), refused in one line without CP; the
+    """Fault injection is a wrapper around a placement (h3lab.research.ablation.faults), refused in one line without CP; the
     production placement has no fault argument."""
     import inspect
 
-    from h3lab.ablation.faults import Faults, FaultyPlacement, faulty
+    from h3lab.research.ablation.faults import Faults, FaultyPlacement, faulty
     from h3lab.distributed import DistributedError, init_mesh, parallelize, placement_of
     from h3lab.model import H3Transformer
 

@@ -5,9 +5,9 @@ by the production path's own error against a float32 truth; the P side's schedul
 import pytest
 import torch
 
-from h3lab import runtime
-from h3lab.ablation import tiny_bench
-from h3lab.arms import ARMS, ArmError, DiffusersStepper, diffusers_twin, run_arms
+from h3lab.execution import runtime
+from h3lab.research.ablation import tiny_bench
+from h3lab.research.arms import ARMS, ArmError, DiffusersStepper, diffusers_twin, run_arms
 from h3lab.model import H3Transformer
 from h3lab.run import ScheduleStepper, model_forward
 

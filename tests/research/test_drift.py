@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from h3lab import drift as D
-from h3lab import runtime
-from h3lab.ablation import _full_head_rope, make_inputs, run_ablation, tiny_bench
-from h3lab.arms import diffusers_twin
+from h3lab.research import drift as D
+from h3lab.execution import runtime
+from h3lab.research.ablation import _full_head_rope, make_inputs, run_ablation, tiny_bench
+from h3lab.research.arms import diffusers_twin
 from h3lab.config import AUDIO
 from h3lab.hashing import model_fingerprint
 from h3lab.run import RunSpecError
-from h3lab.trajectory import record
+from h3lab.run.trajectory import record
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +174,8 @@ def test_bad_comparisons_raise(bench):
 
 def test_layout_differences_read_as_lines_not_dicts():
     """`!drift`'s "layout differs" lines."""
-    from h3lab.drift import metadata_line
-    from h3lab.session import _drift_lines
+    from h3lab.research.drift import metadata_line
+    from h3lab.app.session import _drift_lines
 
     assert metadata_line({"name": "row_timestep", "step": 2, "rows": [0, 5]}) == \
         "row_timestep (pass 3): differs at canonical rows 0, 5"  # step 2 is the third pass

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from h3lab import H3Config, H3Transformer
-from h3lab import trajectory as T
-from h3lab.ablation import tiny_bench
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import tiny_bench
 from h3lab.model import random_state_dict
 from h3lab.run import RunSpecError
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 FIXTURE = Path(__file__).parent / "fixtures" / "trajectory-v1-streamed"
 STREAMED = {"policy": "streamed"}
@@ -35,7 +35,7 @@ def bench(tiny_snapshot):
 def adapter(tmp_path_factory):
     """(entry at one path, the same bytes' entry at another path, under another name), and a third of other bytes."""
     from h3lab.training import add_lora, save_adapter
-    from h3lab.training.adapters import adapter_entry
+    from h3lab.adapters.field import adapter_entry
 
     root = tmp_path_factory.mktemp("adapters")
     model = H3Transformer(H3Config.tiny())
@@ -70,7 +70,7 @@ def test_the_run_record_never_enters_the_result_hash(bench, adapter):
 
     assert spec.replace(mode="strict").sha256 != spec.sha256
     longer = DualSchedule.build(4)
-    from h3lab.ablation import make_inputs
+    from h3lab.research.ablation import make_inputs
 
     more_steps = spec.replace(schedule=longer, inputs=make_inputs(H3Config.tiny(), bench.layout, longer, seed=0))
     assert more_steps.sha256 != spec.sha256
@@ -89,7 +89,7 @@ def test_a_v1_trajectory_loads_and_verifies(bench):
     """Relies on: the fixture's arithmetic class's bytes (it was sealed in mode off on a `FIXTURE_CLASS` CPU; off
     bytes hold within one class). On that class it verifies byte for byte; on any other the loading, the result hash
     and the run record hold, and a drift, if any, is reported as a matter of the class, not of the run."""
-    from h3lab.arithmetic import arithmetic_class
+    from h3lab.execution.arithmetic import arithmetic_class
 
     manifest = json.loads((FIXTURE / T.MANIFEST).read_text())
     assert "spec_sha256" in manifest and "result_sha256" not in manifest  # the v1 form, as it was sealed
@@ -128,7 +128,7 @@ def test_verify_checks_the_result_hash_and_reports_the_run_record(bench, adapter
     here, moved, _ = adapter
     work = tmp_path / "lora"
     shutil.copytree(here["path"], work)
-    from h3lab.training.adapters import adapter_entry
+    from h3lab.adapters.field import adapter_entry
 
     entry = adapter_entry(work)
     spec = bench.spec("off").replace(adapters=[entry], residency=STREAMED)

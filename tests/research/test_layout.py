@@ -1,4 +1,4 @@
-"""h3lab.layout against Diffusers' layout builders (t2va/fl2va `build_packed_sequence`, ref2va
+"""h3lab.run.layout against Diffusers' layout builders (t2va/fl2va `build_packed_sequence`, ref2va
 `build_ref2va_packed_sequence`) and timestep block, bit for bit; the row-identity table; legal and illegal
 permutations, checked on the tiny Diffusers transformer too; hashing, JSON round trip and validation errors."""
 
@@ -23,9 +23,9 @@ from diffusers.modular_pipelines.minimax_h3.references import (
 )
 from diffusers.modular_pipelines.modular_pipeline import PipelineState
 
-from h3lab import layout as layout_module
+from h3lab.run import layout as layout_module
 from h3lab.errors import H3Error
-from h3lab.layout import (
+from h3lab.run.layout import (
     CONDITION_VIDEO_T,
     PERMUTABLE,
     LayoutError,
@@ -33,7 +33,7 @@ from h3lab.layout import (
     Reference,
     build_layout,
 )
-from h3lab.sampler import CONDITION_T, DualSchedule
+from h3lab.run.sampler import CONDITION_T, DualSchedule
 
 PATCH = (1, 2, 2)
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
@@ -397,7 +397,7 @@ TAGS = torch.tensor([1, 0, 1])
         (dict(task="fl2va", anchors=("first",), references=[Reference.image(2, 2)]), "not fl2va"),
         (dict(references=[Reference.audio(3)]), "only ref2va takes references, not t2va"),
         (dict(task="ref2va"), "ref2va needs at least one reference"),
-        (dict(task="ref2va", references=["image"]), "must be an h3lab.layout.Reference"),
+        (dict(task="ref2va", references=["image"]), "must be an h3lab.run.layout.Reference"),
         (dict(task="ref2va", references=[Reference.image(3, 4)]), "image reference latent_height=3"),
         (dict(num_latent_frames=0), "num_latent_frames=0"),
         (dict(num_latent_frames=2.0), "num_latent_frames=2.0"),

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3lab import trajectory as T
-from h3lab.ablation import AblationError, make_inputs, tiny_bench
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import AblationError, make_inputs, tiny_bench
 from h3lab.config import H3Config
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.run import FIELDS, Custom, FieldProvider, RunSpec, RunSpecError, denoise, register_field, resolve
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

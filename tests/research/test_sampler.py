@@ -1,4 +1,4 @@
-"""h3lab.sampler against Diffusers' `MiniMaxH3Scheduler` and the modular pipeline's noise blocks: bit-equal grids,
+"""h3lab.run.sampler against Diffusers' `MiniMaxH3Scheduler` and the modular pipeline's noise blocks: bit-equal grids,
 timesteps and full Euler step sequences (every grid size 2..200 at one shift and a spread of sizes at the others,
 float32 and half samples), the conditioning noise mix, the request's draw order, and the reuse plan / velocity
 extrapolation contract."""
@@ -19,9 +19,9 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
 )
 from diffusers.modular_pipelines.modular_pipeline import PipelineState
 
-from h3lab import sampler
+from h3lab.run import sampler
 from h3lab.errors import H3Error
-from h3lab.sampler import (
+from h3lab.run.sampler import (
     AUDIO_SHIFT,
     CONDITION_T,
     VIDEO_SHIFT,

@@ -12,11 +12,11 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTi
 from safetensors.torch import load_file, save_file
 
 from h3lab import hashing as H
-from h3lab import trajectory as T
-from h3lab.ablation import make_inputs, tiny_bench
-from h3lab.arms import diffusers_twin
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import make_inputs, tiny_bench
+from h3lab.research.arms import diffusers_twin
 from h3lab.run import DenoiseCancelled, RunSpec, RunSpecError, denoise
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 
 
 @pytest.fixture(scope="module")

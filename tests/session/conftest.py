@@ -30,8 +30,8 @@ def snapshot(tiny_snapshot, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def session(snapshot):
-    from h3lab.cli import quiet_libraries
-    from h3lab.session import Session
+    from h3lab.frontends.cli import quiet_libraries
+    from h3lab.app.session import Session
 
     quiet_libraries()
     return Session(snapshot, device="cpu")
@@ -45,7 +45,7 @@ def assets() -> Path:
 @pytest.fixture
 def state(session, tmp_path):
     """A fresh front-end state over the shared session, inputs resolved against the replay assets."""
-    from h3lab import commands
+    from h3lab.frontends import commands
 
     session.keep = ()  # the session's default (a test may have set it: the session is shared)
     st = commands.SessionState(session=session, base_dir=ASSETS, out_dir=None)

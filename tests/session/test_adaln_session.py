@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from h3lab import cli, commands
+from h3lab.frontends import cli, commands
 from h3lab.components import adaln_host, streaming
-from h3lab.memory_plan import MemoryPlanError
+from h3lab.app.memory_plan import MemoryPlanError
 from h3lab.model.adaln_tables import tables_of
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 REQUEST = dict(width=64, height=64, frames=22, steps=2, mode="off", seed=5)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.components import media
-from h3lab.session import Session
+from h3lab.app.session import Session
 from session_helpers import ASSETS, subprocess_env
 
 LIMIT_S = 5.0
@@ -111,9 +111,9 @@ def no_work(monkeypatch):
         raise Tripwire("the REPL started")
 
     monkeypatch.setattr(Session, "component", load)
-    import h3lab.repl
+    import h3lab.frontends.repl
 
-    monkeypatch.setattr(h3lab.repl, "run_repl", repl)
+    monkeypatch.setattr(h3lab.frontends.repl, "run_repl", repl)
     return loads
 
 
@@ -364,7 +364,7 @@ def startup_s() -> float:
     """What a child process spends before h3lab can say anything: the interpreter and the imports of the CLI and
     the session (torch). A subprocess case gets LIMIT_S on top of it (the machine may be shared and loaded)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import h3lab.cli, h3lab.session"], env=subprocess_env(), check=True,
+    subprocess.run([sys.executable, "-c", "import h3lab.frontends.cli, h3lab.app.session"], env=subprocess_env(), check=True,
                    timeout=120)
     return time.perf_counter() - t0
 
@@ -412,7 +412,7 @@ def test_json_error_from_the_console_script(tmp_path, startup_s):
 def test_strict_on_a_cpu_without_the_interpreter_is_refused_before_any_work(snapshot, monkeypatch, no_work):
     """In-process: `!mode strict` refuses (settings unchanged) on a started CPU session, and a
     session given strict refuses `generate` and `check_request` before any component loads."""
-    from h3lab import commands
+    from h3lab.frontends import commands
     from h3lab.errors import ValidationError
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

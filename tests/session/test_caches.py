@@ -1,8 +1,8 @@
-"""`h3lab.caches.LRU`, the session's conditioning caches: the oldest entry goes past the limit, a hit refreshes."""
+"""`h3lab.app.caches.LRU`, the session's conditioning caches: the oldest entry goes past the limit, a hit refreshes."""
 
 from types import SimpleNamespace
 
-from h3lab.caches import LRU, entries
+from h3lab.app.caches import LRU, entries
 
 
 def test_lru_drops_the_oldest_and_a_hit_refreshes():

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.components import media
-from h3lab.session import StepInfo
+from h3lab.app.session import StepInfo
 from session_helpers import ASSETS, subprocess_env
 
 SMALL = ["--width", "64", "--height", "64", "--frames", "22", "--steps", "2", "--mode", "off"]
@@ -118,11 +118,11 @@ def test_info_text_and_json(snapshot, capsys):
 
 
 def test_info_report_is_the_snapshot_report_plus_one_forward(snapshot):
-    """`--info`'s model work lives in `h3lab.diagnostics` (the CLI only prints it)."""
-    from h3lab import diagnostics
+    """`--info`'s model work lives in `h3lab.research.diagnostics` (the CLI only prints it)."""
+    from h3lab.research import diagnostics
     from h3lab.checkpoint.info import snapshot_info
     from h3lab.config import H3Config
-    from h3lab.runtime import MODES
+    from h3lab.execution.runtime import MODES
 
     report = diagnostics.info_report(snapshot, "cpu")
     forward = report.pop("forward")
@@ -153,6 +153,6 @@ def test_progress_bar_draws_on_a_terminal():
 
 
 def test_python_module_entry_point(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "h3lab.cli", "--width", "33", "-p", "x"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "h3lab.frontends.cli", "--width", "33", "-p", "x"], cwd=tmp_path,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == "h3lab: error: width=33: must be a multiple of 32\n"

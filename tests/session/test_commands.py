@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from h3lab import commands
-from h3lab.commands import Command, CommandError, parse
+from h3lab.frontends import commands
+from h3lab.frontends.commands import Command, CommandError, parse
 from h3lab.components import media
 from h3lab.errors import H3Error
 
@@ -303,7 +303,7 @@ def test_status_and_cache(state):
 
 
 def test_ablate_lists_and_switches_factors(state):
-    from h3lab.session import ablation_factors
+    from h3lab.app.session import ablation_factors
 
     factors = ablation_factors()
     assert {"H5", "H9", "A2"} <= set(factors) and "H15" not in factors and "H-C0" not in factors

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.components import media
 from h3lab.components.store import ComponentStore
 
@@ -151,7 +151,7 @@ def test_help(capsys):
 def test_progress_bar_draws_on_a_terminal_only():
     import io
 
-    from h3lab.encode import Progress
+    from h3lab.frontends.encode import Progress
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -1,4 +1,4 @@
-"""`Session.encode_clip` (`h3lab/clips_in.py`): an MP4 and its prompt -> one encoded t2va `ClipRequest`. One clip is
+"""`Session.encode_clip` (`h3lab/app/clips_in.py`): an MP4 and its prompt -> one encoded t2va `ClipRequest`. One clip is
 encoded (30 fps, 96x64, a different tone per channel) and its rows are checked against the components run by hand on
 the 24 fps grid, the cover-cropped canvas and the cut audio track; the rules that refuse a clip are checked without
 encoding anything."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3lab.clips_in import HOP, check_clip, encode_clip, frames_at_24
+from h3lab.app.clips_in import HOP, check_clip, encode_clip, frames_at_24
 from h3lab.components import media
 from h3lab.errors import ValidationError
 from h3lab.training.dataset import check_fits, load_dataset, save_dataset

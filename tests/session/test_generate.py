@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from h3lab import commands
+from h3lab.frontends import commands
 from h3lab.components import media
 from h3lab.components.video_vae import patchify, unpatchify
 from h3lab.errors import ValidationError
-from h3lab.session import PHASES, GenerationCancelled, Session
+from h3lab.app.session import PHASES, GenerationCancelled, Session
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
 
@@ -110,7 +110,7 @@ def test_fl2va_anchors_conditioning_rows_and_cache(session, assets):
 
 
 def test_ref2va_references_use_transformer_ref(session, assets):
-    from h3lab.settings import Reference
+    from h3lab.schema.generation_settings import Reference
 
     refs = (Reference("image", str(assets / "first.png")), Reference("audio", str(assets / "tone.wav")))
     r = session.generate("use Picture 1 and Audio 1", references=refs, **SMALL)
@@ -125,7 +125,7 @@ def test_ref2va_references_use_transformer_ref(session, assets):
 
 
 def test_rejected_request_changes_nothing(session, tmp_path):
-    from h3lab.settings import Reference
+    from h3lab.schema.generation_settings import Reference
 
     t = np.arange(32000) / 32000
     short = tmp_path / "short.wav"

@@ -39,7 +39,7 @@ def test_interface_components_interlock(interface):
 
 
 def test_interface_generates(interface):
-    from h3lab.session import Session
+    from h3lab.app.session import Session
 
     result = Session(interface, device="cpu").generate("a fox", width=64, height=64, frames=22, steps=1, mode="off")
     assert result.frames.shape == (22, 64, 64, 3) and result.audio.shape[0] == 2

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from h3lab import cli, commands
+from h3lab.frontends import cli, commands
 from h3lab.errors import CommandError
-from h3lab.session import Session
-from h3lab.trajectory import TrajectoryError, check_keep, kept_kinds, load
+from h3lab.app.session import Session
+from h3lab.run.trajectory import TrajectoryError, check_keep, kept_kinds, load
 from h3lab.training.dataset import rollout_dataset
 
 GEN = ["--width", "64", "--height", "64", "--frames", "22", "--steps", "2", "--mode", "off", "--seed", "3"]

@@ -1,4 +1,4 @@
-"""The memory plan (`h3lab.memory_plan`) on the released 33B config, by arithmetic on a meta-device model (nothing
+"""The memory plan (`h3lab.app.memory_plan`) on the released 33B config, by arithmetic on a meta-device model (nothing
 allocated): the AdaLN weights' share of the DiT, what a tables placement keeps on the GPU at the released lengths
 (the issue's target: at most 42 GiB of DiT bytes), the tables' rows against the layout's own per-pass timesteps, the
 streamed bytes saved, the activation estimate at its calibration points, and the refusal line."""
@@ -11,10 +11,10 @@ import torch
 from h3lab import H3Config
 from h3lab.components.execution import ExecutionPlan
 from h3lab.components.residency import table_bytes
-from h3lab.layout import build_layout
-from h3lab.memory_plan import GiB, MemoryPlanError, activation_bytes, check_fits, memory_plan, request_shape
-from h3lab.sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualSchedule, reuse_plan
-from h3lab.settings import GenerationSettings
+from h3lab.run.layout import build_layout
+from h3lab.app.memory_plan import GiB, MemoryPlanError, activation_bytes, check_fits, memory_plan, request_shape
+from h3lab.run.sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualSchedule, reuse_plan
+from h3lab.schema.generation_settings import GenerationSettings
 
 FULL = H3Config.full()
 SHIFTS = (VIDEO_SHIFT, AUDIO_SHIFT)

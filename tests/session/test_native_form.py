@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.checkpoint.native import NATIVE, native_form
 from h3lab.checkpoint.tiny import default_snapshot
 from h3lab.errors import CheckpointError
@@ -46,7 +46,7 @@ def test_info_names_the_native_form():
 
 
 def test_a_generation_off_the_native_canvas_says_so(tmp_path):
-    from h3lab.session import Session
+    from h3lab.app.session import Session
 
     session = Session(None, device="cpu")
     assert session.default_settings().width == 64 and session.settings("a red circle moves up").num_frames == 22

@@ -13,7 +13,7 @@ import pytest
 from h3lab import io_utils
 from h3lab.components import media
 from h3lab.errors import OutputError
-from h3lab.session import GenerationCancelled, check_outputs
+from h3lab.app.session import GenerationCancelled, check_outputs
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
 
@@ -142,7 +142,7 @@ def test_write_mp4_errors_name_the_target(tmp_path, rng, monkeypatch):
 
 def test_auto_on_the_cpu_says_it_ran_torch(session, monkeypatch):
     """TRITON_INTERPRET=1 is exported (tests/conftest.py), yet auto runs the torch ops, and the summary line says so."""
-    from h3lab import commands
+    from h3lab.frontends import commands
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     auto = session.generate("what ran", **{**SMALL, "mode": "auto"})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.checkpoint.tiny import TINY_VERSION
 from h3lab.components import media
 from h3lab.training.dataset import load_dataset

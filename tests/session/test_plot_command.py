@@ -1,11 +1,11 @@
-"""`!plot KIND PATH.png`: the REPL/replay front door to `h3lab.plots` — parse errors are one line, and after real
+"""`!plot KIND PATH.png`: the REPL/replay front door to `h3lab.research.plots` — parse errors are one line, and after real
 generations the written PNGs hold the figure the plot function draws."""
 
 import pytest
 from PIL import Image
 
-from h3lab import commands
-from h3lab.commands import CommandError, parse
+from h3lab.frontends import commands
+from h3lab.frontends.commands import CommandError, parse
 
 
 @pytest.mark.parametrize(

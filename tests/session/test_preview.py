@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.errors import ValidationError
-from h3lab.preview import TerminalPreview, detect_protocol, iterm_escape, kitty_escape, png_bytes
+from h3lab.frontends.preview import TerminalPreview, detect_protocol, iterm_escape, kitty_escape, png_bytes
 
 
 @pytest.mark.parametrize(

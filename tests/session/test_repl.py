@@ -15,8 +15,8 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from h3lab.components import media
-from h3lab.repl import H3Completer, Repl, run_repl
-from h3lab.settings import GenerationSettings
+from h3lab.frontends.repl import H3Completer, Repl, run_repl
+from h3lab.schema.generation_settings import GenerationSettings
 
 from session_helpers import subprocess_env
 

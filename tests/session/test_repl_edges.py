@@ -17,16 +17,16 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from h3lab import commands
-from h3lab.commands import CommandError
+from h3lab.frontends import commands
+from h3lab.frontends.commands import CommandError
 from h3lab.errors import H3Error
-from h3lab.repl import Repl
+from h3lab.frontends.repl import Repl
 from session_helpers import REPO, subprocess_env
 
 # A REPL whose every transformer forward first sleeps $H3LAB_TEST_SLOW seconds: a pass long enough to press Ctrl-C in.
 SLOW_REPL = """
 import os, sys, time
-from h3lab import cli
+from h3lab.frontends import cli
 from h3lab.model import H3Transformer
 real = H3Transformer.forward
 def slow(self, *args, **kwargs):
@@ -168,7 +168,7 @@ def test_plot_and_save_check_their_paths_first(state, tmp_path):
 
 
 def test_plot_ablation_counts_rows_strict_cannot_run_as_not_run(state, tmp_path, monkeypatch):
-    from h3lab import ablation, plots
+    from h3lab.research import ablation, plots
 
     rows = [
         {"name": "A0", "expected": "PASS", "observed": "PASS", "status": "PASS", "first_drift": None, "passed": True},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from h3lab import cli, commands, replay as replays
+from h3lab.frontends import cli, commands, replay as replays
 from session_helpers import REPO
 
 REPLAYS = sorted((REPO / "replays").glob("*.h3"))
@@ -30,8 +30,8 @@ def replay_state(session):
 def default_session():
     """The embedded default (the shipped trained snapshot): what `h3lab --replay FILE` without -d runs on, so the
     shipped replays' expect lines are this snapshot's."""
-    from h3lab.cli import quiet_libraries
-    from h3lab.session import Session
+    from h3lab.frontends.cli import quiet_libraries
+    from h3lab.app.session import Session
 
     quiet_libraries()
     return Session(None, device="cpu")
@@ -156,7 +156,7 @@ def test_a_replay_with_no_line_for_this_class_runs_twice_and_passes_when_it_repe
 def test_a_digest_that_does_not_repeat_fails_the_replay(tmp_path, replay_state, monkeypatch):
     """The second run of an unchecked generation is compared, not just made: a different digest fails the replay
     with file:line and both digests."""
-    from h3lab.session import Session
+    from h3lab.app.session import Session
 
     path = tmp_path / "twice.h3"
     path.write_text("!size 64x64\n!frames 22\n!steps 1\n!mode off\na fox\n!seed 5\na fox\n")
@@ -237,7 +237,7 @@ def test_a_mesh_replay_refuses_a_non_strict_generation_before_any(tmp_path, snap
     generation line before the first one runs."""
     from types import SimpleNamespace
 
-    from h3lab.session import Session
+    from h3lab.app.session import Session
 
     session = Session(snapshot, device="cpu")
     session.mesh = SimpleNamespace(topology=SimpleNamespace(world_size=2, name="tp2xcp1"))

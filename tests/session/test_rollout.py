@@ -1,13 +1,13 @@
-"""`Session.rollout` (h3lab/rollout.py) on the tiny snapshot, off mode: request order and seed derivation, one
+"""`Session.rollout` (h3lab/app/rollout.py) on the tiny snapshot, off mode: request order and seed derivation, one
 batched trajectory per prompt or one per request, the per-pass log-densities sealed, replay and verify, decoding,
 one-line errors before any work."""
 
 import pytest
 import torch
 
-from h3lab import trajectory as T
+from h3lab.run import trajectory as T
 from h3lab.errors import H3Error
-from h3lab.rollout import request_seed
+from h3lab.app.rollout import request_seed
 from h3lab.stochastic import pass_noise
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")

@@ -6,9 +6,9 @@ or is gone. Off mode, tiny snapshot, two passes."""
 import pytest
 import torch
 
-from h3lab import trajectory as T
+from h3lab.run import trajectory as T
 from h3lab.training import add_lora, remove_lora
-from h3lab.training.lora import AdapterError, adapter_digest, base_fingerprint, lora_layers
+from h3lab.adapters.lora import AdapterError, adapter_digest, base_fingerprint, lora_layers
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
 

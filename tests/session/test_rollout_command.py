@@ -3,9 +3,9 @@ alone (exactly 1 here); bad arguments are one-line `H3Error`s before any model l
 
 import pytest
 
-from h3lab import commands
+from h3lab.frontends import commands
 from h3lab.errors import H3Error
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 
 def test_rollout_command_reports_rewards_and_ratios(tiny_snapshot):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from h3lab.trajectory import MANIFEST, TrajectoryError
+from h3lab.run.trajectory import MANIFEST, TrajectoryError
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
 

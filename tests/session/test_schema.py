@@ -6,10 +6,10 @@ import types
 
 import pytest
 
-from h3lab import cli, commands
+from h3lab.frontends import cli, commands
 from h3lab.errors import ValidationError
 from h3lab.schema import SETTINGS, Control, Repl, Setting, declare
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_a_new_setting_reaches_every_front_end(noise_level):
 
 
 def test_a_new_setting_gets_a_panel_control(noise_level, tmp_path):
-    from h3lab.widgets import Workbench
+    from h3lab.frontends.widgets import Workbench
 
     session = types.SimpleNamespace(keep=(), device="cpu", model_name="fake")
     wb = Workbench(session, out_dir=tmp_path, prompt="a fox")
@@ -121,7 +121,7 @@ def test_help_lists_every_generated_flag_once():
     import contextlib
     import io
 
-    from h3lab.cli import build_parser
+    from h3lab.frontends.cli import build_parser
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -6,7 +6,7 @@ import torch
 
 from h3lab.errors import ValidationError
 from h3lab.model import H3Transformer
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 REQUEST = dict(width=64, height=64, frames=22, steps=2, mode="off", seed=7)
 

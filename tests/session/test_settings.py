@@ -1,11 +1,11 @@
-"""Every geometry / duration / conditioning-structure rule of `h3lab.settings` (no model, no media)."""
+"""Every geometry / duration / conditioning-structure rule of `h3lab.schema.generation_settings` (no model, no media)."""
 
 import math
 
 import pytest
 
 from h3lab.errors import H3Error, ValidationError
-from h3lab.settings import (
+from h3lab.schema.generation_settings import (
     MAX_FRAMES,
     GenerationSettings,
     Reference,

@@ -7,11 +7,11 @@ import types
 
 import pytest
 
-from h3lab import cli, commands
-from h3lab import trajectory as T
+from h3lab.frontends import cli, commands
+from h3lab.run import trajectory as T
 from h3lab.errors import ValidationError
 from h3lab.schema import SETTINGS
-from h3lab.settings import GenerationSettings
+from h3lab.schema.generation_settings import GenerationSettings
 from h3lab.stochastic.steppers import check_params
 
 SMALL = dict(width=64, height=64, frames=22, steps=2, mode="off")
@@ -43,7 +43,7 @@ def test_flags_summary_and_spec_come_from_the_declarations():
     (["--window", "2"], "window='2': must be S,W"),
 ])
 def test_bad_values_are_one_line_exit_2(argv, match, snapshot, capsys, monkeypatch):
-    import h3lab.session as session_module
+    import h3lab.app.session as session_module
 
     monkeypatch.setattr(session_module, "Session", lambda *a, **k: pytest.fail("a session was built"))
     assert cli.main(["-d", str(snapshot), "-p", "x", *argv]) == 2
@@ -52,7 +52,7 @@ def test_bad_values_are_one_line_exit_2(argv, match, snapshot, capsys, monkeypat
 
 
 def test_repl_commands_and_panel_controls():
-    from h3lab.widgets import Workbench
+    from h3lab.frontends.widgets import Workbench
 
     state = commands.SessionState(session=lambda: pytest.fail("no session needed"))
     assert commands.run_line(state, "!stepper dance_sde") == ["stepper dance_sde level 0.7, noise seed 42"]
@@ -92,7 +92,7 @@ def test_a_generation_seals_the_stepper_and_verifies(session):
     assert T.verify(result.trajectory, session.transformer("transformer")).ok
     plain = session.generate("a red ball", seed=4, **SMALL)
     assert plain.trajectory.spec.stepper == "euler" and not plain.trajectory.spec.stepper_params
-    from h3lab.commands import generation_lines
+    from h3lab.frontends.commands import generation_lines
 
     summary = [line for line in generation_lines(result) if line.startswith("t2va ")]
     assert summary and " stepper flow_sde window 1,1:" in summary[0], summary  # a non-Euler stepper is named

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import cli, commands
+from h3lab.frontends import cli, commands
 from h3lab.components import streaming
 from h3lab.errors import H3Error, ValidationError
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 REQUEST = dict(width=64, height=64, frames=22, steps=2, mode="off", seed=5)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from h3lab import cli
+from h3lab.frontends import cli
 
 
 @pytest.fixture(scope="module")

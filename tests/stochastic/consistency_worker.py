@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from h3lab import runtime
-from h3lab import trajectory as T
-from h3lab.ablation import Bench
+from h3lab.execution import runtime
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import Bench
 from h3lab.run import model_forward
 from h3lab.stochastic import recorded_transition
 from stochastic_helpers import batched, item

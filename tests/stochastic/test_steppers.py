@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from h3lab import trajectory as T
-from h3lab.ablation import tiny_bench
+from h3lab.run import trajectory as T
+from h3lab.research.ablation import tiny_bench
 from h3lab.hashing import json_sha256
 from h3lab.run import RunSpec, RunSpecError
 from h3lab.stochastic import pass_noise, transition_logprob, transition_mean_std

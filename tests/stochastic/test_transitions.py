@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 from h3lab.stochastic import (SDE_KINDS, TransitionError, gaussian_logprob, noise_seed, pass_noise,
                               transition_logprob, transition_mean_std, tree_sum)
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab.layout import PackedLayout, Reference, build_layout
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
+from h3lab.run.layout import PackedLayout, Reference, build_layout
 from h3lab.model.random_init import random_state_dict  # noqa: F401 - the tests import it from here
 
 # Two structures: `tiny` (inner 2x16 = 32 wider than hidden 24, rotary 12 of 16, 2 refiner + 2 blocks) and `h3d8`

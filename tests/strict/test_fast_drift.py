@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import Session, fast, runtime
+from h3lab import Session
+from h3lab.execution import fast, runtime
 
 PROMPT = "a blue square moves right, a middle tone"
 REQUEST = dict(width=64, height=64, frames=22, steps=3, seed=42)

@@ -1,4 +1,4 @@
-"""h3lab/graphs.py (its fast policy) on the CPU: the signature / capture / replay / fallback logic of the fast
+"""h3lab/execution/graphs.py (its fast policy) on the CPU: the signature / capture / replay / fallback logic of the fast
 forward's CUDA graphs, through a backend that "replays" by re-running the captured body on the static input buffers
 (the real `torch.cuda.CUDAGraph` is exercised on the H200 by benchmarks/benchmark_every_length.py, section `graphs`). The
 bodies are the tiny model's real traced forward in mode off, so a replay must reproduce the eager bytes."""
@@ -10,7 +10,8 @@ import torch
 from graph_fakes import ReplayBackend
 from strict_cases import forward_kwargs, make_layout, make_request
 
-from h3lab import H3Transformer, fast, graphs, runtime
+from h3lab import H3Transformer
+from h3lab.execution import fast, graphs, runtime
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")

@@ -1,4 +1,4 @@
-"""`--mode fast` (h3lab/fast.py) on the CPU: the quantised product's float32 emulation against a float64 truth, the
+"""`--mode fast` (h3lab/execution/fast.py) on the CPU: the quantised product's float32 emulation against a float64 truth, the
 per-channel weight cache, and every refusal (the CPU, autograd, strict-contract code asking for fast) as one line.
 The FP8 GPU path itself (`torch._scaled_mm`, the Triton row quantiser) is checked on the H200 by
 benchmarks/benchmark_every_length.py, byte for byte against `quantize_rows_reference`."""
@@ -10,7 +10,8 @@ import torch
 from strict_cases import forward_kwargs, make_layout, make_request
 
 from strict_testing import randn
-from h3lab import H3Transformer, context, fast, runtime
+from h3lab import H3Transformer
+from h3lab.execution import context, fast, runtime
 
 
 def test_fast_is_a_mode_and_not_strict():

@@ -1,4 +1,4 @@
-"""`fast` without the bfloat16 copies (`h3lab.fast_weights`): on the embedded default (64 wide: its projections are
+"""`fast` without the bfloat16 copies (`h3lab.execution.fast_weights`): on the embedded default (64 wide: its projections are
 FP8-eligible) under `fast.use_emulation()`, a fast generation after the bf16 bytes of every FP8-eligible weight were
 dropped -- replaced by zeros, so any read of them would change the result -- has the same trajectory hash as before;
 `off` on the same model does change (the bytes really are gone), and with `keep="host"` the weights come back for a
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import Session, fast
-from h3lab.fast_weights import bf16_restored, drop_bf16, eligible, restore_bf16
+from h3lab import Session
+from h3lab.execution import fast
+from h3lab.execution.fast_weights import bf16_restored, drop_bf16, eligible, restore_bf16
 
 PROMPT = "a red circle moves left, a low tone"
 REQUEST = dict(width=64, height=64, frames=22, steps=2, seed=7)

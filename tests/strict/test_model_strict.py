@@ -35,8 +35,9 @@ from strict_cases import (
 )
 
 from strict_testing import assert_error_within
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab.layout import PackedLayout
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
+from h3lab.run.layout import PackedLayout
 
 # (config, dtype policy, task, weight seed): both policies, both configs, all three layouts.
 CASES = [

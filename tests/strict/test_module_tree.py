@@ -1,6 +1,6 @@
-"""h3lab/module_tree.py: a cached walk is always what a fresh walk gives now; every change of the tree after a cached
+"""h3lab/execution/module_tree.py: a cached walk is always what a fresh walk gives now; every change of the tree after a cached
 walk (module replaced, wrapped, added, deleted; parameter or buffer replaced, swapped by torch's direct dict writes;
-hook added; an object freed and its id reusable) is seen, and the signature of h3lab/graphs.py misses with it."""
+hook added; an object freed and its id reusable) is seen, and the signature of h3lab/execution/graphs.py misses with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import gc
 
 import torch
 
-from h3lab import H3Transformer, graphs, module_tree
+from h3lab import H3Transformer
+from h3lab.execution import graphs, module_tree
 from h3lab.config import H3Config
 
 
@@ -136,7 +137,7 @@ def test_adapter_switch_and_scaling_are_part_of_the_walk_and_the_signature():
     branches on: the walk reads it on every call, so a graph of the adapter-on forward never serves the adapter-off
     one (and the other way round)."""
     from h3lab.training import add_lora
-    from h3lab.training.lora import adapter_disabled, lora_layers
+    from h3lab.adapters.lora import adapter_disabled, lora_layers
 
     model = _model()
     add_lora(model, 2, 4.0, seed=1)

@@ -28,7 +28,8 @@ import triton
 from strict_cases import ReferenceSpy, forward_kwargs, make_layout, make_request, strict_forward
 
 from h3kernels import gemm, registry
-from h3lab import H3Transformer, runtime
+from h3lab import H3Transformer
+from h3lab.execution import runtime
 
 BATCH_SEEDS = (201, 202)
 
@@ -247,8 +248,8 @@ def test_strict_fails_closed_on_a_float16_model(half_model, kwargs, spy):
 NO_INTERPRETER_SCRIPT = r"""
 import json, os
 import torch
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab.layout import build_layout
+from h3lab import H3Config, H3Transformer; from h3lab.execution import runtime
+from h3lab.run.layout import build_layout
 
 assert "TRITON_INTERPRET" not in os.environ
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""h3lab/graphs.py (its strict policy) on the CPU: eligibility, the signature keys, the
+"""h3lab/execution/graphs.py (its strict policy) on the CPU: eligibility, the signature keys, the
 capture-time rules, and that a strict forward on the CPU stays the eager forward, byte for byte.
 
 The capture runs through a backend that "replays" by re-running the captured body on the static buffers (the real
@@ -13,7 +13,7 @@ import torch
 from graph_fakes import ReplayBackend, no_host_reads
 from strict_cases import CONFIGS, build_model, forward_kwargs, make_layout, make_request
 
-from h3lab import graphs, runtime
+from h3lab.execution import graphs, runtime
 
 ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
         "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices", "key_order")
@@ -194,7 +194,7 @@ def test_ineligible_and_bad_calls(model):
     with pytest.raises(TypeError, match="must be True or False"):
         with graphs.use_graphs("strict", 1):
             pass
-    with pytest.raises(TypeError, match="must be an h3lab.graphs.Policy"):
+    with pytest.raises(TypeError, match="must be an h3lab.execution.graphs.Policy"):
         graphs.GraphCache("strict")
     with pytest.raises(ValueError, match="max_graphs=0"):
         graphs.GraphCache(graphs.STRICT, max_graphs=0)

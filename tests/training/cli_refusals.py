@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from h3lab import train
+from h3lab.frontends import train
 
 LIMIT_S = 5.0
 
@@ -16,7 +16,7 @@ class Tripwire(BaseException):
 
 def assert_each_refused(command: str, cases, out, monkeypatch, capsys, limit_s: float = LIMIT_S) -> None:
     """`cases`: (name, argv, message) rows for `h3lab train <command>`, each run with `--mode off`."""
-    import h3lab.session as session_module
+    import h3lab.app.session as session_module
 
     def tripwire(*a, **k):
         raise Tripwire("a session was built")

@@ -8,8 +8,8 @@ import torch
 
 from h3lab.hashing import model_fingerprint
 from h3lab.run import DenoiseInputs, RunSpec
-from h3lab.sampler import DualSchedule, draw_noise
-from h3lab.trajectory import record
+from h3lab.run.sampler import DualSchedule, draw_noise
+from h3lab.run.trajectory import record
 from h3lab.training.grpo_step import batch_from_trajectories
 
 from training_cases import SMALL, make_layout

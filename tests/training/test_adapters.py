@@ -14,13 +14,14 @@ import torch
 from lora_cases import randomize_b
 from training_cases import SMALL, build_model
 
-from h3lab import H3Config, H3Transformer, cli, commands
+from h3lab import H3Config, H3Transformer
+from h3lab.frontends import cli, commands
 from h3lab.model import random_state_dict
 from h3lab.run import RunSpecError
-from h3lab.session import Session
+from h3lab.app.session import Session
 from h3lab.training import AdapterError, add_lora, read_adapter, save_adapter
-from h3lab.training.adapters import validate
-from h3lab.training.lora import lora_layers
+from h3lab.adapters.field import validate
+from h3lab.adapters.lora import lora_layers
 
 GEN = dict(width=64, height=64, frames=22, steps=2, mode="off", seed=3)
 
@@ -57,7 +58,7 @@ def test_generation_with_adapter_is_sealed_and_verified(session, base, tmp_path)
     assert [dict(a) for a in spec.adapters] == [entry] and spec.sha256 != base.trajectory.spec.sha256
     assert not lora_layers(session.transformer())  # injected for the run only
     # the active adapter is shown in !status, the "ran" line and the drift labels
-    from h3lab import commands
+    from h3lab.frontends import commands
 
     shown = f"LoRA fox-lora x1 (sha256 {digest[:12]})"
     assert commands.what_ran(result).endswith(f"; with {shown}") and shown not in commands.what_ran(base)
@@ -197,7 +198,7 @@ def test_a_header_length_ending_in_0x80_is_not_taken_for_a_pickle(tmp_path):
     trained default's adapters hit it. Such a file reads; a real pickle under a .safetensors name is still refused."""
     from safetensors.torch import save
 
-    from h3lab.training.adapter_file import _tensors
+    from h3lab.adapters.adapter_file import _tensors
 
     weights = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(7))}
     data = next(d for d in (save(weights, metadata={"pad": "x" * n}) for n in range(400)) if d[0] == 0x80)

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from grpo_cases import group_inputs, rollout_batch
 
-from h3lab import trajectory as T
+from h3lab.run import trajectory as T
 from h3lab.run import RunSpec
 from h3lab.run.fields import thaw
-from h3lab.sampler import DualSchedule
+from h3lab.run.sampler import DualSchedule
 from h3lab.training import OptimizerConfig, add_lora, trainable_parameters
 from h3lab.training.grpo_step import GrpoConfig, grpo_iteration
 

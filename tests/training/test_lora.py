@@ -12,7 +12,7 @@ import torch
 from lora_cases import ALPHA, RANK, lora_model, randomize_b
 from training_cases import SMALL, build_model, make_clip, make_layout
 
-from h3lab import runtime
+from h3lab.execution import runtime
 from h3lab.training import (
     PROJECTIONS,
     AdapterError,
@@ -27,9 +27,9 @@ from h3lab.training import (
     save_adapter,
     trainable_parameters,
 )
-from h3lab.training.adapter_file import check_shapes, files_digest
-from h3lab.training.adapters import attached
-from h3lab.training.lora import lora_layer_class, lora_layers
+from h3lab.adapters.adapter_file import check_shapes, files_digest
+from h3lab.adapters.field import attached
+from h3lab.adapters.lora import lora_layer_class, lora_layers
 
 OBJECTIVE = Objective(audio_weight=0.5)
 

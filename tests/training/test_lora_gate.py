@@ -27,7 +27,7 @@ from training_cases import (SMALL, batched_torch_gradient, build_model, float64_
                             rollout_spec)
 
 from strict_testing import assert_error_within
-from h3lab import runtime
+from h3lab.execution import runtime
 from h3lab.training import (
     Objective,
     StepResult,
@@ -43,8 +43,8 @@ from h3lab.training import (
     save_adapter,
     trainable_parameters,
 )
-from h3lab.training.adapters import attached
-from h3lab.training.lora import load_adapter_weights
+from h3lab.adapters.field import attached
+from h3lab.adapters.lora import load_adapter_weights
 from h3lab.training.step import input_leaves, split_flat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -189,7 +189,7 @@ def test_lora_train_step_velocity_equals_lora_rollout_at_every_pass(tmp_path):
     """On the gate's SMALL config (one block + one refiner block; the tiny snapshot's 2 + 2 blocks would double
     every strict program), a 2-pass strict rollout of the fl2va layout with the adapter applied by
     `RunSpec.adapters`, then a strict LoRA step over its passes."""
-    from h3lab.trajectory import record
+    from h3lab.run.trajectory import record
 
     model = build_model(SMALL, "released", 45)
     plain = rollout_spec(model, seed=46)

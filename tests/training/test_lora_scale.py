@@ -12,16 +12,17 @@ import pytest
 import torch
 from lora_cases import randomize_b
 
-from h3lab import H3Config, H3Transformer, cli, commands
-from h3lab import trajectory as T
-from h3lab.ablation.bench import Bench
+from h3lab import H3Config, H3Transformer
+from h3lab.frontends import cli, commands
+from h3lab.run import trajectory as T
+from h3lab.research.ablation.bench import Bench
 from h3lab.errors import H3Error
 from h3lab.model import random_state_dict
 from h3lab.schema import SETTINGS
 from h3lab.schema.lora_scale import describe, parse
-from h3lab.session import Session
+from h3lab.app.session import Session
 from h3lab.training import add_lora, adapter_entry, save_adapter
-from h3lab.training.lora import adapter_state_dict, load_adapter_weights, lora_layers
+from h3lab.adapters.lora import adapter_state_dict, load_adapter_weights, lora_layers
 
 GEN = dict(width=64, height=64, frames=22, steps=2, mode="off", seed=3)
 
@@ -108,7 +109,7 @@ def test_a_modality_factor_leaves_the_other_rows_byte_equal(bench, adapters):
 
 
 def test_one_declaration_reaches_flag_command_panel_summary_and_spec(tiny_snapshot, adapters, tmp_path):
-    from h3lab.panel.controls import setting_controls
+    from h3lab.frontends.panel.controls import setting_controls
 
     setting = SETTINGS.get("lora_scale")
     assert setting.flag == "--lora-scale" and "lora-scale" in commands.COMMANDS

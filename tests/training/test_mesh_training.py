@@ -23,9 +23,10 @@ from lora_cases import lora_model
 from rank_cases import of_case, prefixed
 from training_cases import SMALL, make_clip
 
-from h3lab import H3Config, runtime
+from h3lab import H3Config
+from h3lab.execution import runtime
 from h3lab.distributed.launch import spawn
-from h3lab.layout import build_layout
+from h3lab.run.layout import build_layout
 from h3lab.training import Objective, compute_gradients, trainable_parameters
 from h3lab.training.step import split_flat
 

@@ -22,7 +22,7 @@ from training_cases import SMALL, make_clip
 
 from h3lab import H3Config
 from h3lab.distributed.launch import spawn
-from h3lab.layout import Reference, build_layout
+from h3lab.run.layout import Reference, build_layout
 from h3lab.training import Objective, compute_gradients, trainable_parameters
 from h3lab.training.step import split_flat
 

@@ -14,10 +14,10 @@ from lora_cases import lora_model
 from training_cases import SMALL, build_model, make_layout
 
 from h3lab.hashing import model_fingerprint
-from h3lab.layout import timesteps_of_kinds
+from h3lab.run.layout import timesteps_of_kinds
 from h3lab.run import RunSpec
-from h3lab.sampler import DualSchedule, draw_noise, noise_mix
-from h3lab.trajectory import record
+from h3lab.run.sampler import DualSchedule, draw_noise, noise_mix
+from h3lab.run.trajectory import record
 from h3lab.training import OptimizerConfig, TrainingError, add_lora, trainable_parameters
 from h3lab.training.objective import shifted_sigma
 from h3lab.training.nft import (NftBatch, NftConfig, clean_request, frozen_velocities, load, nft_iteration,
@@ -109,7 +109,7 @@ def test_strict_old_velocities_are_byte_equal_however_batched(strict_case):
     model, clean = strict_case
     cfg = NftConfig(group=3, mode="strict", seed=2)
     items, _ = noised_items(batch_of(clean), cfg, 0, "cpu")
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     with runtime.use_mode("strict"):
         grouped = frozen_velocities(model, items, "group")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from training_cases import SMALL, build_model, make_clip, make_layout
 
-from h3lab import sampler
-from h3lab.layout import CONDITION_VIDEO_T
+from h3lab.run import sampler
+from h3lab.run.layout import CONDITION_VIDEO_T
 from h3lab.run import DenoiseInputs, RunSpec
-from h3lab.trajectory import record
+from h3lab.run.trajectory import record
 from h3lab.training import ClipRequest, Objective, TrainingError, flow_matching_loss, rollout_request, rollout_requests
 from h3lab.training.objective import shifted_sigma
 

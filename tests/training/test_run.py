@@ -10,9 +10,9 @@ import pytest
 import torch
 from training_cases import SMALL, build_model, make_clip, make_dataset, make_layout
 
-from h3lab import sampler
+from h3lab.run import sampler
 from h3lab.run import DenoiseInputs, RunSpec
-from h3lab.trajectory import record
+from h3lab.run.trajectory import record
 from h3lab.training import (
     Objective,
     OptimizerConfig,

@@ -23,7 +23,7 @@ import torch
 from training_cases import SMALL, batched_torch_gradient, build_model, float64_twin, make_clip, make_layout
 
 from strict_testing import assert_error_within
-from h3lab import runtime
+from h3lab.execution import runtime
 from h3lab.training import (
     ClipRequest,
     Objective,

@@ -23,7 +23,7 @@ import torch
 from lora_cases import lora_model
 from training_cases import SMALL, make_clip, make_layout
 
-from h3lab import context
+from h3lab.execution import context
 from h3lab.model import transformer
 from h3lab.training import Objective, StrictAdamW, compute_gradients, step_graph, trainable_parameters
 from h3lab.training.step import request_gradient
@@ -192,7 +192,7 @@ def test_bad_settings_raise():
 
 @contextlib.contextmanager
 def runtime_mode(mode: str):
-    from h3lab import runtime
+    from h3lab.execution import runtime
 
     with runtime.use_mode(mode):
         yield
@@ -220,7 +220,7 @@ def test_layouts_cycling_past_max_graphs_leave_the_dropped_one_eager(monkeypatch
 def test_train_progress_line_says_graph_when_the_step_replayed(monkeypatch):
     import io
 
-    from h3lab.train import Progress
+    from h3lab.frontends.train import Progress
 
     class Tty(io.StringIO):
         def isatty(self):

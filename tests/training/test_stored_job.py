@@ -16,8 +16,9 @@ from pathlib import Path
 
 from training_cases import make_clip, make_layout
 
-from h3lab import H3Config, train
-from h3lab import verify as verify_front_end
+from h3lab import H3Config
+from h3lab.frontends import train
+from h3lab.frontends import verify as verify_front_end
 from h3lab.checkpoint.tiny import make_tiny_snapshot
 from h3lab.training import OptimizerConfig, TrainConfig, load
 from h3lab.training.dataset import save_dataset

@@ -13,7 +13,7 @@ import pytest
 import torch
 from training_cases import SMALL, build_model, make_clip, make_layout
 
-from h3lab import cli, train
+from h3lab.frontends import cli, train
 from h3lab.components.residency import GiB, ResidencyError
 from h3lab.components.streaming import stream_blocks, streamer_of
 from h3lab.training import OptimizerConfig, TrainConfig, add_lora, load

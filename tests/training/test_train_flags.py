@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from h3lab import train
+from h3lab.frontends import train
 from h3lab.run import STEPPERS
 from h3lab.schema import Setting
 from h3lab.schema.program import PROGRAMS, declare_flag, flag_names, sealed

@@ -18,8 +18,9 @@ import pytest
 import torch
 from training_cases import make_clip, make_layout
 
-from h3lab import H3Config, cli, train
-from h3lab.session import Session
+from h3lab import H3Config
+from h3lab.frontends import cli, train
+from h3lab.app.session import Session
 from h3lab.training import load, read_adapter, verify
 from h3lab.training.dataset import save_dataset
 from pathlib import Path
@@ -259,7 +260,7 @@ KILL_MID_STEP = """
 import os, signal, sys
 import h3lab.training.step as step_module
 import h3lab.training.run as run_module
-from h3lab import train
+from h3lab.frontends import train
 calls = [0]
 real = run_module.compute_gradients
 def killing(*args, **kwargs):
@@ -311,7 +312,7 @@ def test_a_corrupted_checkpoint_is_refused_naming_it(data, tmp_path, capsys, ref
 def test_every_flag_has_help_and_says_its_default(parser):
     """`h3lab train --help` (and `train grpo`, `verify`): every flag explains itself and shows its default; the
     training help points at `train grpo` and at `h3lab verify`."""
-    from h3lab import verify as verify_front_end
+    from h3lab.frontends import verify as verify_front_end
 
     p = {"train": train.build_parser, "grpo": train.build_grpo_parser, "verify": verify_front_end.build_parser}[parser]()
     for action in p._actions:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cli_refusals import assert_each_refused
-from h3lab import train
+from h3lab.frontends import train
 from h3lab.training.rewards import latent_mean, reward
 
 
@@ -32,7 +32,7 @@ def flaky_reward(sample):  # latent_mean, or a failure while FLAKY["fail"] (a re
 def files(tmp_path_factory):
     from h3lab.checkpoint.tiny import default_snapshot
     from h3lab.training.job import _check_targets, _snapshot_config
-    from h3lab.training.lora import PROJECTIONS
+    from h3lab.adapters.lora import PROJECTIONS
 
     # outside the timed cases: the default snapshot built once into the cache, peft imported by a first target match
     _check_targets(PROJECTIONS, _snapshot_config(default_snapshot(), "transformer"))
@@ -116,7 +116,7 @@ def grpo_argv(files, out, *extra):
 
 
 def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
-    from h3lab.session import Session
+    from h3lab.app.session import Session
     from h3lab.training.grpo_job import run_grpo_job
     from h3lab.training.grpo_run import load, verify
 
@@ -158,7 +158,7 @@ def test_grpo_job_end_to_end_and_resume(files, tiny_snapshot, tmp_path, capsys):
         assert verify(resumed, model).ok
     finally:
         remove_lora(model, handle)
-    from h3lab import cli
+    from h3lab.frontends import cli
 
     capsys.readouterr()
     assert cli.main(["verify", str(tmp_path / "cut")]) == 0  # the job folder: its run/, base and adapter rebuilt
@@ -187,7 +187,7 @@ def test_a_job_stopped_before_its_first_checkpoint_restarts_with_resume(files, t
     assert train.main(["grpo", *argv, "--resume"]) == 0
     assert "trained 2 GRPO iterations" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["adapter", "initial", "job.json", "run"]
-    from h3lab import cli
+    from h3lab.frontends import cli
 
     assert cli.main(["verify", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("OK")

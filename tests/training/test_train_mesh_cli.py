@@ -17,8 +17,9 @@ import pytest
 from ports import free_port
 from training_cases import make_clip
 
-from h3lab import H3Config, H3Transformer, train
-from h3lab.layout import build_layout
+from h3lab import H3Config, H3Transformer
+from h3lab.frontends import train
+from h3lab.run.layout import build_layout
 from h3lab.training import add_lora, verify
 from h3lab.training.dataset import save_dataset
 
@@ -120,7 +121,7 @@ import os, signal, sys
 if os.environ["RANK"] == "1":  # SIGKILL mid-step: at block 0's Ulysses exchange, rank 0 waiting in its own
     import h3lab.distributed.collectives as collectives
     collectives._all_to_all = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-from h3lab.train import main
+from h3lab.frontends.train import main
 sys.exit(main(sys.argv[1:]))
 """
 

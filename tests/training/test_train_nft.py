@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from cli_refusals import assert_each_refused
-from h3lab import train
+from h3lab.frontends import train
 from h3lab.training.reward_server import make_server
 from h3lab.training.rewards import REWARDS, Reward
 
@@ -18,7 +18,7 @@ from h3lab.training.rewards import REWARDS, Reward
 def files(tmp_path_factory):
     from h3lab.checkpoint.tiny import default_snapshot
     from h3lab.training.job import _check_targets, _snapshot_config
-    from h3lab.training.lora import PROJECTIONS
+    from h3lab.adapters.lora import PROJECTIONS
 
     _check_targets(PROJECTIONS, _snapshot_config(default_snapshot(), "transformer"))
     d = tmp_path_factory.mktemp("nft-args")
@@ -69,7 +69,7 @@ def nft_argv(files, out, *extra):
 
 
 def test_nft_job_end_to_end_verify_and_resume(files, tiny_snapshot, tmp_path, capsys):
-    from h3lab.session import Session
+    from h3lab.app.session import Session
     from h3lab.training import add_lora, remove_lora
     from h3lab.training.nft import load, run_nft_job, verify
 

@@ -7,8 +7,8 @@ would cost two more strict backwards here; `tests/research/test_arms.py` shows R
 import pytest
 import torch
 
-from h3lab.ablation import tiny_bench
-from h3lab.arms import rollout, sides
+from h3lab.research.ablation import tiny_bench
+from h3lab.research.arms import rollout, sides
 from h3lab.training import Objective, compute_gradients, rollout_requests
 from h3lab.training.step import split_flat, trainable_parameters
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from h3lab import H3Config, H3Transformer, runtime
-from h3lab.layout import PackedLayout, Reference, build_layout
+from h3lab import H3Config, H3Transformer
+from h3lab.execution import runtime
+from h3lab.run.layout import PackedLayout, Reference, build_layout
 from h3lab.model import random_state_dict
 from h3lab.training import ClipRequest, Objective, flow_matching_loss, trainable_parameters
 from h3lab.training.step import flat_gradient
@@ -102,7 +103,7 @@ def rollout_spec(model: H3Transformer, seed: int, mode: str = "strict"):
     block + one refiner block)."""
     from h3lab.hashing import model_fingerprint
     from h3lab.run import DenoiseInputs, RunSpec
-    from h3lab.sampler import DualSchedule
+    from h3lab.run.sampler import DualSchedule
 
     layout, schedule = make_layout("fl2va"), DualSchedule.from_passes(2)
     clip = make_clip(model.config, layout, seed=seed)

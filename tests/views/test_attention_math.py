@@ -1,4 +1,4 @@
-"""The attention probe's arithmetic (`h3lab.views.attention`): rows equal an independent float64 softmax within the
+"""The attention probe's arithmetic (`h3lab.research.views.attention`): rows equal an independent float64 softmax within the
 bound derived in the module docstring, region sums add to 1 per query row, the map does not depend on the chunk
 size, and keys visited in canonical order give the same map for a consistently permuted layout."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from h3lab.layout import build_layout
-from h3lab.views.attention import (U64, attention_map, attention_rows, gamma, probability_bound, region_attention)
-from h3lab.views.regions import layout_regions, select
+from h3lab.run.layout import build_layout
+from h3lab.research.views.attention import (U64, attention_map, attention_rows, gamma, probability_bound, region_attention)
+from h3lab.research.views.regions import layout_regions, select
 
 
 def _qk(S: int, H: int, D: int, seed: int, dtype=torch.bfloat16):
@@ -105,8 +105,8 @@ def test_bad_requests_are_one_line():
     layout = _layout()
     q, k = _qk(layout.sequence_length, 2, 16, 1)
     regions = layout_regions(layout)
-    from h3lab.views.attention import AttentionViewError
-    from h3lab.views.regions import RegionError
+    from h3lab.research.views.attention import AttentionViewError
+    from h3lab.research.views.regions import RegionError
 
     with pytest.raises(AttentionViewError, match="heads"):
         attention_rows(q, k, [0], heads=[2])
@@ -132,7 +132,7 @@ def test_word_regions_sum_the_rows_of_a_split_word():
     summed = token.weights[..., 1:4].sum(-1)
     assert torch.allclose(word.weights[..., 1], summed, rtol=0, atol=16 * U64)
     assert torch.allclose(word.weights[..., 3:], token.weights[..., 5:], rtol=0, atol=16 * U64)
-    from h3lab.views.regions import RegionError
+    from h3lab.research.views.regions import RegionError
 
     for bad, why in (([0, 1, 1], "3 text word indices for 5"), ([0, 2, 1, 1, 3], "non-decreasing"),
                      ([0, 1, 1, 1, 2.0], "integers")):

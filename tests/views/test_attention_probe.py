@@ -1,4 +1,4 @@
-"""The attention probe on a real run (`h3lab.views.attention_probe`): re-running a sealed spec with the probe leaves
+"""The attention probe on a real run (`h3lab.research.views.attention_probe`): re-running a sealed spec with the probe leaves
 its strict bytes untouched (the trajectory digest with and without the probe is the same), the view equals the map
 of the Q and K the block consumed, and bad requests are one line."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3lab import trajectory as T
-from h3lab.ablation.bench import Bench, tiny_bench
-from h3lab.views.attention import U64, AttentionViewError, attention_map
-from h3lab.views.attention_probe import AttentionProbe, attention_view
-from h3lab.views.regions import layout_regions
+from h3lab.run import trajectory as T
+from h3lab.research.ablation.bench import Bench, tiny_bench
+from h3lab.research.views.attention import U64, AttentionViewError, attention_map
+from h3lab.research.views.attention_probe import AttentionProbe, attention_view
+from h3lab.research.views.regions import layout_regions
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_bad_requests_fail_before_the_run(bench):
         attention_view(spec, bench.model, 0, step=2)
     with pytest.raises(AttentionViewError, match="reuses an earlier velocity"):
         from h3lab.run import RunSpec
-        from h3lab.sampler import DualSchedule
-        from h3lab.ablation.bench import make_inputs
+        from h3lab.run.sampler import DualSchedule
+        from h3lab.research.ablation.bench import make_inputs
 
         sched = DualSchedule.build(5)
         reused = RunSpec(make_inputs(bench.model.config, bench.layout, sched, 0, {}), sched, layout=bench.layout,
@@ -75,7 +75,7 @@ def test_bad_requests_fail_before_the_run(bench):
 
 
 def test_a_knocked_out_block_passes_its_input_on(bench):
-    from h3lab.views.knockout import knocked_out
+    from h3lab.research.views.knockout import knocked_out
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""The A/B numbers of `h3lab.views.compare` on fresh random media: PSNR follows its formula, SSIM is 1 for equal
+"""The A/B numbers of `h3lab.research.views.compare` on fresh random media: PSNR follows its formula, SSIM is 1 for equal
 frames, symmetric and below 1 otherwise, the log-spectral distance is 0 for equal tracks and symmetric, the RMS ratio
 of a scaled track is the scale, and every number repeats its bytes."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from h3lab.views.compare import (CompareError, frame_psnr, frame_ssim, log_spectral_distance, rms_ratio,
+from h3lab.research.views.compare import (CompareError, frame_psnr, frame_ssim, log_spectral_distance, rms_ratio,
                                  shapes_reads)
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from h3lab import commands, plots
+from h3lab.frontends import commands
+from h3lab.research import plots
 from h3lab.errors import H3Error
-from h3lab.session import Session
+from h3lab.app.session import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 from figure_checks import assert_readable  # noqa: E402

@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 from ...hashing import tensor_digest
-from ...layout import TIME_AUDIO, TIME_CONDITION, TIME_REFERENCE_AUDIO, TIME_VIDEO, timesteps_of_kinds
-from ...sampler import draw_noise, noise_mix
-from ...trajectory import TraceSummary
+from ...run.layout import TIME_AUDIO, TIME_CONDITION, TIME_REFERENCE_AUDIO, TIME_VIDEO, timesteps_of_kinds
+from ...run.sampler import draw_noise, noise_mix
+from ...run.trajectory import TraceSummary
 from ..combine import TreeAccumulator
 from ..grpo import group_advantages
-from ..lora import adapter_disabled, has_lora
+from ...adapters.lora import adapter_disabled, has_lora
 from ..objective import MODALITIES, TrainingError, TrainingSample, shifted_sigma
 from ..optim import StrictAdamW
 from ..rl_run import step_record
@@ -171,7 +171,7 @@ class NftBatch:
 
 
 def batch_from_rollout(rollout: Any, rewards: torch.Tensor, parts: list | None = None) -> NftBatch:
-    """The `NftBatch` of an `h3lab.rollout.Rollout` (any stepper) and its requests' rewards (request order)."""
+    """The `NftBatch` of an `h3lab.app.rollout.Rollout` (any stepper) and its requests' rewards (request order)."""
     requests = [clean_request(q.trajectory, q.item, q.request, q.prompt_index)
                 for q in sorted(rollout.requests, key=lambda q: q.request)]
     origin = {"kind": rollout.stepper, "trajectories": [t.digest for t in rollout.trajectories]}

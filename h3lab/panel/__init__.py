@@ -1,5 +1,0 @@
-"""The parts of the notebook panel (`h3lab.widgets.Workbench`), one job each: `controls.py` the settings' controls
-generated from the schema, `layout.py` every widget and where it sits (`PanelLayout`), `run.py` the generation worker
-and its progress (`RunWorker`), `media.py` the result's text, latent strip, MP4 player, drift heatmaps and timing line
-(`MediaView`). `h3lab.widgets` wires them together; nothing here touches the model (only `Session`'s public methods).
-"""
