@@ -130,7 +130,8 @@ def log_spectral_distance(a: Any, b: Any, n_fft: int = 1024, hop: int = 256) -> 
     for ch in range(2):
         pa, pb = _stft_power(x[ch], n_fft, hop), _stft_power(y[ch], n_fft, hop)
         floor = POWER_FLOOR * max(float(pa.max()), float(pb.max()), 1e-300)
-        d = 10 * np.log10(np.maximum(pa, floor) / np.maximum(pb, floor))
+        # A difference of logs, not the log of a ratio: exactly antisymmetric, so the distance is symmetric.
+        d = 10 * (np.log10(np.maximum(pa, floor)) - np.log10(np.maximum(pb, floor)))
         out.append(float(np.sqrt((d ** 2).mean(axis=1)).mean()))
     return float(np.mean(out))
 
