@@ -29,7 +29,7 @@ released dtypes, no hook holding tensors, one request (batch 1), TEXT_ROWS text 
 Not counted: the text encoder and the VAEs (`--residency phased` releases them before the denoise phase), CUDA graph
 pools, the CUDA context. MARGIN and FIXED_ACTIVATIONS are calibrated on the H200 measurements of the resident
 forward's peak over its weights: 0.52 GiB at 2,066 rows and 1.34 GiB at 7,272 rows
-(benchmarks/results/streaming.json) and about 17 GiB at 109,205 rows (forward_every_length_session10.json): the
+(benchmarks/results/streaming.json) and about 17 GiB at 109,205 rows (benchmarks/results/forward_every_length.json): the
 formula gives 0.57, 1.39 and 17.3 GiB. It is an estimate; the benchmarks measure the peak.
 
 `MemoryPlan.fits` is peak <= the card (unknown card: True); `check_fits(plan)` refuses a request that does not fit

@@ -133,9 +133,10 @@ class PromptBound:
         return count
 
 
-def token_strings(snapshot: str | Path, text: str) -> list[str]:
-    """The tokens of `text` as the pipeline's tokenizer splits it (`add_special_tokens=False`), each decoded on its own
-    and stripped ("blue", ","), from `tokenizer/` alone (no weights): labels for the text rows of a view."""
+def _split_tokens(snapshot: str | Path, text: str) -> tuple[list[str], list[tuple[int, int]] | None]:
+    """The tokens of `text` as the pipeline's tokenizer splits it (`add_special_tokens=False`) from `tokenizer/` alone
+    (no weights): each token decoded on its own and stripped, and their character offsets (None where a slow
+    tokenizer cannot give them)."""
     folder = Path(snapshot) / "tokenizer"
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -144,15 +145,25 @@ def token_strings(snapshot: str | Path, text: str) -> list[str]:
             fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
             raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
-        ids = fast.encode(text, add_special_tokens=False).ids
-        return [fast.decode([i]).strip() or repr(fast.decode([i])) for i in ids]
-    if not folder.is_dir():
-        raise CheckpointError(f"snapshot {str(Path(snapshot))!r} has no tokenizer/ folder")
-    from transformers import AutoTokenizer
+        encoded = fast.encode(text, add_special_tokens=False)
+        ids, offsets, decode = encoded.ids, list(encoded.offsets), fast.decode
+    else:
+        if not folder.is_dir():
+            raise CheckpointError(f"snapshot {str(Path(snapshot))!r} has no tokenizer/ folder")
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return [tok.decode([i]).strip() or repr(tok.decode([i])) for i in ids]
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        is_fast = bool(getattr(tok, "is_fast", False))
+        encoded = tok(text, add_special_tokens=False, return_offsets_mapping=is_fast)
+        ids, decode = encoded["input_ids"], tok.decode
+        offsets = [tuple(o) for o in encoded["offset_mapping"]] if is_fast else None
+    return [decode([i]).strip() or repr(decode([i])) for i in ids], offsets
+
+
+def token_strings(snapshot: str | Path, text: str) -> list[str]:
+    """The tokens of `text` as the pipeline's tokenizer splits it (`add_special_tokens=False`), each decoded on its own
+    and stripped ("blue", ","), from `tokenizer/` alone (no weights): labels for the text rows of a view."""
+    return _split_tokens(snapshot, text)[0]
 
 
 def word_groups(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
@@ -176,23 +187,9 @@ def prompt_words(snapshot: str | Path, text: str) -> tuple[list[str], list[int]]
     """The words of `text` as the pipeline's tokenizer splits it: one label per token (the whole word its token
     belongs to, stripped) and the word index of each token (`word_groups`); a slow tokenizer that gives no character
     offsets makes each token its own word."""
-    folder = Path(snapshot) / "tokenizer"
-    if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        try:
-            fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as err:  # noqa: BLE001 - the Rust loader raises a bare Exception on a bad file
-            raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file ({err})") from None
-        offsets = list(fast.encode(text, add_special_tokens=False).offsets)
-    else:
-        tokens = token_strings(snapshot, text)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        if not getattr(tok, "is_fast", False):
-            return tokens, list(range(len(tokens)))
-        offsets = list(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
+    tokens, offsets = _split_tokens(snapshot, text)
+    if offsets is None:
+        return tokens, list(range(len(tokens)))
     groups = word_groups(text, offsets)
     spans: dict[int, tuple[int, int]] = {}
     for g, (start, end) in zip(groups, offsets):
