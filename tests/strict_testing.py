@@ -19,6 +19,25 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale:
     return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
 
+def adaln_row_index(rows: int, timesteps: int, seed: int = 0) -> torch.Tensor:
+    """timestep_index * 3 + token_tag per packed row (the AdaLN table row each row reads): video rows, then audio,
+    then text, each at a random one of `timesteps` steps."""
+    gen = torch.Generator().manual_seed(seed)
+    tag = torch.sort(torch.randint(0, 3, (rows,), generator=gen)).values
+    return torch.randint(0, timesteps, (rows,), generator=gen) * 3 + tag
+
+
+def norm_weight(d: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """A learned norm weight near 1 (fresh values, never all ones)."""
+    return (1.0 + 0.1 * randn(d, seed=seed)).to(dtype)
+
+
+def adaln_projection(timesteps: int, d: int, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+    """(3 * timesteps, 6 d) AdaLN projection output [shift_msa | scale_msa | gate_msa | shift_mlp | scale_mlp |
+    gate_mlp], one row per (timestep, modality); the model passes its `chunk(6, dim=-1)` pieces."""
+    return randn(3 * timesteps, 6 * d, dtype=dtype, seed=seed, scale=0.5)
+
+
 def l2_error(out: torch.Tensor, truth: torch.Tensor) -> float:
     """||out - truth||_2 in float64; NaN or inf in `out` gives inf."""
     diff = out.detach().to(torch.float64) - truth.detach().to(torch.float64)

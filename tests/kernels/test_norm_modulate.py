@@ -9,7 +9,8 @@ from h3kernels import modulate as M
 from h3kernels import norm_modulate as K
 from h3kernels import registry
 from h3kernels import rms_norm as N
-from strict_testing import assert_error_within, randn
+from strict_testing import (adaln_projection, adaln_row_index, assert_error_within,
+                            norm_weight, randn)
 from h3lab.execution import runtime
 
 EPS = 1e-5  # H3Config.norm_eps
@@ -17,22 +18,6 @@ DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 S, T = 37, 2  # 37 packed rows (no tile multiple); 2 timesteps x 3 modalities -> R = 6 table rows
 # hidden 24 is the tiny model's; 96, 160 and 336 are non-power-of-two widths like the release's 5376 = 21 * 256
 WIDTHS = [24, 96, 160, 336]
-
-
-def _index(s=S, seed=0):
-    """timestep_index * 3 + token_tag per packed row: video rows, then audio, then text, each at a random step."""
-    gen = torch.Generator().manual_seed(seed)
-    tag = torch.sort(torch.randint(0, 3, (s,), generator=gen)).values
-    return torch.randint(0, T, (s,), generator=gen) * 3 + tag
-
-
-def _weight(d, dtype, seed=1):
-    return (1.0 + 0.1 * randn(d, seed=seed)).to(dtype)
-
-
-def _projection(d, dtype, seed=2):
-    """(R, 6D) AdaLN projection output; the model passes its `chunk(6, dim=-1)` pieces [shift | scale | ...]."""
-    return randn(3 * T, 6 * d, dtype=dtype, seed=seed, scale=0.5)
 
 
 def _tables(table):
@@ -54,20 +39,20 @@ def _torch(x, w, eps, scale, shift, idx):
 @pytest.mark.parametrize("d", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_bytes_equal_unfused_chain(dtype, d):
-    scale, shift = _tables(_projection(d, dtype))
+    scale, shift = _tables(adaln_projection(T, d, dtype))
     assert not scale.is_contiguous()  # row-strided views, as the model passes them
-    idx = _index()
+    idx = adaln_row_index(S, T)
     for b in (1, 3):
         x = randn(b, S, d, dtype=dtype, seed=3 + b)
-        for w in (_weight(d, dtype), None):
+        for w in (norm_weight(d, dtype), None):
             out = K.norm_modulate(x, w, EPS, scale, shift, idx)
             assert out.dtype == dtype and out.shape == x.shape
             assert torch.equal(out, _unfused(x, w, EPS, scale, shift, idx)), f"B={b} weight={w is not None}"
 
 
 def test_contiguous_tables_same_bytes():
-    scale, shift = _tables(_projection(96, torch.bfloat16))
-    x, w, idx = randn(2, S, 96, dtype=torch.bfloat16, seed=5), _weight(96, torch.bfloat16), _index()
+    scale, shift = _tables(adaln_projection(T, 96, torch.bfloat16))
+    x, w, idx = randn(2, S, 96, dtype=torch.bfloat16, seed=5), norm_weight(96, torch.bfloat16), adaln_row_index(S, T)
     out = K.norm_modulate(x, w, EPS, scale.contiguous(), shift.contiguous(), idx)
     assert torch.equal(out, K.norm_modulate(x, w, EPS, scale, shift, idx))
 
@@ -76,9 +61,9 @@ def test_contiguous_tables_same_bytes():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_accuracy(dtype, d):
     """Error against the float64 truth <= 2x torch's same-dtype composition of the two reference ops."""
-    x, w = randn(2, S, d, dtype=dtype, seed=6), _weight(d, dtype)
-    scale, shift = _tables(_projection(d, dtype))
-    idx = _index(seed=7)
+    x, w = randn(2, S, d, dtype=dtype, seed=6), norm_weight(d, dtype)
+    scale, shift = _tables(adaln_projection(T, d, dtype))
+    idx = adaln_row_index(S, T, seed=7)
     torch_out = _torch(x, w, EPS, scale, shift, idx)
     truth = K.reference(x.double(), w.double(), EPS, scale.double(), shift.double(), idx)
     assert_error_within(K.norm_modulate(x, w, EPS, scale, shift, idx), torch_out, truth, f"norm_modulate {d} {dtype}")
@@ -87,9 +72,9 @@ def test_forward_accuracy(dtype, d):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_batch_invariance(dtype):
     d = 160
-    x, w = randn(3, S, d, dtype=dtype, seed=8), _weight(d, dtype)
-    scale, shift = _tables(_projection(d, dtype))
-    idx = _index(seed=9)
+    x, w = randn(3, S, d, dtype=dtype, seed=8), norm_weight(d, dtype)
+    scale, shift = _tables(adaln_projection(T, d, dtype))
+    idx = adaln_row_index(S, T, seed=9)
     full = K.norm_modulate(x, w, EPS, scale, shift, idx)
     assert torch.equal(full, K.norm_modulate(x, w, EPS, scale, shift, idx))  # repeat
     for b in range(3):  # batch 1 vs N
@@ -114,9 +99,9 @@ def _grads(fn, x, w, table, idx, dy):
 def test_backward_bytes_equal_unfused_chain(d, dtype):
     s = 100  # 200 (b, s) rows over 6 table rows: ~33 each, so table sums span two 32-entry chunks
     x = randn(2, s, d, dtype=dtype, seed=12).requires_grad_()
-    w = _weight(d, dtype).requires_grad_()
-    table = _projection(d, dtype, seed=13).requires_grad_()  # d(scale), d(shift) land in its first two chunks
-    idx, dy = _index(s, seed=14), randn(2, s, d, dtype=dtype, seed=15)
+    w = norm_weight(d, dtype).requires_grad_()
+    table = adaln_projection(T, d, dtype, seed=13).requires_grad_()  # d(scale), d(shift) land in its first two chunks
+    idx, dy = adaln_row_index(s, T, seed=14), randn(2, s, d, dtype=dtype, seed=15)
     g = _grads(K.norm_modulate, x, w, table, idx, dy)
     assert all(torch.equal(a, b) for a, b in zip(g, _grads(K.norm_modulate, x, w, table, idx, dy)))  # repeat
     chain = _grads(_unfused, x, w, table, idx, dy)
@@ -134,17 +119,17 @@ def test_partial_backward_bytes_equal_unfused_chain(wants):
     """Only the requested gradients are computed (y is recomputed only for d(scale)); each equals the chain's."""
     dtype, d = torch.bfloat16, 96
     x = randn(1, S, d, dtype=dtype, seed=16).requires_grad_("x" in wants)
-    w = None if "no weight" in wants else _weight(d, dtype)
-    table = _projection(d, dtype, seed=17).requires_grad_("tables" in wants)
-    idx, dy = _index(seed=18), randn(1, S, d, dtype=dtype, seed=19)
+    w = None if "no weight" in wants else norm_weight(d, dtype)
+    table = adaln_projection(T, d, dtype, seed=17).requires_grad_("tables" in wants)
+    idx, dy = adaln_row_index(S, T, seed=18), randn(1, S, d, dtype=dtype, seed=19)
     g = _grads(K.norm_modulate, x, w, table, idx, dy)
     assert all(torch.equal(a, b) for a, b in zip(g, _grads(_unfused, x, w, table, idx, dy)))
 
 
 def test_check_and_registry():
-    x, w = randn(2, S, 24, dtype=torch.bfloat16, seed=20), _weight(24, torch.bfloat16)
-    scale, shift = _tables(_projection(24, torch.bfloat16))
-    info = K.check(x, w, EPS, scale, shift, _index())
+    x, w = randn(2, S, 24, dtype=torch.bfloat16, seed=20), norm_weight(24, torch.bfloat16)
+    scale, shift = _tables(adaln_projection(T, 24, torch.bfloat16))
+    info = K.check(x, w, EPS, scale, shift, adaln_row_index(S, T))
     assert info["kernel_id"] == "h3kernels.norm_modulate.norm_modulate.v1" and info["acc_dtype"] == "float32"
     assert "BLOCK_D=32,ROWS=64" in info["tile"]  # rms_norm's tile for D = 24
     op = registry.STRICT_OPS["norm_modulate"]
@@ -153,9 +138,9 @@ def test_check_and_registry():
 
 
 def _bad_cases():
-    x, w = randn(2, S, 24, seed=21), _weight(24, torch.float32)
-    sc, sh = _tables(_projection(24, torch.float32))
-    idx = _index()
+    x, w = randn(2, S, 24, seed=21), norm_weight(24, torch.float32)
+    sc, sh = _tables(adaln_projection(T, 24, torch.float32))
+    idx = adaln_row_index(S, T)
     return [
         ("x float64", (x.double(), w.double(), EPS, sc.double(), sh.double(), idx), "dtype torch.float64 not served"),
         ("weight dtype", (x, w.bfloat16(), EPS, sc, sh, idx), "weight dtype torch.bfloat16 differs"),
@@ -188,6 +173,6 @@ def test_bad_inputs_refused(case):
 
 def test_cpu_without_interpreter_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    sc, sh = _tables(_projection(24, torch.float32))
+    sc, sh = _tables(adaln_projection(T, 24, torch.float32))
     with pytest.raises(registry.StrictUnsupported, match="TRITON_INTERPRET=1"):
-        K.check(randn(2, S, 24), None, EPS, sc, sh, _index())
+        K.check(randn(2, S, 24), None, EPS, sc, sh, adaln_row_index(S, T))

@@ -10,28 +10,14 @@ from h3kernels import modulate as M
 from h3kernels import norm_modulate as NM
 from h3kernels import registry
 from h3kernels import residual_norm_modulate as K
-from strict_testing import assert_error_within, randn
+from strict_testing import (adaln_projection, adaln_row_index, assert_error_within,
+                            norm_weight, randn)
 from h3lab.execution import runtime
 
 EPS = 1e-5  # H3Config.norm_eps
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 S, T = 37, 2  # 37 packed rows (no tile multiple); 2 timesteps x 3 modalities -> R = 6 table rows
 WIDTHS = [24, 96, 336]  # the tiny model's width and non-power-of-two widths like the release's 5376
-
-
-def _index(s=S, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tag = torch.sort(torch.randint(0, 3, (s,), generator=gen)).values
-    return torch.randint(0, T, (s,), generator=gen) * 3 + tag
-
-
-def _weight(d, dtype, seed=1):
-    return (1.0 + 0.1 * randn(d, seed=seed)).to(dtype)
-
-
-def _projection(d, dtype, seed=2):
-    """(R, 6D) AdaLN projection output [shift_msa | scale_msa | gate_msa | shift_mlp | scale_mlp | gate_mlp]."""
-    return randn(3 * T, 6 * d, dtype=dtype, seed=seed, scale=0.5)
 
 
 def _tables(table):
@@ -62,10 +48,10 @@ def _inputs(b, d, dtype, seed):
 @pytest.mark.parametrize("d", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_bytes_equal_unfused_chain(dtype, d):
-    table, idx = _projection(d, dtype), _index()
+    table, idx = adaln_projection(T, d, dtype), adaln_row_index(S, T)
     for b in (1, 3):
         res, y = _inputs(b, d, dtype, seed=3 + b)
-        for w in (_weight(d, dtype), None):
+        for w in (norm_weight(d, dtype), None):
             out = _call(K.residual_norm_modulate, res, y, w, table, idx)
             want = _call(_unfused, res, y, w, table, idx)
             for name, a, e in zip(("stream", "modulated"), out, want):
@@ -78,7 +64,7 @@ def test_forward_accuracy(dtype):
     """Error against the float64 truth <= 2x torch's same-dtype composition of the reference ops."""
     d = 96
     res, y = _inputs(2, d, dtype, seed=6)
-    w, table, idx = _weight(d, dtype), _projection(d, dtype, seed=7), _index(seed=8)
+    w, table, idx = norm_weight(d, dtype), adaln_projection(T, d, dtype, seed=7), adaln_row_index(S, T, seed=8)
     out = _call(K.residual_norm_modulate, res, y, w, table, idx)
     torch_out = _call(_torch, res, y, w, table, idx)
     truth = _call(K.reference, res.double(), y.double(), w.double(), table.double(), idx)
@@ -90,7 +76,7 @@ def test_forward_accuracy(dtype):
 def test_batch_and_row_invariance(dtype):
     d = 96
     res, y = _inputs(3, d, dtype, seed=9)
-    w, table, idx = _weight(d, dtype), _projection(d, dtype, seed=10), _index(seed=11)
+    w, table, idx = norm_weight(d, dtype), adaln_projection(T, d, dtype, seed=10), adaln_row_index(S, T, seed=11)
     full = _call(K.residual_norm_modulate, res, y, w, table, idx)
     assert all(torch.equal(a, b) for a, b in zip(full, _call(K.residual_norm_modulate, res, y, w, table, idx)))
     for b in range(3):  # batch 1 vs N, every position
@@ -114,9 +100,9 @@ def _grads(fn, res, y, w, table, idx, d_stream, d_out):
 def test_backward_bytes_equal_unfused_chain(dtype):
     d, s = 24, S
     res, y = _inputs(2, d, dtype, seed=15)
-    leaves = [t.requires_grad_() for t in (res, y, _weight(d, dtype), _projection(d, dtype, seed=16))]
+    leaves = [t.requires_grad_() for t in (res, y, norm_weight(d, dtype), adaln_projection(T, d, dtype, seed=16))]
     d_stream, d_out = randn(2, s, d, dtype=dtype, seed=17), randn(2, s, d, dtype=dtype, seed=18)
-    idx = _index(seed=19)
+    idx = adaln_row_index(S, T, seed=19)
     g = _grads(K.residual_norm_modulate, *leaves, idx, d_stream, d_out)
     chain = _grads(_unfused, *leaves, idx, d_stream, d_out)
     names = ("dresidual", "dy", "dweight", "dtable")
@@ -133,7 +119,7 @@ def test_partial_backward_bytes_equal_unfused_chain():
     """Frozen weights and tables (a LoRA-style step): only the stream gradients, each equal to the chain's."""
     d, dtype = 24, torch.bfloat16
     res, y = (t.requires_grad_() for t in _inputs(1, d, dtype, seed=20))
-    w, table, idx = _weight(d, dtype), _projection(d, dtype, seed=21), _index(seed=22)
+    w, table, idx = norm_weight(d, dtype), adaln_projection(T, d, dtype, seed=21), adaln_row_index(S, T, seed=22)
     d_stream, d_out = randn(1, S, d, dtype=dtype, seed=23), randn(1, S, d, dtype=dtype, seed=24)
     g = _grads(K.residual_norm_modulate, res, y, w, table, idx, d_stream, d_out)
     assert all(torch.equal(a, b) for a, b in zip(g, _grads(_unfused, res, y, w, table, idx, d_stream, d_out)))
@@ -141,8 +127,8 @@ def test_partial_backward_bytes_equal_unfused_chain():
 
 def test_check_and_registry():
     res, y = _inputs(1, 24, torch.bfloat16, seed=25)
-    gate, scale, shift = _tables(_projection(24, torch.bfloat16))
-    info = K.check(res, gate, _index(), y, _weight(24, torch.bfloat16), EPS, scale, shift)
+    gate, scale, shift = _tables(adaln_projection(T, 24, torch.bfloat16))
+    info = K.check(res, gate, adaln_row_index(S, T), y, norm_weight(24, torch.bfloat16), EPS, scale, shift)
     assert info["kernel_id"] == "h3kernels.residual_norm_modulate.residual_norm_modulate.v1"
     assert "BLOCK_D=32,ROWS=64" in info["tile"] and info["acc_dtype"] == "float32"  # rms_norm's tile for D = 24
     op = registry.STRICT_OPS["residual_norm_modulate"]
@@ -151,8 +137,8 @@ def test_check_and_registry():
 
 def _bad_cases():
     res, y = _inputs(2, 24, torch.float32, seed=26)
-    w, idx = _weight(24, torch.float32), _index()
-    g, sc, sh = _tables(_projection(24, torch.float32))
+    w, idx = norm_weight(24, torch.float32), adaln_row_index(S, T)
+    g, sc, sh = _tables(adaln_projection(T, 24, torch.float32))
     return [
         ("float64", (res.double(), g.double(), idx, y.double(), w.double(), EPS, sc.double(), sh.double()),
          "dtype torch.float64 not served"),
@@ -181,6 +167,6 @@ def test_bad_inputs_refused(case):
 def test_cpu_without_interpreter_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     res, y = _inputs(1, 24, torch.float32, seed=27)
-    g, sc, sh = _tables(_projection(24, torch.float32))
+    g, sc, sh = _tables(adaln_projection(T, 24, torch.float32))
     with pytest.raises(registry.StrictUnsupported, match="TRITON_INTERPRET=1"):
-        K.check(res, g, _index(), y, None, EPS, sc, sh)
+        K.check(res, g, adaln_row_index(S, T), y, None, EPS, sc, sh)
